@@ -1,0 +1,36 @@
+"""What every recipe shares: the Accelerator and its launch checks, data loading defaults, batch
+and learning-rate arithmetic, checkpoints, and the results record. Nothing recipe-specific."""
+
+from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, save_model, write_json
+from .data import SeededTransform, default_num_workers, make_dataloader, prepare_data_first, set_epoch
+from .metrics import library_versions, peak_memory_gb, run_record, write_results
+from .runtime import RecipeError, check_process_group, logger, make_accelerator, run
+from .scaling import LR_SCALING_RULES, TrainingPlan, effective_batch_size, make_scheduler, plan_training, scale_lr
+
+__all__ = [
+    "LR_SCALING_RULES",
+    "RecipeError",
+    "SeededTransform",
+    "TrainingPlan",
+    "check_process_group",
+    "default_num_workers",
+    "effective_batch_size",
+    "library_versions",
+    "load_checkpoint",
+    "logger",
+    "make_accelerator",
+    "make_dataloader",
+    "make_scheduler",
+    "peak_memory_gb",
+    "plan_training",
+    "prepare_data_first",
+    "resolve_checkpoint",
+    "run",
+    "run_record",
+    "save_checkpoint",
+    "save_model",
+    "scale_lr",
+    "set_epoch",
+    "write_json",
+    "write_results",
+]

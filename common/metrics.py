@@ -1,0 +1,74 @@
+"""What a run reports: peak memory, library versions, and results.json."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import write_json
+
+LIBRARIES = ("torch", "torchvision", "accelerate", "transformers", "datasets", "safetensors", "deepspeed", "peft")
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        versions["cuda"] = torch.version.cuda
+        versions["gpu"] = torch.cuda.get_device_name()
+    return versions
+
+
+def peak_memory_gb(accelerator) -> dict:
+    """Peak memory of every process: the accelerator's allocator on GPU, the resident set on CPU.
+
+    Gathered, so the record shows the most loaded device, not just process 0.
+    """
+    if accelerator.device.type == "cuda":
+        kind, value = "cuda_max_allocated", torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+    else:
+        scale = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KiB on Linux
+        kind, value = "host_max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+    per_process = accelerator.gather(torch.tensor([value], device=accelerator.device)).tolist()
+    return {
+        "peak_memory_gb": round(max(per_process), 3),
+        "peak_memory_gb_per_process": [round(v, 3) for v in per_process],
+        "peak_memory_kind": kind,
+    }
+
+
+def run_record(accelerator, args, plan, **metrics) -> dict:
+    """The fields every results.json has, plus the recipe's own `metrics`."""
+    dist = torch.distributed
+    return {
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "mixed_precision": accelerator.mixed_precision,
+        "effective_batch_size": plan.effective_batch_size,
+        "learning_rate": plan.learning_rate,
+        "max_train_steps": plan.max_train_steps,
+        **metrics,
+        **peak_memory_gb(accelerator),
+        "versions": library_versions(),
+        "args": vars(args),
+    }
+
+
+def write_results(accelerator, output_dir, record: dict) -> Path:
+    """results.json in output_dir, from the main process, written atomically."""
+    path = Path(output_dir) / "results.json"
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, record)
+    accelerator.wait_for_everyone()
+    return path

@@ -1,0 +1,146 @@
+"""Building the Accelerator, and refusing launches that would not train as one job.
+
+The failure this module exists for: a launcher starts N processes, they never form one process
+group (or form one whose model is never wrapped for gradient sync), and each process quietly
+trains its own copy. The run "works", the loss goes down, and the result is N independent
+models. `make_accelerator` checks what actually formed and stops with one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import sys
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+
+logger = get_logger("recipes")
+
+CPU_FIX = (
+    "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before "
+    "accelerate launch (accelerate_configs/cpu.yaml)"
+)
+
+
+class RecipeError(Exception):
+    """A mistake the user can fix. Printed as one `error:` line; the process exits with code 2.
+
+    `same_on_every_rank` (the default) means every process reaches the same error, so only rank 0
+    prints it; pass False for a failure that may hit one rank alone, so that rank reports it.
+    """
+
+    def __init__(self, message: str, same_on_every_rank: bool = True):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+
+def run(main):
+    """Decorator for a recipe's entry point: RecipeError becomes one line on stderr and exit 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except RecipeError as err:
+            # The launcher's RANK, not Accelerate's: when the group did not form, every process
+            # believes it is process 0.
+            if not err.same_on_every_rank or os.environ.get("RANK", "0") == "0":
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def make_accelerator(
+    *,
+    seed: int,
+    gradient_accumulation_steps: int = 1,
+    ddp_timeout: int = 600,
+    report_to: str = "none",
+    project_dir: str | None = None,
+) -> Accelerator:
+    """The Accelerator every recipe uses; precision and topology come from the accelerate config.
+
+    - CPU-only hosts get gloo explicitly (DeepSpeed's CPU path needs it, see DESIGN.md).
+    - The process-group timeout is `ddp_timeout` seconds, so a dead peer ends the job instead of
+      hanging for torch's default.
+    - Data order comes from a seedable sampler, so resuming replays the same order.
+    - Schedulers are stepped by the recipe once per optimizer step (not once per process).
+    - Every process is seeded with `seed`, so every process builds the same initial model.
+    """
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_visible_gpus()
+    pg_kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
+    if expected > 1 and not torch.cuda.is_available():
+        pg_kwargs["backend"] = "gloo"
+    try:
+        accelerator = Accelerator(
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            log_with=None if report_to in ("none", None) else report_to,
+            project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=project_dir),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=[InitProcessGroupKwargs(**pg_kwargs)],
+        )
+    except (RuntimeError, ValueError, torch.distributed.DistError) as err:
+        raise RecipeError(
+            f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
+            "reachable from every process and that the port is free"
+        ) from err
+    _setup_logging(accelerator)
+    check_process_group(accelerator, expected)
+    set_seed(seed)
+    return accelerator
+
+
+def check_process_group(accelerator: Accelerator, expected: int) -> None:
+    """Refuse to train unless the `expected` processes form one group that syncs gradients."""
+    if accelerator.num_processes != expected:
+        raise RecipeError(
+            f"the launcher started {expected} processes but they formed a group of "
+            f"{accelerator.num_processes} (distributed type {accelerator.distributed_type.value}): "
+            f"each process would train its own copy of the model; {CPU_FIX}"
+        )
+    if expected > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise RecipeError(
+            f"{expected} processes formed a group, but with distributed type NO the model would "
+            f"not be wrapped for gradient synchronisation; {CPU_FIX}"
+        )
+    if expected > 1:
+        # Ask the group itself: one all-reduce proves every process is in it.
+        total = accelerator.reduce(torch.ones(1, device=accelerator.device), reduction="sum")
+        if int(total.item()) != expected:
+            raise RecipeError(
+                f"an all-reduce over the process group counted {int(total.item())} processes, "
+                f"expected {expected}; check the launcher's --num_processes and --num_machines"
+            )
+
+
+def _check_visible_gpus() -> None:
+    """More processes on a node than GPUs fails later with 'invalid device ordinal'; say why now."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return
+    if not torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise RecipeError(
+            f"{local} processes were started on this node but only {gpus} GPU(s) are visible; "
+            f"pass --num_processes {gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
+        )
+
+
+def _setup_logging(accelerator: Accelerator) -> None:
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+    )
+    for noisy in ("torch.distributed", "torch.nn.parallel", "datasets", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

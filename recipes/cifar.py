@@ -1,0 +1,252 @@
+"""Image classification: ResNet-18 on CIFAR-10/100 or any ImageFolder, from one CPU to many GPUs.
+
+    accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/cifar.py      # one GPU
+    accelerate launch --config_file accelerate_configs/4gpu.yaml recipes/cifar.py      # 4 GPUs, DDP
+    ./launch.sh cifar                  # config chosen from the GPUs present; N CPU processes without
+    ./launch.sh cifar --dataset imagefolder --train_dir data/train --val_dir data/val --model resnet50 --image_size 224
+
+The learning rate is given for --reference_batch_size samples and scaled to the effective batch
+(per-device batch x processes x accumulation) by --lr_scaling, so one command line trains the
+same model on any number of devices. Run with --help for every option.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torchvision import transforms as T
+from tqdm.auto import tqdm
+
+import common
+from common import RecipeError, logger
+
+DATASETS = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--dataset", choices=[*DATASETS, "imagefolder"], default="cifar10")
+    p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
+    p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
+    p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
+    p.add_argument("--image_size", type=int, default=32, help="ImageFolder images are resized to this")
+    p.add_argument("--model", default="resnet18_cifar",
+                   help="resnet18_cifar (3x3 stem, no max-pool, for 32x32) or any torchvision model name")
+    p.add_argument("--output_dir", default="outputs/cifar")
+    p.add_argument("--per_device_train_batch_size", type=int, default=128)
+    p.add_argument("--per_device_eval_batch_size", type=int, default=256)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=0.1, help="for --reference_batch_size samples")
+    p.add_argument("--reference_batch_size", type=int, default=128)
+    p.add_argument("--lr_scaling", choices=common.LR_SCALING_RULES, default="linear")
+    p.add_argument("--lr_scheduler_type", default="cosine", help="any transformers schedule name")
+    p.add_argument("--warmup_steps", type=int, help="overrides --warmup_ratio")
+    p.add_argument("--warmup_ratio", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--weight_decay", type=float, default=5e-4)
+    p.add_argument("--label_smoothing", type=float, default=0.0)
+    p.add_argument("--max_grad_norm", type=float, default=0.0, help="0 disables clipping")
+    p.add_argument("--num_train_epochs", type=int, default=30)
+    p.add_argument("--max_train_steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--checkpointing_steps", help="save state every N optimizer steps, or 'epoch'")
+    p.add_argument("--resume_from_checkpoint", help="'latest' or a checkpoint-<step> folder")
+    p.add_argument("--logging_steps", type=int, default=20)
+    p.add_argument("--report_to", default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
+    p.add_argument("--dataloader_num_workers", type=int, help="per process; default from the CPU count")
+    p.add_argument("--ddp_timeout", type=int, default=600, help="seconds before a stuck collective fails")
+    p.add_argument("--seed", type=int, default=42)
+    args = p.parse_args(argv)
+    if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
+        p.error("--checkpointing_steps takes a number of steps or 'epoch'")
+    return args
+
+
+def build_datasets(args):
+    """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
+    if args.dataset == "imagefolder":
+        for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
+            if not folder or not Path(folder).is_dir():
+                raise RecipeError(f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images")
+        train = torchvision.datasets.ImageFolder(args.train_dir)
+        evals = torchvision.datasets.ImageFolder(args.val_dir)
+        if train.classes != evals.classes:
+            raise RecipeError(f"{args.train_dir} and {args.val_dir} have different class folders")
+        size, mean, std, num_classes = args.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train.classes)
+    else:
+        try:
+            train = DATASETS[args.dataset](args.data_dir, train=True, download=True)
+            evals = DATASETS[args.dataset](args.data_dir, train=False, download=True)
+        except (OSError, RuntimeError) as err:
+            raise RecipeError(
+                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); "
+                f"download it where there is network and pass --data_dir, or use --dataset imagefolder"
+            ) from err
+        size, mean, std, num_classes = 32, CIFAR_MEAN, CIFAR_STD, len(train.classes)
+    if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
+        train_tf = [T.Resize((size, size)), T.RandomCrop(size, padding=size // 8)]
+        eval_tf = [T.Resize((size, size))]
+    else:  # ImageNet-style
+        train_tf = [T.RandomResizedCrop(size)]
+        eval_tf = [T.Resize(round(size / 0.875)), T.CenterCrop(size)]
+    tail = [T.ToTensor(), T.Normalize(mean, std)]
+    train = common.SeededTransform(train, T.Compose([*train_tf, T.RandomHorizontalFlip(), *tail]), args.seed)
+    evals.transform = T.Compose([*eval_tf, *tail])
+    return train, evals, num_classes
+
+
+def get_dataloaders(args, accelerator):
+    with common.prepare_data_first(accelerator):
+        train, evals, num_classes = build_datasets(args)
+    train_dl = common.make_dataloader(train, args.per_device_train_batch_size, train=True,
+                                      num_workers=args.dataloader_num_workers)
+    eval_dl = common.make_dataloader(evals, args.per_device_eval_batch_size, train=False,
+                                     num_workers=args.dataloader_num_workers)
+    return train_dl, eval_dl, num_classes
+
+
+def build_model(name, num_classes):
+    if name == "resnet18_cifar":  # 32x32 inputs: a 7x7/2 stem and max-pool would discard 3/4 of them
+        model = torchvision.models.resnet18(num_classes=num_classes)
+        model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = torch.nn.Identity()
+        return model
+    try:
+        return torchvision.models.get_model(name, num_classes=num_classes)
+    except ValueError as err:
+        raise RecipeError(f"--model {name}: {err}") from err
+
+
+def build_optimizer(args, model, lr):
+    decay = [p for p in model.parameters() if p.ndim > 1]  # no weight decay on biases and norms
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov)
+
+
+def evaluate(model, eval_dl, accelerator):
+    """Loss and accuracy over the whole eval set, each sample counted exactly once."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for images, labels in eval_dl:
+            logits = model(images)
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            # gather_for_metrics drops the samples Accelerate repeated to even out the last batch
+            losses, preds, labels = accelerator.gather_for_metrics((losses, logits.argmax(-1), labels))
+            loss_sum += losses.float().sum().item()
+            correct += (preds == labels).sum().item()
+            count += labels.numel()
+    model.train()
+    return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_samples": count}
+
+
+@common.run
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = common.make_accelerator(
+        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir)
+    resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+
+    train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
+    plan = common.plan_training(
+        num_batches=len(train_dl), per_device_batch_size=args.per_device_train_batch_size,
+        num_processes=accelerator.num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size,
+        lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
+        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
+    logger.info(f"{accelerator.num_processes} process(es) x {args.per_device_train_batch_size} per device x "
+                f"{args.gradient_accumulation_steps} accumulation = effective batch {plan.effective_batch_size}; "
+                f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
+                f"({args.lr_scaling}); {plan.max_train_steps} steps, {plan.warmup_steps} warmup")
+
+    model = build_model(args.model, num_classes)
+    if accelerator.device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)  # NHWC lets cuDNN use tensor cores
+    optimizer = build_optimizer(args, model, plan.learning_rate)
+    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    step, start_epoch, skip_batches = 0, 0, 0
+    checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else 0
+    must_match = {"world_size": accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
+                  "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    if resume_from:
+        state = common.load_checkpoint(accelerator, resume_from, must_match)
+        step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_in_epoch"]
+    accelerator.init_trackers("cifar", config={k: v for k, v in vars(args).items() if v is not None})
+
+    progress = tqdm(total=plan.max_train_steps, initial=step, disable=not accelerator.is_local_main_process,
+                    mininterval=0.1 if sys.stderr.isatty() else 30)  # batch logs (Slurm) get a line per 30 s
+    loss_sum, loss_count, train_loss, metrics = torch.zeros((), device=accelerator.device), 0, float("nan"), {}
+    train_seconds, start_step = 0.0, step
+    for epoch in range(start_epoch, plan.num_epochs):
+        common.set_epoch(train_dl, epoch)
+        batches = accelerator.skip_first_batches(train_dl, skip_batches) if skip_batches else train_dl
+        batches_in_epoch, skip_batches, tic = skip_batches, 0, time.perf_counter()
+        for images, labels in batches:
+            if accelerator.device.type == "cuda":
+                images = images.contiguous(memory_format=torch.channels_last)
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            batches_in_epoch += 1
+            loss_sum += loss.detach()
+            loss_count += 1
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            progress.update(1)
+            if step % args.logging_steps == 0 or step == plan.max_train_steps:
+                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
+                loss_sum.zero_()
+                loss_count = 0
+                accelerator.log({"train_loss": train_loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+                progress.set_postfix(loss=f"{train_loss:.4f}")
+            end_of_epoch = batches_in_epoch == len(train_dl)
+            if checkpoint_every and step % checkpoint_every == 0:
+                position = {"epoch": epoch + 1, "batches_in_epoch": 0} if end_of_epoch else \
+                    {"epoch": epoch, "batches_in_epoch": batches_in_epoch}
+                common.save_checkpoint(accelerator, args.output_dir, step, {**position, **must_match, "args": vars(args)})
+            if step >= plan.max_train_steps:
+                break
+        train_seconds += time.perf_counter() - tic
+        metrics = evaluate(model, eval_dl, accelerator)
+        accelerator.log({**metrics, "epoch": epoch}, step=step)
+        logger.info(f"epoch {epoch}: step {step}, train_loss {train_loss:.4f}, eval_loss {metrics['eval_loss']:.4f}, "
+                    f"eval_accuracy {metrics['eval_accuracy']:.4f} ({metrics['eval_samples']} samples)")
+        if args.checkpointing_steps == "epoch":
+            common.save_checkpoint(accelerator, args.output_dir, step,
+                                   {"epoch": epoch + 1, "batches_in_epoch": 0, **must_match, "args": vars(args)})
+        if step >= plan.max_train_steps:
+            break
+    progress.close()
+    if not metrics:  # resumed from the final checkpoint: nothing left to train
+        metrics = evaluate(model, eval_dl, accelerator)
+
+    common.save_model(accelerator, model, args.output_dir)
+    samples = (step - start_step) * plan.effective_batch_size
+    record = common.run_record(
+        accelerator, args, plan, steps=step, epochs=round(step / plan.steps_per_epoch, 2), train_loss=train_loss, **metrics,
+        samples_per_second=round(samples / train_seconds, 2) if train_seconds else None, num_classes=num_classes)
+    common.write_results(accelerator, args.output_dir, record)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
