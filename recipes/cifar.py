@@ -212,13 +212,13 @@ def main(argv=None):
             scheduler.step()
             step += 1
             progress.update(1)
-            if step % args.logging_steps == 0 or step == plan.max_train_steps:
+            end_of_epoch = batches_in_epoch == len(train_dl)
+            if step % args.logging_steps == 0 or step == plan.max_train_steps or end_of_epoch:
                 train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
                 loss_sum.zero_()
                 loss_count = 0
                 accelerator.log({"train_loss": train_loss, "lr": scheduler.get_last_lr()[0]}, step=step)
                 progress.set_postfix(loss=f"{train_loss:.4f}")
-            end_of_epoch = batches_in_epoch == len(train_dl)
             if checkpoint_every and step % checkpoint_every == 0:
                 position = {"epoch": epoch + 1, "batches_in_epoch": 0} if end_of_epoch else \
                     {"epoch": epoch, "batches_in_epoch": batches_in_epoch}

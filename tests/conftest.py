@@ -1,0 +1,83 @@
+"""Fixtures: a real image set built on disk, and helpers that launch recipes the way users do."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the virtual environment's bin: accelerate, python
+sys.path.insert(0, str(REPO / "scripts"))
+
+from make_digits import write_digits  # noqa: E402
+
+# Small enough for a 2-core CI machine, large enough that a broken training shows: stock
+# torchvision ResNet-18 reaches ~0.9 on the digits in 3 epochs, chance is 0.1.
+FAST_MODEL = ["--model", "resnet18", "--per_device_train_batch_size", "32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def user_env(**extra) -> dict:
+    """The environment of a user on a GPU-less machine with the venv active; no ACCELERATE_*
+    left over from the test runner, a fresh rendezvous port."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PYTEST_"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd, env=None, cwd=REPO, timeout=420, check=True):
+    """Run a command as a user would; on an unexpected exit code show its output."""
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def accelerate_cpu(nproc, script, *args, env=None):
+    """`accelerate launch --config_file accelerate_configs/cpu.yaml` with ACCELERATE_USE_CPU=true."""
+    env = env or user_env(ACCELERATE_USE_CPU="true")
+    return [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml",
+            "--num_processes", nproc, "--main_process_port", env["MASTER_PORT"], script, *args], env
+
+
+def results(output_dir) -> dict:
+    return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def error_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def load_recipe(name="cifar"):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """scikit-learn's handwritten digits as an ImageFolder: 1400 train, 397 (odd) val images."""
+    root = tmp_path_factory.mktemp("digits")
+    n_train, n_val = write_digits(root)
+    return {"train": root / "train", "val": root / "val", "n_train": n_train, "n_val": n_val}
+
+
+def digits_args(digits, output_dir, *extra):
+    return ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"],
+            "--output_dir", output_dir, *extra]

@@ -1,0 +1,35 @@
+"""Launched in N processes: record which training samples each process receives per epoch, and
+which eval samples the gathered metrics count, through the recipe's own loaders.
+
+    accelerate launch ... tests/probes/shard_probe.py OUT.json RECIPE_ARGS...
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+import common  # noqa: E402
+from accelerate.utils import gather_object  # noqa: E402
+from conftest import load_recipe  # noqa: E402
+
+out, argv = sys.argv[1], sys.argv[2:]
+cifar = load_recipe()
+args = cifar.parse_args(argv)
+accelerator = common.make_accelerator(seed=args.seed)
+train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
+# Label every sample with its index, so a batch's labels say which samples it holds.
+for folder in (train_dl.dataset.dataset, eval_dl.dataset):
+    folder.samples = [(path, i) for i, (path, _) in enumerate(folder.samples)]
+train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
+
+record = {"world_size": accelerator.num_processes, "train": [], "eval": []}
+for epoch in range(2):
+    common.set_epoch(train_dl, epoch)
+    mine = [i for _, labels in train_dl for i in labels.tolist()]
+    record["train"].append(gather_object([mine]))  # one list per process
+for _, labels in eval_dl:
+    record["eval"] += accelerator.gather_for_metrics(labels).tolist()
+if accelerator.is_main_process:
+    Path(out).write_text(json.dumps(record))

@@ -1,0 +1,171 @@
+"""The CIFAR/ImageFolder recipe, launched as users launch it, in 1 and 2 CPU processes."""
+
+import json
+import shutil
+from argparse import Namespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, load_recipe, results,
+                      run, user_env)
+
+RECIPE = REPO / "recipes" / "cifar.py"
+
+
+def reevaluate(digits, output_dir):
+    """Load the saved safetensors into a fresh model, evaluate in this process, no Accelerate."""
+    cifar = load_recipe()
+    args = cifar.parse_args([str(a) for a in digits_args(digits, output_dir)])
+    _, evals, num_classes = cifar.build_datasets(args)
+    model = cifar.build_model("resnet18", num_classes)
+    model.load_state_dict(load_file(output_dir / "model.safetensors"))
+    model.eval()
+    loader = torch.utils.data.DataLoader(evals, batch_size=128)
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for images, labels in loader:
+            logits = model(images)
+            loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(-1) == labels).sum().item()
+    return correct, loss_sum / len(evals)
+
+
+def test_one_process_learns_and_saved_weights_reproduce_the_reported_accuracy(digits, tmp_path):
+    out = tmp_path / "run"
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *FAST_MODEL, "--num_train_epochs", "3")])
+    res = results(out)
+    assert res["world_size"] == 1 and res["num_processes"] == 1
+    assert res["eval_samples"] == digits["n_val"]
+    assert res["eval_accuracy"] > 0.7, res  # chance is 0.1
+    assert res["steps"] == 3 * (digits["n_train"] // 32)
+    assert res["effective_batch_size"] == 32 and res["learning_rate"] == pytest.approx(0.1 * 32 / 128)
+
+    correct, loss = reevaluate(digits, out)
+    assert abs(correct - round(res["eval_accuracy"] * digits["n_val"])) <= 1
+    assert loss == pytest.approx(res["eval_loss"], rel=1e-3)
+
+
+def test_two_processes_form_one_group_and_count_every_eval_sample_once(digits, tmp_path):
+    out = tmp_path / "run"
+    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, out, *FAST_MODEL, "--num_train_epochs", "3"))
+    run(cmd, env=env)
+    res = results(out)
+    assert res["world_size"] == 2 and res["num_processes"] == 2 and res["distributed_type"] == "MULTI_CPU"
+    assert digits["n_val"] % 2 == 1 and res["eval_samples"] == digits["n_val"]
+    assert res["effective_batch_size"] == 64
+    # Each process takes half the batches of 32 per epoch: 43 batches -> 21 steps each.
+    assert res["steps"] == 3 * ((digits["n_train"] // 32) // 2)
+    assert res["eval_accuracy"] > 0.7, res
+    assert len(res["peak_memory_gb_per_process"]) == 2
+
+
+def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):
+    out = tmp_path / "probe.json"
+    cmd, env = accelerate_cpu(2, REPO / "tests/probes/shard_probe.py", out,
+                              *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32",
+                                           "--dataloader_num_workers", "0"))
+    run(cmd, env=env)
+    probe = json.loads(out.read_text())
+    assert probe["world_size"] == 2
+    per_process_batches = (digits["n_train"] // 32) // 2
+    orders = []
+    for epoch in probe["train"]:
+        rank0, rank1 = epoch
+        assert len(rank0) == len(rank1) == per_process_batches * 32
+        assert not set(rank0) & set(rank1), "the two processes trained on the same samples"
+        assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)
+        orders.append(rank0)
+    assert orders[0] != orders[1], "the shuffle did not change between epochs"
+    assert sorted(probe["eval"]) == list(range(digits["n_val"])), "eval missed or double-counted samples"
+
+
+@pytest.mark.parametrize("how", ["--multi_gpu flag", "cpu.yaml without ACCELERATE_USE_CPU"])
+def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path, how):
+    out = tmp_path / "run"
+    env = user_env()
+    launch = ["--multi_gpu", "--num_processes", "2"] if how.startswith("--multi_gpu") else \
+        ["--config_file", REPO / "accelerate_configs/cpu.yaml"]
+    proc = run([BIN / "accelerate", "launch", *launch, "--main_process_port", env["MASTER_PORT"], RECIPE,
+                *digits_args(digits, out, *FAST_MODEL)], env=env, check=False)
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "ACCELERATE_USE_CPU=true" in lines[0] and "launch.sh" in lines[0]
+    assert not out.exists(), "a refused run must not write output"
+
+
+def test_resume_mid_epoch_ends_with_the_same_weights_as_the_uninterrupted_run(digits, tmp_path):
+    """2 processes, accumulation 2, loader workers: checkpoint at step 15 (mid epoch 0), resume,
+    cross into epoch 1, finish at step 26. Same weights, bit for bit up to allclose."""
+    common_args = [*FAST_MODEL[:2], "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2",
+                   "--dataloader_num_workers", "1", "--max_train_steps", "26", "--learning_rate", "0.05"]
+    straight = tmp_path / "straight"
+    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, straight, *common_args, "--checkpointing_steps", "15"))
+    run(cmd, env=env)
+    checkpoint = straight / "checkpoint-15"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["step"] == 15 and state["epoch"] == 0 and 0 < state["batches_in_epoch"] < 43
+
+    # The resumed job's output_dir holds the complete checkpoint-15 plus debris that `latest`
+    # must not pick: a newer folder without trainer_state.json and a temporary folder.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(checkpoint, resumed / "checkpoint-15")
+    shutil.copytree(checkpoint, resumed / "checkpoint-20")
+    (resumed / "checkpoint-20" / "trainer_state.json").unlink()
+    (resumed / ".tmp-checkpoint-25").mkdir()
+    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, resumed, *common_args, "--resume_from_checkpoint", "latest"))
+    proc = run(cmd, env=env)
+    assert "resumed from" in proc.stderr and "checkpoint-15 at step 15" in proc.stderr
+    assert "ignoring incomplete checkpoint" in proc.stderr
+
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert results(resumed)["steps"] == results(straight)["steps"] == 26
+    assert results(resumed)["train_loss"] == pytest.approx(results(straight)["train_loss"], rel=1e-5)
+
+
+def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
+    project = tmp_path / "myproject"
+    project.mkdir()
+    shutil.copy(RECIPE, project / "train.py")
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "run"
+    env = user_env()
+    run([BIN / "accelerate", "launch", "--num_processes", "1", "train.py",
+         *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "3")], env=env, cwd=project)
+    assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
+
+
+def test_tensorboard_tracking_writes_events(digits, tmp_path):
+    out = tmp_path / "run"
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+         *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "4", "--logging_steps", "2", "--report_to", "tensorboard")])
+    assert list((out / "cifar").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "cifar10 is not in"),
+    (["--dataset", "imagefolder", "--train_dir", "{tmp}/missing", "--val_dir", "{tmp}/missing"], "--train_dir"),
+    (["--resume_from_checkpoint", "{tmp}"], "not a complete checkpoint"),
+    (["--model", "no_such_net", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"], "--model no_such_net"),
+    (["--per_device_train_batch_size", "4096", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"],
+     "lower --per_device_train_batch_size"),
+])
+def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, message):
+    out = tmp_path / "run"
+    args = [a.format(tmp=tmp_path, train=digits["train"], val=digits["val"]) for a in args]
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1", "--output_dir", out, *args], check=False, timeout=180)
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_unknown_argument_is_an_error():
+    proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr

@@ -1,0 +1,130 @@
+"""Unit tests of common/: batch and LR arithmetic, the schedule, checkpoint resolution, and
+augmentation seeded by (seed, epoch, index)."""
+
+import math
+
+import pytest
+import torch
+from accelerate import PartialState
+from torch.utils.data import DataLoader, Dataset
+
+import common
+from common import RecipeError
+
+
+def test_effective_batch_size():
+    assert common.effective_batch_size(128, 8, 4) == 4096
+    assert common.effective_batch_size(32, 1, 1) == 32
+
+
+@pytest.mark.parametrize("rule, batch, expected", [
+    ("linear", 1024, 0.8), ("linear", 64, 0.05), ("sqrt", 512, 0.2), ("sqrt", 32, 0.05), ("none", 4096, 0.1),
+])
+def test_scale_lr(rule, batch, expected):
+    assert common.scale_lr(0.1, batch, 128, rule) == pytest.approx(expected)
+
+
+def test_scale_lr_rejects_unknown_rule():
+    with pytest.raises(ValueError, match="linear, sqrt, none"):
+        common.scale_lr(0.1, 256, 128, "cube")
+
+
+def plan(**kw):
+    base = dict(num_batches=43, per_device_batch_size=32, num_processes=2, gradient_accumulation_steps=1,
+                learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", num_train_epochs=3)
+    return common.plan_training(**{**base, **kw})
+
+
+def test_plan_counts_optimizer_steps_per_process():
+    p = plan()
+    assert p.steps_per_epoch == 21  # 43 batches dealt to 2 processes, the odd one dropped
+    assert p.max_train_steps == 63 and p.num_epochs == 3
+    assert p.effective_batch_size == 64 and p.learning_rate == pytest.approx(0.05)
+    # accumulation: 21 batches per process in steps of 4 -> 5 full steps + 1 at the epoch end
+    assert plan(gradient_accumulation_steps=4).steps_per_epoch == 6
+    assert plan(gradient_accumulation_steps=4).effective_batch_size == 256
+
+
+def test_plan_max_train_steps_and_warmup():
+    p = plan(max_train_steps=50, warmup_ratio=0.1)
+    assert p.max_train_steps == 50 and p.num_epochs == math.ceil(50 / 21) and p.warmup_steps == 5
+    assert plan(max_train_steps=50, warmup_steps=7, warmup_ratio=0.1).warmup_steps == 7
+
+
+def test_plan_refuses_a_batch_larger_than_the_data():
+    with pytest.raises(RecipeError, match="lower --per_device_train_batch_size"):
+        plan(num_batches=1, num_processes=2)
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    p = plan(max_train_steps=100, warmup_steps=10)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.learning_rate)
+    sched = common.make_scheduler(opt, "cosine", p)
+    lrs = []
+    for _ in range(100):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate
+
+
+@pytest.fixture
+def accelerate_state():
+    """common's logger is Accelerate's, which needs the process state recipes always have."""
+    return PartialState()
+
+
+def make_checkpoint(root, step, complete=True):
+    path = root / f"checkpoint-{step}"
+    path.mkdir()
+    if complete:
+        common.write_json(path / common.checkpoint.STATE_FILE, {"step": step})
+    return path
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
+    make_checkpoint(tmp_path, 9)
+    newest = make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200, complete=False)
+    (tmp_path / ".tmp-checkpoint-300").mkdir()
+    (tmp_path / "checkpoint-final").mkdir()
+    assert common.resolve_checkpoint(tmp_path, "latest") == newest  # 100 > 9 numerically
+
+
+def test_latest_without_checkpoints_starts_fresh_and_bad_paths_fail(tmp_path, accelerate_state):
+    assert common.resolve_checkpoint(tmp_path, "latest") is None
+    assert common.resolve_checkpoint(tmp_path, None) is None
+    with pytest.raises(RecipeError, match="not a complete checkpoint"):
+        common.resolve_checkpoint(tmp_path, str(make_checkpoint(tmp_path, 5, complete=False)))
+
+
+class Indexed(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(4), i
+
+
+def test_seeded_transform_depends_on_seed_epoch_and_index_only():
+    noise = lambda x: x + torch.rand(4)  # noqa: E731
+    ds = common.SeededTransform(Indexed(), noise, seed=1)
+    first = [ds[i][0] for i in range(8)]
+    torch.rand(100)  # the global RNG moving on changes nothing
+    assert all(torch.equal(ds[i][0], first[i]) for i in reversed(range(8)))
+    assert not torch.equal(first[0], first[1])
+    ds.set_epoch(1)
+    assert not torch.equal(ds[0][0], first[0])
+    assert not torch.equal(common.SeededTransform(Indexed(), noise, seed=2)[0][0], first[0])
+
+
+def test_seeded_transform_epoch_reaches_persistent_workers():
+    ds = common.SeededTransform(Indexed(), lambda x: x + torch.rand(4), seed=0)
+    loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
+    for epoch in range(3):
+        common.data.set_epoch(type("L", (), {"set_epoch": lambda s, e: None, "dataset": ds})(), epoch)
+        (from_worker, _), = list(loader)
+        expected = torch.stack([ds[i][0] for i in range(8)])  # computed here, in this process
+        assert torch.equal(from_worker, expected), epoch

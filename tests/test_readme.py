@@ -1,0 +1,108 @@
+"""Every command in README.md's bash blocks is run here (or by .ci/run), in a copy of the repo.
+
+Commands that need GPUs or CIFAR's download run as far as this GPU-less, network-less machine
+allows: `accelerate launch` lines start their processes on CPU and must get past the launch
+checks to the dataset; `./launch.sh` lines are resolved against a faked 8-GPU host and their
+recipe arguments parsed by the recipe itself.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
+
+README = (REPO / "README.md").read_text()
+BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+COMMANDS = [line for block in BLOCKS for line in block.splitlines() if line.strip() and not line.startswith("#")]
+SETUP, QUICKSTART, COPY = BLOCKS[0], BLOCKS[1], next(b for b in BLOCKS if "mkdir -p myproject" in b)
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """The repo's files in a fresh folder, with the test environment as its .venv."""
+    root = tmp_path_factory.mktemp("checkout")
+    for name in ("launch.sh", "recipes", "common", "accelerate_configs", "scripts"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, root / name)
+    (root / ".venv").symlink_to(Path(sys.prefix))
+    return root
+
+
+def bash(script, cwd, env=None):
+    return run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env)
+
+
+def test_every_readme_command_is_covered():
+    covered = set(SETUP.splitlines()) | set(QUICKSTART.splitlines()) | set(COPY.splitlines())
+    for line in COMMANDS:
+        assert line in covered or line.startswith("accelerate launch ") or launch_sh_args(line) is not None, line
+
+
+def test_setup_commands_are_what_ci_runs():
+    ci = (REPO / ".ci/run").read_text().splitlines()
+    setup = [line for line in SETUP.splitlines() if line.strip()]
+    assert len(setup) == 2, "the README has exactly two set-up commands: install, test"
+    assert setup == [line for line in ci if line in setup], ".ci/run runs the README's commands, in order"
+
+
+def test_quick_start_and_copy_run_as_written(checkout):
+    env = user_env()
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))  # no venv active
+    bash(QUICKSTART, checkout, env)
+    res = results(checkout / "outputs/digits")
+    assert res["world_size"] == 2 and res["eval_samples"] == 397 and res["eval_accuracy"] > 0.7, res
+    assert (checkout / "outputs/digits/model.safetensors").is_file()
+
+    bash(COPY, checkout, env)
+    assert results(checkout / "myproject/out")["steps"] == 20
+
+
+@pytest.mark.parametrize("line", [c for c in COMMANDS if c.startswith("accelerate launch ")])
+def test_accelerate_launch_lines_form_their_group_then_need_cifar(checkout, line):
+    """On CPU, with no network: every process starts, the group forms and passes the checks,
+    and the recipe stops at the download with its one-line error."""
+    proc = run(shlex.split(line), cwd=checkout, env=user_env(ACCELERATE_USE_CPU="true"), check=False)
+    assert proc.returncode != 0
+    (message,) = error_lines(proc.stderr)
+    assert "cifar10 is not in data and could not be downloaded" in message, proc.stderr[-3000:]
+
+
+def launch_sh_args(line):
+    """(environment, arguments) of a `[VAR=value ...] ./launch.sh ...` line, else None."""
+    words = shlex.split(line)
+    env = {}
+    while words and re.fullmatch(r"[A-Z][A-Z0-9_]*=\S*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return (env, words[1:]) if words and words[0] == "./launch.sh" else None
+
+
+@pytest.mark.parametrize("line", [c for c in COMMANDS if launch_sh_args(c) and c not in QUICKSTART])
+def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
+    extra_env, args = launch_sh_args(line)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3"\n' for i in range(8)))
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    env = user_env(**extra_env)
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    proc = run(["./launch.sh", *args, "--dry_run"], cwd=checkout, env=env)
+    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    config = args[args.index("--config") + 1] if "--config" in args else "8gpu"
+    assert f"accelerate_configs/{config}.yaml" in command
+    if "MASTER_PORT" in extra_env:
+        assert f"--main_process_port {extra_env['MASTER_PORT']}" in command
+    recipe_args = args[1:]
+    if "--config" in recipe_args:  # launch.sh's own option, not the recipe's
+        at = recipe_args.index("--config")
+        del recipe_args[at:at + 2]
+    load_recipe(args[0]).parse_args(recipe_args)  # every recipe argument in the README exists
