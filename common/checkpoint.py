@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from .runtime import RecipeError, logger
+from .runtime import RecipeError, library_versions, logger
 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 STATE_FILE = "trainer_state.json"
@@ -31,7 +31,8 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def save_checkpoint(accelerator, output_dir, step: int, state: dict) -> Path:
-    """Save the full training state (model, optimizer, scheduler, RNG, sampler) at `step`.
+    """Save the full training state (model, optimizer, scheduler, RNG, sampler) at `step`, with
+    `state` (the data position, the run's settings) and the library versions in trainer_state.json.
 
     Every process writes its part into a temporary folder; after a barrier the main process adds
     `trainer_state.json` and renames the folder to checkpoint-<step>. A crash at any point leaves
@@ -47,7 +48,7 @@ def save_checkpoint(accelerator, output_dir, step: int, state: dict) -> Path:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json(tmp / STATE_FILE, {"step": step, **state})
+        write_json(tmp / STATE_FILE, {"step": step, **state, "versions": library_versions()})
         if final.exists():  # a resumed run reached a step already saved: keep what is there
             shutil.rmtree(tmp)
         else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import resource
 import sys
 from pathlib import Path
@@ -11,22 +9,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import write_json
-
-LIBRARIES = ("torch", "torchvision", "accelerate", "transformers", "datasets", "safetensors", "deepspeed", "peft")
-
-
-def library_versions() -> dict:
-    versions = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    if torch.cuda.is_available():
-        versions["cuda"] = torch.version.cuda
-        versions["gpu"] = torch.cuda.get_device_name()
-    return versions
-
+from .runtime import library_versions
 
 def peak_memory_gb(accelerator) -> dict:
     """Peak memory of every process: the accelerator's allocator on GPU, the resident set on CPU.

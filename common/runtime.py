@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.metadata
 import logging
 import os
+import platform
 import sys
 
 import torch
@@ -87,7 +89,7 @@ def make_accelerator(
             step_scheduler_with_optimizer=False,
             kwargs_handlers=[InitProcessGroupKwargs(**pg_kwargs)],
         )
-    except (RuntimeError, ValueError, torch.distributed.DistError) as err:
+    except torch.distributed.DistError as err:  # rendezvous and store failures
         raise RecipeError(
             f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
             "reachable from every process and that the port is free"
@@ -119,6 +121,22 @@ def check_process_group(accelerator: Accelerator, expected: int) -> None:
                 f"an all-reduce over the process group counted {int(total.item())} processes, "
                 f"expected {expected}; check the launcher's --num_processes and --num_machines"
             )
+
+
+LIBRARIES = ("torch", "torchvision", "accelerate", "transformers", "datasets", "safetensors", "deepspeed", "peft")
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        versions["cuda"] = torch.version.cuda
+        versions["gpu"] = torch.cuda.get_device_name()
+    return versions
 
 
 def _check_visible_gpus() -> None:

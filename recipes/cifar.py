@@ -181,9 +181,17 @@ def main(argv=None):
     checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else 0
     must_match = {"world_size": accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
                   "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    run_info = {**must_match, "effective_batch_size": plan.effective_batch_size, "args": vars(args)}
     if resume_from:
         state = common.load_checkpoint(accelerator, resume_from, must_match)
         step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_in_epoch"]
+
+    def save_checkpoint(epoch, batches_in_epoch):  # saved with the position to resume from
+        if batches_in_epoch == len(train_dl):  # a finished epoch resumes at the start of the next
+            epoch, batches_in_epoch = epoch + 1, 0
+        common.save_checkpoint(accelerator, args.output_dir, step,
+                               {"epoch": epoch, "batches_in_epoch": batches_in_epoch, **run_info})
+
     accelerator.init_trackers("cifar", config={k: v for k, v in vars(args).items() if v is not None})
 
     progress = tqdm(total=plan.max_train_steps, initial=step, disable=not accelerator.is_local_main_process,
@@ -191,6 +199,8 @@ def main(argv=None):
     loss_sum, loss_count, train_loss, metrics = torch.zeros((), device=accelerator.device), 0, float("nan"), {}
     train_seconds, start_step = 0.0, step
     for epoch in range(start_epoch, plan.num_epochs):
+        if step >= plan.max_train_steps:  # resumed from the last checkpoint
+            break
         common.set_epoch(train_dl, epoch)
         batches = accelerator.skip_first_batches(train_dl, skip_batches) if skip_batches else train_dl
         batches_in_epoch, skip_batches, tic = skip_batches, 0, time.perf_counter()
@@ -212,17 +222,14 @@ def main(argv=None):
             scheduler.step()
             step += 1
             progress.update(1)
-            end_of_epoch = batches_in_epoch == len(train_dl)
-            if step % args.logging_steps == 0 or step == plan.max_train_steps or end_of_epoch:
+            if step % args.logging_steps == 0 or step == plan.max_train_steps or batches_in_epoch == len(train_dl):
                 train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
                 loss_sum.zero_()
                 loss_count = 0
                 accelerator.log({"train_loss": train_loss, "lr": scheduler.get_last_lr()[0]}, step=step)
                 progress.set_postfix(loss=f"{train_loss:.4f}")
             if checkpoint_every and step % checkpoint_every == 0:
-                position = {"epoch": epoch + 1, "batches_in_epoch": 0} if end_of_epoch else \
-                    {"epoch": epoch, "batches_in_epoch": batches_in_epoch}
-                common.save_checkpoint(accelerator, args.output_dir, step, {**position, **must_match, "args": vars(args)})
+                save_checkpoint(epoch, batches_in_epoch)
             if step >= plan.max_train_steps:
                 break
         train_seconds += time.perf_counter() - tic
@@ -231,8 +238,7 @@ def main(argv=None):
         logger.info(f"epoch {epoch}: step {step}, train_loss {train_loss:.4f}, eval_loss {metrics['eval_loss']:.4f}, "
                     f"eval_accuracy {metrics['eval_accuracy']:.4f} ({metrics['eval_samples']} samples)")
         if args.checkpointing_steps == "epoch":
-            common.save_checkpoint(accelerator, args.output_dir, step,
-                                   {"epoch": epoch + 1, "batches_in_epoch": 0, **must_match, "args": vars(args)})
+            save_checkpoint(epoch, batches_in_epoch)
         if step >= plan.max_train_steps:
             break
     progress.close()

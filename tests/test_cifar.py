@@ -169,3 +169,31 @@ def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, mes
 def test_unknown_argument_is_an_error():
     proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
     assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr
+
+
+def test_epoch_checkpoints_resume_at_the_next_epoch_and_the_last_one_trains_nothing_more(digits, tmp_path):
+    args = [*FAST_MODEL, "--num_train_epochs", "2", "--checkpointing_steps", "epoch"]
+    straight = tmp_path / "straight"
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, straight, *args)])
+    per_epoch = digits["n_train"] // 32
+    first, last = straight / f"checkpoint-{per_epoch}", straight / f"checkpoint-{2 * per_epoch}"
+    state = json.loads((first / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"]) == (1, 0)
+    assert state["effective_batch_size"] == 32 and "torch" in state["versions"] and state["args"]["seed"] == 42
+    assert (last / "trainer_state.json").is_file()
+    final = load_file(straight / "model.safetensors")
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(first, resumed / first.name)
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+         *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
+    # Resuming the finished run picks its last checkpoint and trains no further step.
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+         *digits_args(digits, straight, *args, "--resume_from_checkpoint", "latest")])
+    for out in (resumed, straight):
+        assert results(out)["steps"] == 2 * per_epoch
+        weights = load_file(out / "model.safetensors")
+        for name in final:
+            torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert results(straight)["eval_accuracy"] == pytest.approx(results(resumed)["eval_accuracy"], abs=1e-9)

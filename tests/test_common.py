@@ -128,3 +128,12 @@ def test_seeded_transform_epoch_reaches_persistent_workers():
         (from_worker, _), = list(loader)
         expected = torch.stack([ds[i][0] for i in range(8)])  # computed here, in this process
         assert torch.equal(from_worker, expected), epoch
+
+
+def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
+        common.make_accelerator(seed=0)
