@@ -3,9 +3,10 @@ and learning-rate arithmetic, checkpoints, and the results record. Nothing recip
 
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, save_model, write_json
 from .data import SeededTransform, default_num_workers, make_dataloader, prepare_data_first, set_epoch
-from .metrics import library_versions, peak_memory_gb, run_record, write_results
-from .runtime import RecipeError, check_process_group, logger, make_accelerator, run
-from .scaling import LR_SCALING_RULES, TrainingPlan, effective_batch_size, make_scheduler, plan_training, scale_lr
+from .metrics import mfu, peak_memory_gb, run_record, write_results
+from .runtime import RecipeError, check_process_group, library_versions, logger, make_accelerator, run
+from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler, plan_training,
+                      scale_lr)
 
 __all__ = [
     "LR_SCALING_RULES",
@@ -13,6 +14,7 @@ __all__ = [
     "SeededTransform",
     "TrainingPlan",
     "check_process_group",
+    "decay_groups",
     "default_num_workers",
     "effective_batch_size",
     "library_versions",
@@ -21,6 +23,7 @@ __all__ = [
     "make_accelerator",
     "make_dataloader",
     "make_scheduler",
+    "mfu",
     "peak_memory_gb",
     "plan_training",
     "prepare_data_first",

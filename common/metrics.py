@@ -11,6 +11,20 @@ import torch
 from .checkpoint import write_json
 from .runtime import library_versions
 
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def mfu(accelerator, tokens_per_second: float, flops_per_token: float):
+    """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak, or None where the
+    peak is unknown (CPU, unlisted GPUs)."""
+    if accelerator.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(accelerator.device)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return None if peak is None else tokens_per_second * flops_per_token / (peak * accelerator.num_processes)
+
+
 def peak_memory_gb(accelerator) -> dict:
     """Peak memory of every process: the accelerator's allocator on GPU, the resident set on CPU.
 

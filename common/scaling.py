@@ -95,3 +95,13 @@ def make_scheduler(optimizer, name: str, plan: TrainingPlan):
     return get_scheduler(
         name, optimizer, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.max_train_steps
     )
+
+
+def decay_groups(model, weight_decay: float) -> list:
+    """Optimizer parameter groups: weight decay on matrices and kernels, none on biases and
+    normalisation weights (decaying those only pulls activations' scale toward zero)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]

@@ -125,9 +125,7 @@ def build_model(name, num_classes):
 
 
 def build_optimizer(args, model, lr):
-    decay = [p for p in model.parameters() if p.ndim > 1]  # no weight decay on biases and norms
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = common.decay_groups(model, args.weight_decay)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
     return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov)

@@ -34,6 +34,7 @@ def user_env(**extra) -> dict:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["MASTER_PORT"] = str(free_port())
     env["PYTHONUNBUFFERED"] = "1"
+    env["HF_HUB_OFFLINE"] = env["HF_DATASETS_OFFLINE"] = "1"  # no network here: fail at once, never wait
     env.update(extra)
     return env
 
@@ -81,3 +82,56 @@ def digits(tmp_path_factory):
 def digits_args(digits, output_dir, *extra):
     return ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"],
             "--output_dir", output_dir, *extra]
+
+
+NUMBERS = "zero one two three four five six seven eight nine".split()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """A 2-layer Llama with a word-level tokenizer and chat template, saved like a hub model, and a
+    learnable corpus: counting sequences in words ("three four five ...") as jsonl, plus chats
+    whose assistant continues the user's count."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny_lm")
+    words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "count", "from", *NUMBERS]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=64)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    tokenizer.save_pretrained(root / "model")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         eos_token_id=1, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+
+    rng = random.Random(0)
+
+    def count(n):
+        start = rng.randrange(10)
+        return " ".join(NUMBERS[(start + i) % 10] for i in range(n))
+
+    for name, lines in (("train", 600), ("validation", 61)):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for _ in range(lines):
+                f.write(json.dumps({"text": count(rng.randrange(6, 14))}) + "\n")
+    with open(root / "chat.jsonl", "w") as f:
+        for _ in range(300):
+            words_ = count(8).split()
+            f.write(json.dumps({"messages": [{"role": "user", "content": "count from " + " ".join(words_[:3])},
+                                             {"role": "assistant", "content": " ".join(words_[3:])}]}) + "\n")
+    return {"model": root / "model", "train": root / "train.jsonl", "validation": root / "validation.jsonl",
+            "chat": root / "chat.jsonl"}
+
+
+def lm_args(lm, output_dir, *extra):
+    return ["--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
+            "--output_dir", output_dir, "--block_size", "32", "--per_device_train_batch_size", "8",
+            "--learning_rate", "3e-3", "--lr_scaling", "none", "--warmup_ratio", "0", *extra]
