@@ -3,7 +3,7 @@ and learning-rate arithmetic, checkpoints, and the results record. Nothing recip
 
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, save_model, write_json
 from .data import SeededTransform, default_num_workers, make_dataloader, prepare_data_first, set_epoch
-from .metrics import mfu, peak_memory_gb, run_record, write_results
+from .metrics import count_parameters, mfu, parameters_per_process, peak_memory_gb, run_record, write_results
 from .runtime import RecipeError, check_process_group, library_versions, logger, make_accelerator, run
 from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler, plan_training,
                       scale_lr)
@@ -14,6 +14,7 @@ __all__ = [
     "SeededTransform",
     "TrainingPlan",
     "check_process_group",
+    "count_parameters",
     "decay_groups",
     "default_num_workers",
     "effective_batch_size",
@@ -24,6 +25,7 @@ __all__ = [
     "make_dataloader",
     "make_scheduler",
     "mfu",
+    "parameters_per_process",
     "peak_memory_gb",
     "plan_training",
     "prepare_data_first",

@@ -65,6 +65,7 @@ def make_accelerator(
     ddp_timeout: int = 600,
     report_to: str = "none",
     project_dir: str | None = None,
+    max_grad_norm: float | None = None,
 ) -> Accelerator:
     """The Accelerator every recipe uses; precision and topology come from the accelerate config.
 
@@ -74,6 +75,8 @@ def make_accelerator(
     - Data order comes from a seedable sampler, so resuming replays the same order.
     - Schedulers are stepped by the recipe once per optimizer step (not once per process).
     - Every process is seeded with `seed`, so every process builds the same initial model.
+    - Under DeepSpeed, which clips and accumulates itself, its config takes `max_grad_norm` and
+      must agree with `gradient_accumulation_steps`.
     """
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _check_visible_gpus()
@@ -96,8 +99,24 @@ def make_accelerator(
         ) from err
     _setup_logging(accelerator)
     check_process_group(accelerator, expected)
+    if accelerator.state.deepspeed_plugin is not None:
+        _agree_with_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm)
     set_seed(seed)
     return accelerator
+
+
+def _agree_with_deepspeed(config: dict, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
+    """DeepSpeed's own accumulation and clipping settings win over Accelerate's; make them the recipe's."""
+    steps = config.get("gradient_accumulation_steps", "auto")
+    if steps not in ("auto", gradient_accumulation_steps):
+        raise RecipeError(
+            f"the DeepSpeed config sets gradient_accumulation_steps={steps} but the recipe has "
+            f"{gradient_accumulation_steps}; remove it from the config (the recipe's value is used) or pass "
+            f"--gradient_accumulation_steps {steps}"
+        )
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    if max_grad_norm is not None and config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = max_grad_norm
 
 
 def check_process_group(accelerator: Accelerator, expected: int) -> None:

@@ -101,7 +101,9 @@ def decay_groups(model, weight_decay: float) -> list:
     """Optimizer parameter groups: weight decay on matrices and kernels, none on biases and
     normalisation weights (decaying those only pulls activations' scale toward zero)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731  ZeRO-3 leaves an empty placeholder in p
+    groups = [
+        {"params": [p for p in params if ndim(p) > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if ndim(p) <= 1], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]  # DeepSpeed drops empty groups; the scheduler must not see them

@@ -153,7 +153,8 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir)
+        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir,
+        max_grad_norm=args.max_grad_norm)
     resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)

@@ -147,7 +147,8 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir)
+        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir,
+        max_grad_norm=args.max_grad_norm)
     resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 
     model, tokenizer = load_model_and_tokenizer(args)
@@ -164,7 +165,7 @@ def main(argv=None):
                 f"({args.lr_scaling}); {plan.max_train_steps} steps, {plan.warmup_steps} warmup")
 
     model = build_model(args, model)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = common.count_parameters(model)
     cfg = model.config
     flops_per_token = 6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * block_size  # PaLM, appendix B
     optimizer = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), lr=plan.learning_rate,
@@ -246,6 +247,7 @@ def main(argv=None):
     record = common.run_record(
         accelerator, args, plan, steps=step, epochs=round(step / plan.steps_per_epoch, 2), train_loss=train_loss,
         **metrics, block_size=block_size, tokens_per_second=tokens_per_second, parameters=n_params,
+        parameters_per_process=common.parameters_per_process(accelerator, model),
         mfu=common.mfu(accelerator, tokens_per_second, flops_per_token) if tokens_per_second else None, log_history=history)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()

@@ -49,3 +49,31 @@ def test_multi_node_marks_what_to_fill_in():
     for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes"):
         (line,) = [l for l in text.splitlines() if l.startswith(f"{key}:")]
         assert "FILL IN" in line, key
+
+
+@pytest.mark.parametrize("name, stage, offload", [("zero2", 2, "none"), ("zero3", 3, "none"), ("zero3_offload", 3, "cpu")])
+def test_zero_configs_leave_batch_and_accumulation_to_the_recipe(name, stage, offload):
+    raw = yaml.safe_load((REPO / f"accelerate_configs/{name}.yaml").read_text())
+    ds = raw["deepspeed_config"]
+    assert raw["distributed_type"] == "DEEPSPEED" and ds["zero_stage"] == stage
+    assert ds["offload_optimizer_device"] == ds["offload_param_device"] == offload
+    # Filled from the recipe at prepare time ("auto"); a fixed value here could contradict it.
+    assert "gradient_accumulation_steps" not in ds and "gradient_clipping" not in ds
+    if stage == 3:  # built partitioned, and saved as gathered 16-bit weights rather than an empty file
+        assert ds["zero3_init_flag"] is True and ds["zero3_save_16bit_model"] is True
+
+
+def test_fsdp_config_builds_an_fsdp2_full_shard_plugin(monkeypatch):
+    """FSDP cannot run on CPU; what can be checked here is that accelerate turns the file into the
+    plugin we mean: the launcher's environment for it, then the plugin built from that."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs/fsdp.yaml"), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading
+    assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
