@@ -1,9 +1,12 @@
 """What every recipe shares: the Accelerator and its launch checks, data loading defaults, batch
 and learning-rate arithmetic, checkpoints, and the results record. Nothing recipe-specific."""
 
+from .args import parse, training_parser
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, save_model, write_json
+from .loop import TrainLoop
 from .data import SeededTransform, default_num_workers, make_dataloader, prepare_data_first, set_epoch
-from .metrics import count_parameters, mfu, parameters_per_process, peak_memory_gb, run_record, write_results
+from .metrics import (count_parameters, mfu, parameters_per_process, peak_memory_gb, run_record, write_results,
+                      zero_memory_estimates)
 from .runtime import RecipeError, check_process_group, library_versions, logger, make_accelerator, run
 from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler, plan_training,
                       scale_lr)
@@ -12,6 +15,7 @@ __all__ = [
     "LR_SCALING_RULES",
     "RecipeError",
     "SeededTransform",
+    "TrainLoop",
     "TrainingPlan",
     "check_process_group",
     "count_parameters",
@@ -26,6 +30,7 @@ __all__ = [
     "make_scheduler",
     "mfu",
     "parameters_per_process",
+    "parse",
     "peak_memory_gb",
     "plan_training",
     "prepare_data_first",
@@ -36,6 +41,8 @@ __all__ = [
     "save_model",
     "scale_lr",
     "set_epoch",
+    "training_parser",
     "write_json",
     "write_results",
+    "zero_memory_estimates",
 ]

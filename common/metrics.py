@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -21,6 +22,29 @@ def parameters_per_process(accelerator, model) -> list:
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(p, "to_local")
                 else p.numel() for p in model.parameters())
     return accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
+
+
+def zero_memory_estimates(model, num_processes: int) -> dict:
+    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
+    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
+    for `num_processes` spread over nodes as the launcher placed them."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, num_processes // per_node)}
+    total = count_parameters(model)
+    largest_layer = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
+    estimates = {
+        "zero2": estimate_zero2_model_states_mem_needs(total, cpu_offload=False, **where),
+        "zero2_offload_optimizer": estimate_zero2_model_states_mem_needs(total, cpu_offload=True, **where),
+        "zero3": estimate_zero3_model_states_mem_needs(total, largest_layer, cpu_offload=False, **where)[:2],
+        "zero3_offload_optimizer": estimate_zero3_model_states_mem_needs(
+            total, largest_layer, cpu_offload=True, cpu_offload_params=False, **where)[:2],
+        "zero3_offload_all": estimate_zero3_model_states_mem_needs(total, largest_layer, cpu_offload=True, **where)[:2],
+    }
+    return {**where, "parameters": total, "largest_layer_parameters": largest_layer,
+            **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in estimates.items()}}
 
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), for MFU.

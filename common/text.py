@@ -3,9 +3,14 @@ packing into fixed-length blocks."""
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from .data import make_dataloader, prepare_data_first
 from .runtime import RecipeError
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
@@ -105,3 +110,66 @@ def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, blo
         if len(packed[split]) == 0:
             raise RecipeError(f"the {split} split holds fewer than {block_size} tokens; lower --block_size or add data")
     return packed.with_format("torch")
+
+
+def add_text_args(parser) -> None:
+    """The data arguments of the causal-LM recipes (names from transformers' run_clm)."""
+    d = parser.add_argument_group("data")
+    d.add_argument("--dataset_name", help="a hub dataset, or a local folder of data files")
+    d.add_argument("--dataset_config_name")
+    d.add_argument("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
+    d.add_argument("--validation_file")
+    d.add_argument("--validation_split_percentage", type=int, default=5, help="held out when there is no validation split")
+    d.add_argument("--text_column", default="text")
+    d.add_argument("--data_format", choices=["text", "chat"], default="text",
+                   help="chat: a `messages` column rendered with the chat template, prompts masked out of the loss")
+    d.add_argument("--block_size", type=int, help="default: min(model max length, 1024)")
+    d.add_argument("--preprocessing_num_workers", type=int)
+
+
+def lm_dataloaders(args, accelerator, tokenizer, config):
+    """(train, eval, block_size): tokenized and packed once by the main process (the others read
+    datasets' cache), in fixed-size blocks that need no padding."""
+    from transformers import default_data_collator
+
+    limit = max_block_size(tokenizer, config)
+    block_size = args.block_size or min(limit, 1024)
+    if block_size > limit:
+        raise RecipeError(f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less")
+    with prepare_data_first(accelerator):
+        raw = load_raw_datasets(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
+                                train_file=args.train_file, validation_file=args.validation_file,
+                                validation_split_percentage=args.validation_split_percentage, seed=args.seed)
+        data = tokenize_and_pack(raw, tokenizer, data_format=args.data_format, text_column=args.text_column,
+                                 block_size=block_size, num_proc=args.preprocessing_num_workers)
+    workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
+    train = make_dataloader(data["train"], args.per_device_train_batch_size, train=True, num_workers=workers,
+                            collate_fn=default_data_collator)
+    evals = make_dataloader(data["validation"], args.per_device_eval_batch_size, train=False, num_workers=workers,
+                            collate_fn=default_data_collator)
+    return train, evals, block_size
+
+
+def evaluate_causal_lm(model, eval_dl, accelerator) -> dict:
+    """Token-weighted loss and perplexity over the whole eval set, each block counted once."""
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_dl:
+            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            per_block = torch.stack([F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
+                                     for row, lab in zip(logits, labels)])  # a row at a time: fp32 logits are large
+            # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
+            per_block, counts = accelerator.gather_for_metrics((per_block, (labels != IGNORE_INDEX).sum(-1)))
+            loss_sum += per_block.sum().item()
+            tokens += counts.sum().item()
+    model.train()
+    eval_loss = loss_sum / tokens
+    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50)), "eval_tokens": tokens}
+
+
+def flops_per_token(model, block_size: int, parameters: int) -> float:
+    """Training FLOPs per token: 6N for the matrix multiplies plus the attention scores (PaLM, appendix B)."""
+    config = model.config
+    return 6 * parameters + 12 * config.num_hidden_layers * config.hidden_size * block_size

@@ -11,15 +11,12 @@ same model on any number of devices. Run with --help for every option.
 """
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from torchvision import transforms as T
-from tqdm.auto import tqdm
 
 import common
 from common import RecipeError, logger
@@ -30,7 +27,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = common.training_parser(__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=[*DATASETS, "imagefolder"], default="cifar10")
     p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
     p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
@@ -38,35 +35,14 @@ def parse_args(argv=None):
     p.add_argument("--image_size", type=int, default=32, help="ImageFolder images are resized to this")
     p.add_argument("--model", default="resnet18_cifar",
                    help="resnet18_cifar (3x3 stem, no max-pool, for 32x32) or any torchvision model name")
-    p.add_argument("--output_dir", default="outputs/cifar")
-    p.add_argument("--per_device_train_batch_size", type=int, default=128)
-    p.add_argument("--per_device_eval_batch_size", type=int, default=256)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=0.1, help="for --reference_batch_size samples")
-    p.add_argument("--reference_batch_size", type=int, default=128)
-    p.add_argument("--lr_scaling", choices=common.LR_SCALING_RULES, default="linear")
-    p.add_argument("--lr_scheduler_type", default="cosine", help="any transformers schedule name")
-    p.add_argument("--warmup_steps", type=int, help="overrides --warmup_ratio")
-    p.add_argument("--warmup_ratio", type=float, default=0.05)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--weight_decay", type=float, default=5e-4)
     p.add_argument("--label_smoothing", type=float, default=0.0)
-    p.add_argument("--max_grad_norm", type=float, default=0.0, help="0 disables clipping")
-    p.add_argument("--num_train_epochs", type=int, default=30)
-    p.add_argument("--max_train_steps", type=int, help="stop after this many optimizer steps")
-    p.add_argument("--checkpointing_steps", help="save state every N optimizer steps, or 'epoch'")
-    p.add_argument("--resume_from_checkpoint", help="'latest' or a checkpoint-<step> folder")
-    p.add_argument("--logging_steps", type=int, default=20)
-    p.add_argument("--report_to", default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
-    p.add_argument("--dataloader_num_workers", type=int, help="per process; default from the CPU count")
-    p.add_argument("--ddp_timeout", type=int, default=600, help="seconds before a stuck collective fails")
-    p.add_argument("--seed", type=int, default=42)
-    args = p.parse_args(argv)
-    if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
-        p.error("--checkpointing_steps takes a number of steps or 'epoch'")
-    return args
+    p.set_defaults(output_dir="outputs/cifar", per_device_train_batch_size=128, per_device_eval_batch_size=256,
+                   learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", warmup_ratio=0.05,
+                   weight_decay=5e-4, max_grad_norm=0.0, num_train_epochs=30, logging_steps=20)
+    return common.parse(p, argv)
 
 
 def build_datasets(args):
@@ -152,9 +128,8 @@ def evaluate(model, eval_dl, accelerator):
 def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(
-        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        ddp_timeout=args.ddp_timeout, report_to=args.report_to, project_dir=args.output_dir,
-        max_grad_norm=args.max_grad_norm)
+        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
+        report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
     resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
@@ -170,41 +145,20 @@ def main(argv=None):
                 f"({args.lr_scaling}); {plan.max_train_steps} steps, {plan.warmup_steps} warmup")
 
     model = build_model(args.model, num_classes)
-    if accelerator.device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)  # NHWC lets cuDNN use tensor cores
+    channels_last = accelerator.device.type == "cuda"  # NHWC lets cuDNN use tensor cores
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(args, model, plan.learning_rate)
     scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
 
-    step, start_epoch, skip_batches = 0, 0, 0
-    checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else 0
-    must_match = {"world_size": accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
-                  "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    run_info = {**must_match, "effective_batch_size": plan.effective_batch_size, "args": vars(args)}
-    if resume_from:
-        state = common.load_checkpoint(accelerator, resume_from, must_match)
-        step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_in_epoch"]
-
-    def save_checkpoint(epoch, batches_in_epoch):  # saved with the position to resume from
-        if batches_in_epoch == len(train_dl):  # a finished epoch resumes at the start of the next
-            epoch, batches_in_epoch = epoch + 1, 0
-        common.save_checkpoint(accelerator, args.output_dir, step,
-                               {"epoch": epoch, "batches_in_epoch": batches_in_epoch, **run_info})
-
+    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
+    loop.resume(resume_from)
     accelerator.init_trackers("cifar", config={k: v for k, v in vars(args).items() if v is not None})
-
-    progress = tqdm(total=plan.max_train_steps, initial=step, disable=not accelerator.is_local_main_process,
-                    mininterval=0.1 if sys.stderr.isatty() else 30)  # batch logs (Slurm) get a line per 30 s
-    loss_sum, loss_count, train_loss, metrics = torch.zeros((), device=accelerator.device), 0, float("nan"), {}
-    train_seconds, start_step = 0.0, step
-    for epoch in range(start_epoch, plan.num_epochs):
-        if step >= plan.max_train_steps:  # resumed from the last checkpoint
-            break
-        common.set_epoch(train_dl, epoch)
-        batches = accelerator.skip_first_batches(train_dl, skip_batches) if skip_batches else train_dl
-        batches_in_epoch, skip_batches, tic = skip_batches, 0, time.perf_counter()
-        for images, labels in batches:
-            if accelerator.device.type == "cuda":
+    metrics = {}
+    for _ in loop.epochs():
+        for images, labels in loop.batches():
+            if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
@@ -213,42 +167,15 @@ def main(argv=None):
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            batches_in_epoch += 1
-            loss_sum += loss.detach()
-            loss_count += 1
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            progress.update(1)
-            if step % args.logging_steps == 0 or step == plan.max_train_steps or batches_in_epoch == len(train_dl):
-                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
-                loss_sum.zero_()
-                loss_count = 0
-                accelerator.log({"train_loss": train_loss, "lr": scheduler.get_last_lr()[0]}, step=step)
-                progress.set_postfix(loss=f"{train_loss:.4f}")
-            if checkpoint_every and step % checkpoint_every == 0:
-                save_checkpoint(epoch, batches_in_epoch)
-            if step >= plan.max_train_steps:
+            if loop.end_of_batch(loss):
                 break
-        train_seconds += time.perf_counter() - tic
         metrics = evaluate(model, eval_dl, accelerator)
-        accelerator.log({**metrics, "epoch": epoch}, step=step)
-        logger.info(f"epoch {epoch}: step {step}, train_loss {train_loss:.4f}, eval_loss {metrics['eval_loss']:.4f}, "
-                    f"eval_accuracy {metrics['eval_accuracy']:.4f} ({metrics['eval_samples']} samples)")
-        if args.checkpointing_steps == "epoch":
-            save_checkpoint(epoch, batches_in_epoch)
-        if step >= plan.max_train_steps:
-            break
-    progress.close()
+        loop.end_epoch(metrics)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate(model, eval_dl, accelerator)
 
     common.save_model(accelerator, model, args.output_dir)
-    samples = (step - start_step) * plan.effective_batch_size
-    record = common.run_record(
-        accelerator, args, plan, steps=step, epochs=round(step / plan.steps_per_epoch, 2), train_loss=train_loss, **metrics,
-        samples_per_second=round(samples / train_seconds, 2) if train_seconds else None, num_classes=num_classes)
+    record = common.run_record(accelerator, args, plan, **loop.finish(), **metrics, num_classes=num_classes)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 

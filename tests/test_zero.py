@@ -88,3 +88,89 @@ def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, 
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)
     assert "gradient_accumulation_steps=4 but the recipe has 1" in line
+
+
+ZERO_RECIPE = REPO / "recipes" / "zero.py"
+
+
+def zero_recipe(config, nproc, *args, check=True):
+    env = user_env()
+    config_args = ["--config_file", config] if str(config).endswith(".yaml") else ["--use_deepspeed", "--deepspeed_config_file", config]
+    return run([BIN / "accelerate", "launch", *config_args, "--num_processes", nproc, "--mixed_precision", "no",
+                "--main_process_port", env["MASTER_PORT"], ZERO_RECIPE, *args], env=env, check=check)
+
+
+def zero_args(lm, output_dir, *extra):
+    return ["--train_file", lm["train"], "--validation_file", lm["validation"], "--output_dir", output_dir,
+            "--block_size", "32", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3",
+            "--lr_scaling", "none", "--warmup_ratio", "0", "--max_train_steps", "6", "--logging_steps", "1", *extra]
+
+
+def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_and_32_bit(tiny_lm, tmp_path):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from transformers import AutoConfig
+
+    out = tmp_path / "run"
+    overrides = "num_hidden_layers=3,hidden_size=96,intermediate_size=192"
+    zero_recipe(REPO / "accelerate_configs/zero3.yaml", 2, "--config_name", tiny_lm["model"],
+                "--config_overrides", overrides, "--save_fp32", *zero_args(tiny_lm, out))
+    res = results(out)
+    assert res["world_size"] == 2 and res["distributed_type"] == "DEEPSPEED" and res["steps"] == 6
+
+    # The estimate is DeepSpeed's, for the full (unpartitioned) model and 2 GPUs on 1 node.
+    config = AutoConfig.from_pretrained(tiny_lm["model"])
+    config.update_from_string(overrides)
+    twin = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in twin.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in twin.modules())
+    estimate = res["memory_estimate"]
+    assert res["parameters"] == estimate["parameters"] == total and estimate["largest_layer_parameters"] == largest
+    assert (estimate["num_gpus_per_node"], estimate["num_nodes"]) == (2, 1)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, 2, 1, cpu_offload=False)
+    assert estimate["zero3"] == {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30}
+    cpu, gpu = estimate_zero2_model_states_mem_needs(total, 2, 1, cpu_offload=True)
+    assert estimate["zero2_offload_optimizer"] == {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30}
+    assert all(0.45 * total < h < 0.55 * total for h in res["parameters_per_process"])
+    assert len(res["peak_memory_gb_per_process"]) == 2
+
+    gathered = AutoModelForCausalLM.from_pretrained(out)
+    fp32 = AutoModelForCausalLM.from_pretrained(out / "fp32")
+    assert gathered.config.num_hidden_layers == 3 and sum(p.numel() for p in gathered.parameters()) == total
+    assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
+    for (name, a), (_, b) in zip(gathered.state_dict().items(), fp32.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)  # trained in fp32 here, so both exports are the same weights
+
+
+def test_zero2_fine_tunes_pretrained_weights(tiny_lm, tmp_path):
+    out = tmp_path / "run"
+    zero_recipe(REPO / "accelerate_configs/zero2.yaml", 2, "--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out))
+    res = results(out)
+    assert res["world_size"] == 2 and res["parameters_per_process"] == [res["parameters"]] * 2
+    assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
+
+
+def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
+    }))
+    out = tmp_path / "run"
+    zero_recipe(config, 2, "--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out))
+    res = results(out)
+    lrs = [h["lr"] for h in res["log_history"]]
+    assert res["world_size"] == 2 and len(lrs) == 6
+    assert lrs[0] < lrs[1] < lrs[2] and lrs[3:] == [3e-3] * 3  # DeepSpeed's WarmupLR, not the recipe's cosine
+    assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
+
+
+def test_zero_recipe_bad_input(tiny_lm, tmp_path):
+    proc = zero_recipe(REPO / "accelerate_configs/zero3.yaml", 2, "--config_name", tiny_lm["model"],
+                       "--config_overrides", "num_hiden_layers=3", *zero_args(tiny_lm, tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    (line,) = error_lines(proc.stderr)
+    assert "num_hiden_layers" in line
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,126 @@
+"""The bookkeeping around a recipe's training loop; the loop itself (forward, backward, clip,
+step) stays in the recipe.
+
+    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
+    loop.resume(resume_from)
+    for epoch in loop.epochs():
+        for batch in loop.batches():
+            with accelerator.accumulate(model):
+                ...forward, backward, clip, optimizer.step(), zero_grad()
+            if loop.end_of_batch(loss):
+                break
+        loop.end_epoch(evaluate(...))
+    summary = loop.finish()
+
+What it keeps right: the position saved with a checkpoint is the next batch to train, so a resumed
+run replays exactly the batches it had not seen; the scheduler advances once per optimizer step;
+the logged loss is averaged over every micro-batch and every process since the last log; epochs
+are set on the sampler and the dataset so shuffling and augmentation follow the epoch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import set_epoch
+from .runtime import logger
+
+
+class TrainLoop:
+    def __init__(self, accelerator, args, plan, train_dl, scheduler):
+        self.accelerator, self.args, self.plan, self.train_dl, self.scheduler = accelerator, args, plan, train_dl, scheduler
+        self.step = self.start_step = self.start_epoch = self.skip_batches = self.batches_in_epoch = self.epoch = 0
+        self.train_loss, self.history, self.train_seconds = float("nan"), [], 0.0
+        self._loss_sum, self._loss_count = torch.zeros((), device=accelerator.device), 0
+        every = args.checkpointing_steps or ""
+        self.checkpoint_every = int(every) if every.isdigit() else 0
+        # A saved data position means something only with the same processes and batch layout.
+        self.must_match = {"world_size": accelerator.num_processes,
+                           "per_device_train_batch_size": args.per_device_train_batch_size,
+                           "gradient_accumulation_steps": args.gradient_accumulation_steps}
+        self.progress = None
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.plan.max_train_steps
+
+    def resume(self, path) -> None:
+        """Restore the state saved at `path` (None: start at step 0) and open the progress bar."""
+        if path:
+            state = load_checkpoint(self.accelerator, path, self.must_match)
+            self.step, self.start_epoch, self.skip_batches = state["step"], state["epoch"], state["batches_in_epoch"]
+        self.start_step = self.step
+        self.progress = tqdm(total=self.plan.max_train_steps, initial=self.step,
+                             disable=not self.accelerator.is_local_main_process,
+                             mininterval=0.1 if sys.stderr.isatty() else 30)  # batch logs (Slurm): a line per 30 s
+
+    def epochs(self):
+        for epoch in range(self.start_epoch, self.plan.num_epochs):
+            if self.done:  # also when resumed from the last checkpoint
+                break
+            self.epoch = epoch
+            set_epoch(self.train_dl, epoch)
+            yield epoch
+        self.progress.close()
+
+    def batches(self):
+        """This epoch's batches, starting after those a resumed checkpoint had already trained."""
+        loader = self.accelerator.skip_first_batches(self.train_dl, self.skip_batches) if self.skip_batches else self.train_dl
+        self.batches_in_epoch, self.skip_batches = self.skip_batches, 0
+        tic = time.perf_counter()
+        try:
+            yield from loader
+        finally:
+            self.train_seconds += time.perf_counter() - tic
+
+    def end_of_batch(self, loss) -> bool:
+        """Call after each batch's optimizer.step(); returns True once max_train_steps is reached."""
+        self.batches_in_epoch += 1
+        self._loss_sum += loss.detach()
+        self._loss_count += 1
+        if not self.accelerator.sync_gradients:  # an accumulation micro-step: no optimizer step yet
+            return False
+        self.scheduler.step()
+        self.step += 1
+        self.progress.update(1)
+        if self.step % self.args.logging_steps == 0 or self.done or self.batches_in_epoch == len(self.train_dl):
+            self.train_loss = self.accelerator.reduce(self._loss_sum / self._loss_count, reduction="mean").item()
+            self._loss_sum.zero_()
+            self._loss_count = 0
+            self.history.append({"step": self.step, "train_loss": self.train_loss, "lr": self.scheduler.get_last_lr()[0]})
+            self.accelerator.log(self.history[-1], step=self.step)
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}")
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        return self.done
+
+    def end_epoch(self, metrics: dict) -> None:
+        self.accelerator.log({**metrics, "epoch": self.epoch}, step=self.step)
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        logger.info(f"epoch {self.epoch}: step {self.step}, train_loss {self.train_loss:.4f}, {shown}")
+        if self.args.checkpointing_steps == "epoch":
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        epoch, batches = self.epoch, self.batches_in_epoch
+        if batches == len(self.train_dl):  # a finished epoch resumes at the start of the next
+            epoch, batches = epoch + 1, 0
+        save_checkpoint(self.accelerator, self.args.output_dir, self.step,
+                        {"epoch": epoch, "batches_in_epoch": batches, **self.must_match,
+                         "effective_batch_size": self.plan.effective_batch_size, "args": vars(self.args)})
+
+    def finish(self) -> dict:
+        """What results.json reports about training."""
+        samples = (self.step - self.start_step) * self.plan.effective_batch_size
+        return {
+            "steps": self.step,
+            "epochs": round(self.step / self.plan.steps_per_epoch, 2),
+            "train_loss": self.train_loss,
+            "samples_per_second": samples / self.train_seconds if self.train_seconds else None,
+            "log_history": self.history,
+        }

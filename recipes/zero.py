@@ -1,0 +1,167 @@
+"""Train a causal LM that does not fit in one GPU's memory: DeepSpeed ZeRO-3, optionally offloaded.
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/zero.py \\
+        --config_name meta-llama/Llama-3.2-1B --config_overrides hidden_size=4096,num_hidden_layers=32 --train_file data.jsonl
+    accelerate launch --config_file accelerate_configs/zero3_offload.yaml recipes/zero.py \\
+        --model_name_or_path Qwen/Qwen2.5-7B --dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 --save_fp32
+
+The Accelerator (and with it DeepSpeed's ZeRO-3 context) exists before the model, so the model is
+built or loaded already partitioned: no process ever holds all of it. Before training, DeepSpeed's
+memory estimate for ZeRO-2 and ZeRO-3, with and without offload, is printed for this model and
+world size; results.json records it beside the measured peak memory of every process. The final
+model is saved gathered in 16-bit (loads with from_pretrained); --save_fp32 adds an fp32 export
+through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a plain LM trainer.
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+from accelerate.utils import DummyOptim, DummyScheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import common
+from common import RecipeError, logger
+from common.text import add_text_args, evaluate_causal_lm, lm_dataloaders
+
+
+def parse_args(argv=None):
+    p = common.training_parser(__doc__.split("\n")[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
+    m.add_argument("--config_name", help="or train from scratch: the config of a hub id or local folder")
+    m.add_argument("--config_overrides", help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
+    m.add_argument("--tokenizer_name", help="default: --model_name_or_path or --config_name")
+    m.add_argument("--gradient_checkpointing", action="store_true")
+    m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
+    add_text_args(p)
+    p.set_defaults(output_dir="outputs/zero", learning_rate=1e-4, reference_batch_size=64, lr_scaling="sqrt",
+                   warmup_ratio=0.03, max_grad_norm=1.0)
+    args = common.parse(p, argv)
+    if bool(args.model_name_or_path) == bool(args.config_name):
+        p.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+    return args
+
+
+def build_model(args):
+    """Called after make_accelerator: under ZeRO-3, transformers builds each layer straight into
+    its shards (DeepSpeed's zero.Init), so a model larger than one device's memory can be created."""
+    source = args.model_name_or_path or args.config_name
+    for name in (source, args.tokenizer_name):
+        if name and name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+            raise RecipeError(f"{name}: no such folder; pass a saved model's folder or a hub id")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source)
+        if args.model_name_or_path:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
+        else:
+            config = AutoConfig.from_pretrained(source)
+            if args.config_overrides:
+                config.update_from_string(args.config_overrides)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (OSError, ValueError) as err:  # not found, no network, an override the config does not have
+        raise RecipeError(f"{source}: {str(err).splitlines()[0]}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+
+def log_memory_estimates(accelerator, model) -> dict:
+    estimates = common.zero_memory_estimates(model, accelerator.num_processes)
+    logger.info(f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
+                f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
+                + "\n".join(f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
+                             for name, e in estimates.items() if isinstance(e, dict)))
+    return estimates
+
+
+def build_optimizer(args, accelerator, model, plan):
+    """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
+    stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading."""
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
+    groups = common.decay_groups(model, args.weight_decay)
+    if "optimizer" in ds_config:
+        optimizer = DummyOptim(groups, lr=plan.learning_rate)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=accelerator.device.type == "cuda")
+    if "scheduler" in ds_config:
+        return optimizer, DummyScheduler(optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps)
+    return optimizer, common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
+
+
+def export_fp32(accelerator, model, output_dir):
+    """fp32 weights from the ZeRO shards, through DeepSpeed's own zero_to_fp32 converter."""
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    if not hasattr(model, "save_checkpoint"):
+        raise RecipeError("--save_fp32 needs a DeepSpeed config (zero2.yaml, zero3.yaml, zero3_offload.yaml)")
+    shards, target = Path(output_dir) / ".tmp-zero-shards", Path(output_dir) / "fp32"
+    model.save_checkpoint(str(shards))  # every rank writes its partition
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        convert_zero_checkpoint_to_fp32_state_dict(str(shards), str(target), safe_serialization=True)
+        accelerator.unwrap_model(model).config.save_pretrained(target)
+        shutil.rmtree(shards)
+        logger.info(f"saved fp32 weights to {target}")
+    accelerator.wait_for_everyone()
+
+
+@common.run
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = common.make_accelerator(
+        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
+        report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
+    resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+
+    model, tokenizer = build_model(args)
+    estimates = log_memory_estimates(accelerator, model)
+    train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
+    plan = common.plan_training(
+        num_batches=len(train_dl), per_device_batch_size=args.per_device_train_batch_size,
+        num_processes=accelerator.num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size,
+        lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
+        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
+    parameters = common.count_parameters(model)
+    optimizer, scheduler = build_optimizer(args, accelerator, model, plan)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
+    loop.resume(resume_from)
+    accelerator.init_trackers("zero", config={k: str(v) for k, v in vars(args).items() if v is not None})
+    metrics = {}
+    for _ in loop.epochs():
+        for batch in loop.batches():
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if loop.end_of_batch(loss):
+                break
+        metrics = evaluate_causal_lm(model, eval_dl, accelerator)
+        loop.end_epoch(metrics)
+    if not metrics:  # resumed from the final checkpoint: nothing left to train
+        metrics = evaluate_causal_lm(model, eval_dl, accelerator)
+
+    common.save_model(accelerator, model, args.output_dir)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+    if args.save_fp32:
+        export_fp32(accelerator, model, args.output_dir)
+    summary = loop.finish()
+    record = common.run_record(
+        accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
+        parameters_per_process=common.parameters_per_process(accelerator, model), memory_estimate=estimates,
+        tokens_per_second=summary["samples_per_second"] * block_size if summary["samples_per_second"] else None)
+    common.write_results(accelerator, args.output_dir, record)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
