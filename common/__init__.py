@@ -8,8 +8,8 @@ from .data import SeededTransform, default_num_workers, make_dataloader, prepare
 from .metrics import (count_parameters, mfu, parameters_per_process, peak_memory_gb, run_record, write_results,
                       zero_memory_estimates)
 from .runtime import RecipeError, check_process_group, library_versions, logger, make_accelerator, run
-from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler, plan_training,
-                      scale_lr)
+from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler,
+                      plan_from_args, plan_training, scale_lr)
 
 __all__ = [
     "LR_SCALING_RULES",
@@ -32,6 +32,7 @@ __all__ = [
     "parameters_per_process",
     "parse",
     "peak_memory_gb",
+    "plan_from_args",
     "plan_training",
     "prepare_data_first",
     "resolve_checkpoint",

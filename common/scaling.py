@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import get_scheduler
 
-from .runtime import RecipeError
+from .runtime import RecipeError, logger
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
@@ -87,6 +87,20 @@ def plan_training(
         num_epochs=num_epochs,
         warmup_steps=warmup_steps,
     )
+
+
+def plan_from_args(args, num_batches: int, num_processes: int) -> TrainingPlan:
+    """plan_training with the shared training arguments (common.training_parser), logged once."""
+    plan = plan_training(
+        num_batches=num_batches, per_device_batch_size=args.per_device_train_batch_size, num_processes=num_processes,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        reference_batch_size=args.reference_batch_size, lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
+        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
+    logger.info(f"{num_processes} process(es) x {args.per_device_train_batch_size} per device x "
+                f"{args.gradient_accumulation_steps} accumulation = effective batch {plan.effective_batch_size}; "
+                f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
+                f"({args.lr_scaling}); {plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
+    return plan
 
 
 def make_scheduler(optimizer, name: str, plan: TrainingPlan):

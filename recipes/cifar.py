@@ -8,6 +8,10 @@
 The learning rate is given for --reference_batch_size samples and scaled to the effective batch
 (per-device batch x processes x accumulation) by --lr_scaling, so one command line trains the
 same model on any number of devices. Run with --help for every option.
+
+Measured (README quick start, scikit-learn digits as an ImageFolder, stock ResNet-18, 3 epochs):
+eval accuracy 0.83-0.92 in 16-25 s in 1 or 2 CPU processes on a 2-core VM, about 300 samples/s.
+CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); see benchmarks/.
 """
 
 import argparse
@@ -133,16 +137,7 @@ def main(argv=None):
     resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
-    plan = common.plan_training(
-        num_batches=len(train_dl), per_device_batch_size=args.per_device_train_batch_size,
-        num_processes=accelerator.num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size,
-        lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
-        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
-    logger.info(f"{accelerator.num_processes} process(es) x {args.per_device_train_batch_size} per device x "
-                f"{args.gradient_accumulation_steps} accumulation = effective batch {plan.effective_batch_size}; "
-                f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
-                f"({args.lr_scaling}); {plan.max_train_steps} steps, {plan.warmup_steps} warmup")
+    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
 
     model = build_model(args.model, num_classes)
     channels_last = accelerator.device.type == "cuda"  # NHWC lets cuDNN use tensor cores

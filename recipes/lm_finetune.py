@@ -9,6 +9,10 @@
 Text is packed into --block_size blocks; in chat mode the `messages` column is rendered with the
 tokenizer's chat template and only the assistant's tokens are trained on. The learning rate is
 given for --reference_batch_size sequences and scaled to the effective batch. --help lists all.
+
+Measured: a 2-layer Llama (76k parameters) on counting text, 2 CPU processes of a 2-core VM: eval
+loss from 3.0 to under 1.0 in 24 steps; DDP, ZeRO-2 and ZeRO-3 give the same loss curve to 1e-4.
+GPU throughput and MFU: not measured yet in this repository.
 """
 
 from pathlib import Path
@@ -83,16 +87,7 @@ def main(argv=None):
 
     model, tokenizer = load_model_and_tokenizer(args)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan = common.plan_training(
-        num_batches=len(train_dl), per_device_batch_size=args.per_device_train_batch_size,
-        num_processes=accelerator.num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size,
-        lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
-        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
-    logger.info(f"{accelerator.num_processes} process(es) x {args.per_device_train_batch_size} x {block_size} tokens x "
-                f"{args.gradient_accumulation_steps} accumulation = {plan.effective_batch_size * block_size} tokens per step; "
-                f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
-                f"({args.lr_scaling}); {plan.max_train_steps} steps, {plan.warmup_steps} warmup")
+    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)

@@ -119,15 +119,7 @@ def main(argv=None):
     model, tokenizer = build_model(args)
     estimates = log_memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan = common.plan_training(
-        num_batches=len(train_dl), per_device_batch_size=args.per_device_train_batch_size,
-        num_processes=accelerator.num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size,
-        lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
-        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
-    parameters = common.count_parameters(model)
-    optimizer, scheduler = build_optimizer(args, accelerator, model, plan)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
 
     loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
     loop.resume(resume_from)
