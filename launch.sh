@@ -8,21 +8,36 @@ CONFIGS="$ROOT/accelerate_configs"
 usage() {
   cat <<'USAGE'
 Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--dry_run] [recipe arguments...]
+       ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
 
 Runs recipes/RECIPE.py under `accelerate launch`, choosing accelerate_configs/NAME.yaml from the
 GPUs this host sees: 1gpu, 2gpu, 4gpu, 8gpu (other counts use 2gpu.yaml with --num_processes N).
 With no GPU it starts N CPU processes (default 2) that form one gloo group (cpu.yaml with
 ACCELERATE_USE_CPU=true). Everything else is passed to the recipe: ./launch.sh cifar --help.
 
+`doctor` prints this node's GPUs, versions, topology and memory, then launches the same processes
+a recipe would get and times an all-reduce across them (common/doctor.py).
+
+Under Slurm, run one launch.sh per node with srun (slurm/*.sbatch do): each reads the node count,
+its node rank and the head node from the step's SLURM_* variables and adds --num_machines,
+--machine_rank, --main_process_ip/--main_process_port and the total --num_processes (c10d
+rendezvous); --num_processes then counts the processes of one node.
+
   --config NAME       use accelerate_configs/NAME.yaml
   --num_processes N   processes on this node (at most the GPUs visible, on a GPU host)
   --dry_run           print the command and exit
   MASTER_PORT=P       environment: rendezvous port, when 29500 is taken by another job
+                      (under Slurm the default is 20000 + job id % 10000, the same on every node)
+  MASTER_ADDR=HOST    environment, several nodes: the node with SLURM_NODEID 0, when the first
+                      name in the node list is not an address the other nodes can reach
+  RDZV_TIMEOUT=S      environment, several nodes: seconds to wait for the head node, and for every
+                      node to join (default 60)
 
 Examples:
   ./launch.sh cifar
   ./launch.sh cifar --config 4gpu --num_train_epochs 30
   ./launch.sh cifar --num_processes 1 --dataset imagefolder --train_dir data/train --val_dir data/val
+  ./launch.sh doctor
 USAGE
 }
 
@@ -31,7 +46,8 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 # `key: value` from a flat accelerate YAML (comments and quotes stripped).
 yaml_get() { sed -n "s/^$1:[[:space:]]*//p" "$2" | sed "s/[[:space:]]*#.*//; s/['\"]//g" | head -n 1; }
 
-# GPUs this process may use: nvidia-smi's count, narrowed by CUDA_VISIBLE_DEVICES when it is set.
+# GPUs this process may use: nvidia-smi's count, narrowed by CUDA_VISIBLE_DEVICES when it is set
+# and by the GPUs Slurm gave this node.
 count_gpus() {
   local total=0
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -44,13 +60,44 @@ count_gpus() {
     fi
     (( visible < total )) && total=$visible
   fi
+  if [[ "${SLURM_GPUS_ON_NODE:-}" =~ ^[0-9]+$ ]] && (( SLURM_GPUS_ON_NODE < total )); then
+    total=$SLURM_GPUS_ON_NODE
+  fi
   echo "$total"
+}
+
+# The first host of a Slurm node list, which may be compressed: gpu-[01-03,07],cpu1 -> gpu-01.
+head_node() {
+  if command -v scontrol >/dev/null 2>&1; then
+    scontrol show hostnames "$1" | head -n 1
+    return
+  fi
+  local first="" depth=0 c i
+  for (( i = 0; i < ${#1}; i++ )); do  # up to the first comma outside brackets
+    c=${1:i:1}
+    case "$c" in "[") depth=1 ;; "]") depth=0 ;; ,) (( depth )) || break ;; esac
+    first+=$c
+  done
+  sed 's/\[\([^],-]*\)[^]]*\]/\1/g' <<<"$first"  # each [range,...] -> the start of its first range
+}
+
+# A node other than the head waits here for the head's rendezvous port, so that an address, port
+# or firewall that is wrong fails in RDZV_TIMEOUT seconds with a message, not torch's traceback.
+wait_for_head() {
+  local deadline=$(( SECONDS + $3 ))
+  until timeout 5 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; do
+    (( SECONDS < deadline )) || die "node $machine_rank cannot reach the head node $1:$2 after $3 s;" \
+      "check that the head's launcher started, that port $2 is free and open between the nodes (firewall)," \
+      "that '$1' resolves to an address of the network the nodes share (or set MASTER_ADDR), and see ./launch.sh doctor"
+    sleep 1
+  done
 }
 
 [[ $# -ge 1 ]] || { usage >&2; exit 2; }
 case "$1" in -h|--help) usage; exit 0 ;; -*) die "the first argument is the recipe name (see --help)" ;; esac
 recipe="$1"; shift
 script="$ROOT/recipes/$recipe.py"
+[[ "$recipe" == doctor ]] && script="$ROOT/common/doctor.py"
 if [[ ! -f "$script" ]]; then
   available=$(cd "$ROOT/recipes" && ls -- *.py | sed 's/\.py$//' | tr '\n' ' ')
   die "unknown recipe '$recipe' (available: ${available% })"
@@ -71,6 +118,15 @@ if [[ -n "$num_processes" && ! "$num_processes" =~ ^[1-9][0-9]*$ ]]; then
   die "--num_processes must be a positive integer, got '$num_processes'"
 fi
 
+# Under Slurm, nodes of this srun step (the batch script itself runs on the first node only).
+nodes=1 machine_rank=0
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  nodes=${SLURM_STEP_NUM_NODES:-${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}}
+  [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || die "cannot read the node count from SLURM_NNODES ('$nodes')"
+  # Every node computes the same port, and two jobs sharing a node get different ones.
+  [[ -z "${MASTER_PORT:-}" && "$SLURM_JOB_ID" =~ ^[0-9]+$ ]] && MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))
+fi
+
 gpus=$(count_gpus)
 if [[ -z "$config" ]]; then
   if (( gpus == 0 )); then
@@ -87,20 +143,20 @@ if [[ ! -f "$config_file" ]]; then
   die "unknown config '$config' (available: ${available% })"
 fi
 
+machines=$(yaml_get num_machines "$config_file"); machines=${machines:-1}
+wanted=${num_processes:-$(yaml_get num_processes "$config_file")}
+per_node=$(( ${wanted:-1} / machines ))
+(( nodes > 1 )) && per_node=${num_processes:-$per_node}  # launch.sh fills in the nodes itself
+
 env_prefix=()
 if [[ "$(yaml_get use_cpu "$config_file")" == "true" ]]; then
   # Without this variable a GPU-less launch trains N unsynchronised copies (see common/runtime.py).
   env_prefix=(ACCELERATE_USE_CPU=true)
-else
-  machines=$(yaml_get num_machines "$config_file"); machines=${machines:-1}
-  wanted=${num_processes:-$(yaml_get num_processes "$config_file")}
-  per_node=$(( ${wanted:-1} / machines ))
-  if (( per_node > gpus )); then
-    if (( gpus == 0 )); then
-      die "config '$config' needs $per_node GPU(s) on this node but none is visible; use --config cpu to run on CPU"
-    fi
-    die "$per_node processes requested on this node but only $gpus GPU(s) are visible; pass --num_processes $gpus or a config for $gpus GPU(s)"
+elif (( per_node > gpus )); then
+  if (( gpus == 0 )); then
+    die "config '$config' needs $per_node GPU(s) on this node but none is visible; use --config cpu to run on CPU"
   fi
+  die "$per_node processes requested on this node but only $gpus GPU(s) are visible; pass --num_processes $gpus or a config for $gpus GPU(s)"
 fi
 
 accelerate_bin=$(command -v accelerate || true)
@@ -110,10 +166,41 @@ fi
 [[ -n "$accelerate_bin" ]] || die "accelerate not found: activate the environment (. .venv/bin/activate) or pip install -e ."
 
 cmd=("$accelerate_bin" launch --config_file "$config_file")
-[[ -n "$num_processes" ]] && cmd+=(--num_processes "$num_processes")
-[[ -n "${MASTER_PORT:-}" ]] && cmd+=(--main_process_port "$MASTER_PORT")
+if (( nodes > 1 )); then
+  # Read here, inside the srun step: in the batch script SLURM_NODEID is 0 on every node.
+  [[ -n "${SLURM_STEP_ID:-}" ]] || die "this Slurm job has $nodes nodes but launch.sh runs outside srun, on one node;" \
+    "start one launch.sh per node: srun --ntasks-per-node=1 ./launch.sh ... (see slurm/multi_node.sbatch)"
+  tasks=${SLURM_STEP_NUM_TASKS:-$nodes}
+  (( tasks == nodes )) || die "the srun step runs $tasks tasks on $nodes nodes but launch.sh starts every process" \
+    "of its node itself; use srun --ntasks-per-node=1"
+  machine_rank=${SLURM_NODEID:-${SLURM_PROCID:-}}
+  [[ "$machine_rank" =~ ^[0-9]+$ ]] && (( machine_rank < nodes )) ||
+    die "cannot read this node's rank from SLURM_NODEID ('$machine_rank')"
+  nodelist=${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}
+  head=${MASTER_ADDR:-$(head_node "$nodelist")}
+  [[ -n "$head" ]] || die "no head node: SLURM_JOB_NODELIST is empty; set MASTER_ADDR"
+  port=${MASTER_PORT:-29500} rdzv_timeout=${RDZV_TIMEOUT:-60}
+  [[ "$rdzv_timeout" =~ ^[1-9][0-9]*$ ]] || die "RDZV_TIMEOUT must be a positive number of seconds, got '$rdzv_timeout'"
+  # c10d: the head hosts the rendezvous store (is_host, rather than guessing from host names) and
+  # the nodes may start at different moments, up to RDZV_TIMEOUT apart.
+  cmd+=(--num_processes "$(( per_node * nodes ))" --num_machines "$nodes" --machine_rank "$machine_rank"
+        --main_process_ip "$head" --main_process_port "$port"
+        --rdzv_backend c10d --rdzv_conf "is_host=$(( machine_rank == 0 )),join_timeout=$rdzv_timeout")
+  # DeepSpeed's "standard" multi-node launcher is torchrun on every node, like DDP; its default
+  # (pdsh) would ssh into the nodes from the head instead.
+  [[ "$(yaml_get distributed_type "$config_file")" == DEEPSPEED ]] && cmd+=(--deepspeed_multinode_launcher standard)
+else
+  [[ -n "$num_processes" ]] && cmd+=(--num_processes "$num_processes")
+  [[ -n "${MASTER_PORT:-}" ]] && cmd+=(--main_process_port "$MASTER_PORT")
+fi
 cmd+=("$script" ${recipe_args[@]+"${recipe_args[@]}"})
 
 echo "+ ${env_prefix[*]:+${env_prefix[*]} }$(printf '%q ' "${cmd[@]}")" >&2
 (( dry_run )) && exit 0
+if [[ "$recipe" == doctor ]]; then  # this node's report first: it needs no other node
+  python_bin="$(dirname "$accelerate_bin")/python"
+  [[ -x "$python_bin" ]] || python_bin=python3
+  "$python_bin" "$script" --report --num_processes "$per_node" ${recipe_args[@]+"${recipe_args[@]}"}
+fi
+(( nodes > 1 && machine_rank > 0 )) && wait_for_head "$head" "$port" "$rdzv_timeout"
 exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"

@@ -23,7 +23,7 @@ import torchvision
 from torchvision import transforms as T
 
 import common
-from common import RecipeError, logger
+from common import RecipeError
 
 DATASETS = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

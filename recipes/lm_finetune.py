@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from common import RecipeError, logger
+from common import RecipeError
 from common.text import add_text_args, evaluate_causal_lm, flops_per_token, lm_dataloaders
 
 

@@ -120,6 +120,9 @@ def main(argv=None):
     estimates = log_memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
     plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    parameters = common.count_parameters(model)
+    optimizer, scheduler = build_optimizer(args, accelerator, model, plan)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
 
     loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
     loop.resume(resume_from)

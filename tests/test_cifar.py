@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from argparse import Namespace
 
 import pytest
 import torch
@@ -32,19 +31,39 @@ def reevaluate(digits, output_dir):
     return correct, loss_sum / len(evals)
 
 
-def test_one_process_learns_and_saved_weights_reproduce_the_reported_accuracy(digits, tmp_path):
+def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(digits, tmp_path):
     out = tmp_path / "run"
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *FAST_MODEL, "--num_train_epochs", "3")])
+    args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch"]
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
     res = results(out)
+    per_epoch = digits["n_train"] // 32
     assert res["world_size"] == 1 and res["num_processes"] == 1
     assert res["eval_samples"] == digits["n_val"]
     assert res["eval_accuracy"] > 0.7, res  # chance is 0.1
-    assert res["steps"] == 3 * (digits["n_train"] // 32)
+    assert res["steps"] == 3 * per_epoch
     assert res["effective_batch_size"] == 32 and res["learning_rate"] == pytest.approx(0.1 * 32 / 128)
 
     correct, loss = reevaluate(digits, out)
     assert abs(correct - round(res["eval_accuracy"] * digits["n_val"])) <= 1
     assert loss == pytest.approx(res["eval_loss"], rel=1e-3)
+
+    # Epoch checkpoints resume at the start of the next epoch...
+    state = json.loads((out / f"checkpoint-{2 * per_epoch}" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"]) == (2, 0)
+    assert state["effective_batch_size"] == 32 and "torch" in state["versions"] and state["args"]["seed"] == 42
+    final = load_file(out / "model.safetensors")
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / f"checkpoint-{2 * per_epoch}", resumed / f"checkpoint-{2 * per_epoch}")
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
+    # ...and resuming the finished run picks its last checkpoint and trains no further step.
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
+    for again in (resumed, out):
+        assert results(again)["steps"] == 3 * per_epoch
+        weights = load_file(again / "model.safetensors")
+        for name in final:
+            torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert results(again)["eval_accuracy"] == pytest.approx(res["eval_accuracy"], abs=1e-9)
 
 
 def test_two_processes_form_one_group_and_count_every_eval_sample_once(digits, tmp_path):
@@ -169,31 +188,3 @@ def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, mes
 def test_unknown_argument_is_an_error():
     proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
     assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr
-
-
-def test_epoch_checkpoints_resume_at_the_next_epoch_and_the_last_one_trains_nothing_more(digits, tmp_path):
-    args = [*FAST_MODEL, "--num_train_epochs", "2", "--checkpointing_steps", "epoch"]
-    straight = tmp_path / "straight"
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, straight, *args)])
-    per_epoch = digits["n_train"] // 32
-    first, last = straight / f"checkpoint-{per_epoch}", straight / f"checkpoint-{2 * per_epoch}"
-    state = json.loads((first / "trainer_state.json").read_text())
-    assert (state["epoch"], state["batches_in_epoch"]) == (1, 0)
-    assert state["effective_batch_size"] == 32 and "torch" in state["versions"] and state["args"]["seed"] == 42
-    assert (last / "trainer_state.json").is_file()
-    final = load_file(straight / "model.safetensors")
-
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(first, resumed / first.name)
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
-         *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
-    # Resuming the finished run picks its last checkpoint and trains no further step.
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
-         *digits_args(digits, straight, *args, "--resume_from_checkpoint", "latest")])
-    for out in (resumed, straight):
-        assert results(out)["steps"] == 2 * per_epoch
-        weights = load_file(out / "model.safetensors")
-        for name in final:
-            torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert results(straight)["eval_accuracy"] == pytest.approx(results(resumed)["eval_accuracy"], abs=1e-9)

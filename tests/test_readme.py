@@ -3,7 +3,8 @@
 Commands that need GPUs or CIFAR's download run as far as this GPU-less, network-less machine
 allows: `accelerate launch` lines start their processes on CPU and must get past the launch
 checks to the dataset; `./launch.sh` lines are resolved against a faked 8-GPU host and their
-recipe arguments parsed by the recipe itself.
+recipe arguments parsed by the recipe itself; `sbatch` lines run their template on a faked Slurm
+job (tests/test_slurm.py) and `./launch.sh doctor` runs on CPU.
 """
 
 import os
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from common import doctor
 from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
+from test_slurm import sbatch, sbatch_line
 
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
@@ -28,7 +31,7 @@ SETUP, QUICKSTART, COPY = BLOCKS[0], BLOCKS[1], next(b for b in BLOCKS if "mkdir
 def checkout(tmp_path_factory):
     """The repo's files in a fresh folder, with the test environment as its .venv."""
     root = tmp_path_factory.mktemp("checkout")
-    for name in ("launch.sh", "recipes", "common", "accelerate_configs", "scripts"):
+    for name in ("launch.sh", "recipes", "common", "accelerate_configs", "scripts", "slurm"):
         src = REPO / name
         if src.is_dir():
             shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -45,7 +48,8 @@ def bash(script, cwd, env=None):
 def test_every_readme_command_is_covered():
     covered = set(SETUP.splitlines()) | set(QUICKSTART.splitlines()) | set(COPY.splitlines())
     for line in COMMANDS:
-        assert line in covered or line.startswith("accelerate launch ") or launch_sh_args(line) is not None, line
+        assert (line in covered or line.startswith("accelerate launch ") or launch_sh_args(line) is not None
+                or sbatch_line(line) is not None), line
 
 
 def test_setup_commands_are_what_ci_runs():
@@ -68,8 +72,7 @@ def test_quick_start_and_copy_run_as_written(checkout):
 
 
 # What each recipe cannot fetch on a machine with no network.
-OFFLINE_ERRORS = {"recipes/cifar.py": "cifar10 is not in data and could not be downloaded",
-                  "recipes/lm_finetune.py": "--model_name_or_path Qwen/Qwen2.5-0.5B"}
+OFFLINE_ERRORS = {"recipes/cifar.py": "cifar10 is not in data and could not be downloaded"}
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c.startswith("accelerate launch ")])
@@ -94,7 +97,12 @@ def launch_sh_args(line):
     return (env, words[1:]) if words and words[0] == "./launch.sh" else None
 
 
-@pytest.mark.parametrize("line", [c for c in COMMANDS if launch_sh_args(c) and c not in QUICKSTART])
+def is_doctor(line):
+    return launch_sh_args(line) is not None and launch_sh_args(line)[1][:1] == ["doctor"]
+
+
+@pytest.mark.parametrize("line", [c for c in COMMANDS
+                                  if launch_sh_args(c) and c not in QUICKSTART and not is_doctor(c)])
 def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
     extra_env, args = launch_sh_args(line)
     smi = tmp_path / "nvidia-smi"
@@ -108,8 +116,33 @@ def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
     assert f"accelerate_configs/{config}.yaml" in command
     if "MASTER_PORT" in extra_env:
         assert f"--main_process_port {extra_env['MASTER_PORT']}" in command
+    parse_recipe_args(args)  # every recipe argument in the README exists
+
+
+def parse_recipe_args(args):
+    """The recipe's (or the doctor's) own parser on a launch.sh argument list, less launch.sh's options."""
     recipe_args = args[1:]
-    if "--config" in recipe_args:  # launch.sh's own option, not the recipe's
-        at = recipe_args.index("--config")
-        del recipe_args[at:at + 2]
-    load_recipe(args[0]).parse_args(recipe_args)  # every recipe argument in the README exists
+    for option in ("--config", "--num_processes"):  # launch.sh's own options, not the recipe's
+        if option in recipe_args:
+            at = recipe_args.index(option)
+            del recipe_args[at:at + 2]
+    return (doctor.parse_args if args[0] == "doctor" else load_recipe(args[0]).parse_args)(recipe_args)
+
+
+@pytest.mark.parametrize("line", [c for c in COMMANDS if sbatch_line(c)])
+def test_sbatch_lines_run_one_launch_sh_per_node(tmp_path, line):
+    """The template passes bash -n; on a faked Slurm job of the line's --nodes, 8 GPUs a node, each
+    node's srun task resolves its command; the recipe accepts the arguments."""
+    options, template, args = sbatch_line(line)
+    assert set(options) <= {"nodes"}, "the test fakes --nodes only"
+    run(["bash", "-n", REPO / template])
+    nodes = int(options.get("nodes", 1))
+    commands, _ = sbatch(REPO / template, args, tmp_path, nodes=nodes)
+    assert len(commands) == nodes and all(f"--num_machines {nodes} " in c for c in commands if nodes > 1)
+    parse_recipe_args(args)
+
+
+def test_doctor_lines_run_on_cpu(checkout):
+    for line in [c for c in COMMANDS if is_doctor(c)]:
+        proc = bash(line, checkout, user_env())
+        assert "GPUs visible:" in proc.stdout and "sums correct on all 2 processes" in proc.stdout, proc.stdout

@@ -31,8 +31,9 @@ def ddp_curve(tiny_lm, tmp_path_factory):
     return results(out)
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3", "zero3_offload"])
 def test_zero_follows_the_ddp_loss_curve_and_saves_a_loadable_model(tiny_lm, tmp_path, ddp_curve, stage):
+    """zero3_offload also swaps AdamW for DeepSpeed's CPU Adam. Measured: at most 8e-7 relative off DDP."""
     out = tmp_path / stage
     deepspeed(stage, 2, *lm_args(tiny_lm, out, *CURVE))
     res = results(out)
@@ -40,12 +41,12 @@ def test_zero_follows_the_ddp_loss_curve_and_saves_a_loadable_model(tiny_lm, tmp
     ddp = [h["train_loss"] for h in ddp_curve["log_history"]]
     zero = [h["train_loss"] for h in res["log_history"]]
     assert len(zero) == len(ddp) == 8
-    assert zero == pytest.approx(ddp, rel=1e-4), "ZeRO must train the same model as DDP, only sharded"
+    assert zero == pytest.approx(ddp, rel=1e-5), "ZeRO must train the same model as DDP, only sharded"
 
     total = res["parameters"]
     assert ddp_curve["parameters_per_process"] == [total, total]
     held = res["parameters_per_process"]
-    if stage == "zero3":  # each rank holds its half (plus alignment padding), not a full copy
+    if stage.startswith("zero3"):  # each rank holds its half (plus alignment padding), not a full copy
         assert sum(held) >= total and all(0.45 * total < h < 0.55 * total for h in held), held
     else:
         assert held == [total, total]  # ZeRO-2 shards gradients and optimizer state, not weights
@@ -84,7 +85,7 @@ def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, 
     config = tmp_path / "zero2_gas4.yaml"
     config.write_text((REPO / "accelerate_configs/zero2.yaml").read_text().replace(
         "  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n"))
-    proc = deepspeed(config, 2, *lm_args(tiny_lm, tmp_path / "run", "--max_train_steps", "2"), check=False)
+    proc = deepspeed(config, 1, *lm_args(tiny_lm, tmp_path / "run", "--max_train_steps", "2"), check=False)
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)
     assert "gradient_accumulation_steps=4 but the recipe has 1" in line
@@ -142,14 +143,6 @@ def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_an
         torch.testing.assert_close(a, b, msg=name)  # trained in fp32 here, so both exports are the same weights
 
 
-def test_zero2_fine_tunes_pretrained_weights(tiny_lm, tmp_path):
-    out = tmp_path / "run"
-    zero_recipe(REPO / "accelerate_configs/zero2.yaml", 2, "--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out))
-    res = results(out)
-    assert res["world_size"] == 2 and res["parameters_per_process"] == [res["parameters"]] * 2
-    assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
-
-
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
@@ -163,12 +156,13 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
     res = results(out)
     lrs = [h["lr"] for h in res["log_history"]]
     assert res["world_size"] == 2 and len(lrs) == 6
+    assert res["parameters_per_process"] == [res["parameters"]] * 2  # ZeRO-2 replicates the weights
     assert lrs[0] < lrs[1] < lrs[2] and lrs[3:] == [3e-3] * 3  # DeepSpeed's WarmupLR, not the recipe's cosine
     assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
 
 
 def test_zero_recipe_bad_input(tiny_lm, tmp_path):
-    proc = zero_recipe(REPO / "accelerate_configs/zero3.yaml", 2, "--config_name", tiny_lm["model"],
+    proc = zero_recipe(REPO / "accelerate_configs/zero3.yaml", 1, "--config_name", tiny_lm["model"],
                        "--config_overrides", "num_hiden_layers=3", *zero_args(tiny_lm, tmp_path / "run"), check=False)
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)

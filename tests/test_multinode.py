@@ -1,0 +1,68 @@
+"""Two "nodes" on one machine: two launch.sh, each the srun task of its node in a 2-node Slurm job
+(SLURM_NODEID 0 and 1), one process per node, meeting at 127.0.0.1 on one port through c10d. And a
+node whose head cannot be reached fails in bounded time with one clear line, instead of hanging."""
+
+import subprocess
+import time
+
+from conftest import FAST_MODEL, REPO, digits_args, free_port, results, user_env
+
+LAUNCH = REPO / "launch.sh"
+
+
+def node_env(node, port, **extra) -> dict:
+    return user_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NNODES="2", SLURM_STEP_NUM_TASKS="2",
+                    SLURM_NODEID=str(node), SLURM_JOB_NODELIST="node-[0-1]", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port), **extra)
+
+
+def two_nodes(*args, timeout=300):
+    """Start both nodes' launchers at once and wait for both; returns their completed processes."""
+    port = free_port()
+    procs = [subprocess.Popen([LAUNCH, *args], cwd=REPO, env=node_env(node, port), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            outs.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for node, (code, out, err) in enumerate(outs):
+        assert code == 0, f"node {node} exited {code}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    return outs
+
+
+def test_cifar_trains_across_two_nodes(digits, tmp_path):
+    args = digits_args(digits, tmp_path / "out", *FAST_MODEL, "--max_train_steps", "5")
+    outs = two_nodes("cifar", "--config", "cpu", "--num_processes", "1", *args)
+    for node, (_, _, err) in enumerate(outs):
+        (line,) = [l for l in err.splitlines() if l.startswith("+ ")]
+        assert f"--num_processes 2 --num_machines 2 --machine_rank {node} --main_process_ip 127.0.0.1 " in line
+    res = results(tmp_path / "out")
+    assert res["world_size"] == 2 and res["steps"] == 5 and res["eval_samples"] == digits["n_val"], res
+
+
+def test_doctor_allreduce_across_two_nodes():
+    outs = two_nodes("doctor", "--config", "cpu", "--num_processes", "1", "--iters", "3", "--timeout", "60")
+    tables = [out for _, out, _ in outs if "all_reduce, float32 sum" in out]
+    assert len(tables) == 1, "rank 0 prints the table"
+    assert "gloo, 2 processes (2 node(s) x 1)" in tables[0] and "sums correct on all 2 processes" in tables[0]
+    for _, out, _ in outs:  # every node reports itself
+        assert "processes:     1 on this node (on CPU)" in out
+
+
+def test_unreachable_head_fails_in_bounded_time_with_one_line():
+    """Node 1 of 2, its head's port wrong (nothing listens there): launch.sh waits RDZV_TIMEOUT
+    seconds (60 by default; 10 here, to keep the test short), then names the likely causes."""
+    tic = time.monotonic()
+    env = node_env(1, free_port(), RDZV_TIMEOUT="10")
+    proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.monotonic() - tic
+    assert proc.returncode == 2 and 8 < elapsed < 90, (proc.returncode, elapsed)  # it waited, then gave up
+    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert line.startswith("launch.sh: error: node 1 cannot reach the head node 127.0.0.1:") and "after 10 s" in line
+    for cause in ("launcher started", "firewall", "MASTER_ADDR", "./launch.sh doctor"):
+        assert cause in line

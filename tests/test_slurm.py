@@ -1,0 +1,249 @@
+"""launch.sh under Slurm, and the sbatch templates in slurm/, on a machine without Slurm: the
+job's variables are set by hand, and a fake srun runs each task of a step in turn with the
+variables the real one gives it (SLURM_NODEID, SLURM_PROCID, SLURM_STEP_*)."""
+
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run, user_env
+
+LAUNCH = REPO / "launch.sh"
+TEMPLATES = sorted((REPO / "slurm").glob("*.sbatch"))
+JOB_ID, PORT = "4242", "24242"  # the port every node derives from the job id: 20000 + 4242 % 10000
+
+FAKE_SRUN = r"""#!/bin/bash
+# srun on one machine: each task of the step in turn, with the variables the real srun sets.
+tpn=${SLURM_NTASKS_PER_NODE:-1}
+while [[ $# -gt 0 && $1 == -* ]]; do
+  echo "$1" >> "$FAKE_SLURM_LOG"
+  case $1 in --ntasks-per-node=*) tpn=${1#*=} ;; esac
+  shift
+done
+tasks=$(( SLURM_NNODES * tpn ))
+for (( t = 0; t < tasks; t++ )); do
+  SLURM_STEP_ID=0 SLURM_STEPID=0 SLURM_STEP_NUM_NODES=$SLURM_NNODES SLURM_STEP_NUM_TASKS=$tasks \
+  SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_NODEID=$(( t / tpn )) SLURM_PROCID=$t SLURM_LOCALID=$(( t % tpn )) \
+  "$@" || exit $?
+done
+"""
+
+
+def executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def node_list(nodes: int) -> str:
+    return f"gpu-[01-{nodes:02d}]" if nodes > 1 else "gpu-01"
+
+
+def slurm_env(tmp_path, nodes, gpus=8, **extra) -> dict:
+    """The environment of a batch script on the first node of a `nodes`-node job with `gpus` GPUs
+    a node (faked with an nvidia-smi on PATH), and a fake srun; no MASTER_PORT."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    executable(bin_dir / "srun", FAKE_SRUN)
+    executable(bin_dir / "nvidia-smi", "#!/bin/sh\n" + "".join(
+        f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n' for i in range(gpus)))
+    env = user_env()
+    del env["MASTER_PORT"]
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env.update(SLURM_JOB_ID=JOB_ID, SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes),
+               SLURM_JOB_NODELIST=node_list(nodes), SLURM_NODELIST=node_list(nodes), SLURM_NODEID="0",
+               SLURM_PROCID="0", SLURM_NTASKS_PER_NODE="1", SLURM_SUBMIT_DIR=str(REPO),
+               FAKE_SLURM_LOG=str(tmp_path / "srun.log"))
+    env.update(extra)
+    return env
+
+
+def step_env(env, node, nodes) -> dict:
+    """`env` as the srun task on node `node` of a one-task-per-node step sees it."""
+    return {**env, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NUM_TASKS": str(nodes),
+            "SLURM_STEP_NODELIST": env["SLURM_JOB_NODELIST"], "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)}
+
+
+def commands(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("+ ")]
+
+
+def dry_run(env, *args) -> str:
+    (line,) = commands(run([LAUNCH, *args, "--dry_run"], env=env).stderr)
+    return line
+
+
+def directives(template: Path) -> dict:
+    found = re.findall(r"^#SBATCH\s+--([\w-]+)(?:=(\S+))?", template.read_text(), flags=re.M)
+    return {key: value for key, value in found}
+
+
+def sbatch(template: Path, args, tmp_path, nodes=None, gpus=None, env=None):
+    """Run a template as sbatch would on its first node, with `args` and --dry_run for launch.sh.
+    Returns (every srun task's resolved command, the environment the job had)."""
+    options = directives(template)
+    nodes = nodes or int(options["nodes"])
+    gpus = gpus or int(options["gres"].split(":")[-1])
+    env = env or slurm_env(tmp_path, nodes, gpus, SLURM_CPUS_PER_TASK=options["cpus-per-task"],
+                           SLURM_GPUS_ON_NODE=str(gpus))
+    proc = run(["bash", template, *args, "--dry_run"], env=env)
+    return commands(proc.stderr), env
+
+
+# ---------------------------------------------------------------- launch.sh under Slurm
+
+@pytest.mark.parametrize("node", [0, 1, 2, 3])
+def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node):
+    env = step_env(slurm_env(tmp_path, 4, SLURM_JOB_NODELIST="gpu-[01-03,07]"), node, 4)
+    del env["SLURM_STEP_NODELIST"]
+    line = dry_run(env, "cifar", "--learning_rate", "0.2")
+    assert "accelerate_configs/8gpu.yaml --num_processes 32 --num_machines 4 " in line
+    assert f"--machine_rank {node} --main_process_ip gpu-01 --main_process_port {PORT} --rdzv_backend c10d " in line
+    assert rf"--rdzv_conf is_host={int(node == 0)}\,join_timeout=60 " in line
+    assert line.rstrip().endswith("recipes/cifar.py --learning_rate 0.2") and "ACCELERATE_USE_CPU" not in line
+
+
+@pytest.mark.parametrize("nodelist, head", [
+    ("gpu-[01-03,07]", "gpu-01"), ("a[7-9],b[1-2]", "a7"), ("n12,n3", "n12"),
+    ("rack[2-3]-gpu[08-09]", "rack2-gpu08"), ("node-[5]-ib,node-6-ib", "node-5-ib"), ("gpu[001-128]", "gpu001"),
+])
+def test_head_node_from_slurm_compressed_node_list(tmp_path, nodelist, head):
+    env = step_env(slurm_env(tmp_path, 2, SLURM_JOB_NODELIST=nodelist), 1, 2)
+    del env["SLURM_STEP_NODELIST"]
+    assert f"--main_process_ip {head} " in dry_run(env, "cifar")
+
+
+def test_scontrol_expands_the_node_list_when_present(tmp_path):
+    env = step_env(slurm_env(tmp_path, 2), 1, 2)
+    executable(tmp_path / "fakebin/scontrol",
+               '#!/bin/sh\n[ "$*" = "show hostnames gpu-[01-02]" ] && printf "gpu-01.cluster\\ngpu-02.cluster\\n"\n')
+    assert "--main_process_ip gpu-01.cluster " in dry_run(env, "cifar")
+
+
+def test_master_addr_and_port_override_and_timeout(tmp_path):
+    env = step_env(slurm_env(tmp_path, 2, MASTER_ADDR="10.1.2.3", MASTER_PORT="29555", RDZV_TIMEOUT="300"), 1, 2)
+    line = dry_run(env, "cifar")
+    assert "--main_process_ip 10.1.2.3 --main_process_port 29555 --rdzv_backend c10d " in line
+    assert r"--rdzv_conf is_host=0\,join_timeout=300 " in line
+
+
+def test_num_processes_counts_one_node(tmp_path):
+    line = dry_run(step_env(slurm_env(tmp_path, 3), 2, 3), "cifar", "--num_processes", "4")
+    assert "accelerate_configs/8gpu.yaml --num_processes 12 --num_machines 3 --machine_rank 2 " in line
+
+
+def test_gpus_slurm_gave_the_node_choose_the_config(tmp_path):
+    line = dry_run(step_env(slurm_env(tmp_path, 2, SLURM_GPUS_ON_NODE="4"), 0, 2), "cifar")
+    assert "accelerate_configs/4gpu.yaml --num_processes 8 --num_machines 2 " in line
+
+
+def test_cpu_only_nodes_keep_the_cpu_path(tmp_path):
+    line = dry_run(step_env(slurm_env(tmp_path, 2, gpus=0), 1, 2), "cifar")
+    assert line.startswith("+ ACCELERATE_USE_CPU=true ")
+    assert "accelerate_configs/cpu.yaml --num_processes 4 --num_machines 2 " in line
+
+
+def test_deepspeed_configs_use_the_standard_multinode_launcher(tmp_path):
+    line = dry_run(step_env(slurm_env(tmp_path, 2), 0, 2), "cifar", "--config", "zero2")
+    assert "accelerate_configs/zero2.yaml --num_processes 16 --num_machines 2 " in line
+    assert "--deepspeed_multinode_launcher standard " in line
+
+
+def test_one_node_job_is_a_single_node_launch_on_the_job_port(tmp_path):
+    line = dry_run(step_env(slurm_env(tmp_path, 1), 0, 1), "cifar")
+    assert f"accelerate_configs/8gpu.yaml --main_process_port {PORT} " in line and "--num_machines" not in line
+
+
+def one_error(proc, text):
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and text in lines[0], proc.stderr
+
+
+def test_outside_srun_and_several_tasks_per_node_are_refused(tmp_path):
+    env = slurm_env(tmp_path, 3)  # the batch script's own environment: no step
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "outside srun, on one node")
+    env = {**step_env(env, 1, 3), "SLURM_STEP_NUM_TASKS": "24"}
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "use srun --ntasks-per-node=1")
+    env = {**step_env(slurm_env(tmp_path, 2), 1, 2), "RDZV_TIMEOUT": "soon"}
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "RDZV_TIMEOUT must be a positive number")
+
+
+# ---------------------------------------------------------------- the sbatch templates
+
+def test_templates_exist_and_pass_bash_n():
+    assert {p.name for p in TEMPLATES} == {"single_node.sbatch", "multi_node.sbatch", "requeue.sbatch"}
+    for template in TEMPLATES:
+        run(["bash", "-n", template])
+        options = directives(template)
+        assert options["ntasks-per-node"] == "1", "one launcher task per node"
+        assert "%j" in options["output"] and options["gres"].startswith("gpu:") and int(options["cpus-per-task"]) > 1
+        text = template.read_text()
+        assert "srun --ntasks-per-node=1 " in text and "--kill-on-bad-exit=1" in text
+        assert "$SLURM_NODEID" not in re.sub(r"^#.*$", "", text, flags=re.M), "the rank is read inside the step"
+    assert (REPO / "slurm/logs/.gitignore").is_file(), "the log folder exists in a fresh checkout"
+
+
+@pytest.mark.parametrize("template, nodes", [("single_node", 1), ("multi_node", 2), ("multi_node", 4), ("requeue", 3)])
+def test_template_runs_one_launcher_per_node_as_launch_sh_resolves(tmp_path, template, nodes):
+    args = ["cifar", "--checkpointing_steps", "500", "--output_dir", "outputs/cifar"]
+    lines, env = sbatch(REPO / f"slurm/{template}.sbatch", args, tmp_path, nodes=nodes)
+    assert len(lines) == nodes, lines
+    extra = ["--resume_from_checkpoint", "latest"] if template == "requeue" else []
+    for node, line in enumerate(lines):
+        assert line == dry_run(step_env(env, node, nodes), *args, *extra)
+        if nodes > 1:
+            assert f"--machine_rank {node} --main_process_ip gpu-01 --main_process_port {PORT} " in line
+    srun_options = (tmp_path / "srun.log").read_text().split()
+    assert "--kill-on-bad-exit=1" in srun_options and "--cpus-per-task=64" in srun_options
+
+
+def test_requeue_template_needs_checkpoints(tmp_path):
+    template = REPO / "slurm/requeue.sbatch"
+    env = slurm_env(tmp_path, 2, SLURM_CPUS_PER_TASK="64")
+    proc = run(["bash", template, "cifar", "--output_dir", "outputs/cifar"], env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: requeue.sbatch needs --checkpointing_steps")
+
+
+def test_requeue_template_requeues_itself_on_usr1(tmp_path):
+    """Slurm's warning signal before the time limit (--signal=B:USR1@300) makes the script requeue
+    its own job; preemption requeues it through --requeue."""
+    env = slurm_env(tmp_path, 2, SLURM_CPUS_PER_TASK="64")
+    started = tmp_path / "started"
+    executable(tmp_path / "fakebin/srun", f"#!/bin/sh\ntouch {started}\nexec sleep 60\n")  # a long training step
+    executable(tmp_path / "fakebin/scontrol", f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.log\n')
+    log = tmp_path / "job.out"  # a file, not a pipe: the fake step would hold a pipe open
+    proc = subprocess.Popen(["bash", REPO / "slurm/requeue.sbatch", "cifar", "--checkpointing_steps", "500"],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(300):  # the step runs: the trap is set
+            if started.exists():
+                break
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGUSR1)
+        proc.wait(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the fake step
+        except ProcessLookupError:
+            pass
+    out = log.read_text()
+    assert proc.returncode == 0, out
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", JOB_ID]
+    assert "requeueing job 4242" in out
+
+
+def sbatch_line(line):
+    """(sbatch options, template, arguments) of a README `sbatch [--opt=value ...] slurm/X.sbatch ...` line."""
+    words = shlex.split(line)
+    if not words or words[0] != "sbatch":
+        return None
+    at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
+    return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1:]
