@@ -104,8 +104,9 @@ def load_checkpoint(accelerator, path: Path, must_match: dict) -> dict:
     return state
 
 
-def save_model(accelerator, model, output_dir) -> Path:
-    """Save the final weights from the main process, correct under DDP, ZeRO and FSDP.
+def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
+    """Save the final weights (and the tokenizer) from the main process, correct under DDP, ZeRO
+    and FSDP.
 
     `get_state_dict` runs on every process because under ZeRO-3 and FSDP it gathers the shards.
     Models with `save_pretrained` (transformers, peft) are saved with it; others as
@@ -122,6 +123,8 @@ def save_model(accelerator, model, output_dir) -> Path:
             tmp = output_dir / ".tmp-model"
             shutil.rmtree(tmp, ignore_errors=True)
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
             for file in tmp.iterdir():
                 os.replace(file, output_dir / file.name)
             tmp.rmdir()

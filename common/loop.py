@@ -114,13 +114,17 @@ class TrainLoop:
                         {"epoch": epoch, "batches_in_epoch": batches, **self.must_match,
                          "effective_batch_size": self.plan.effective_batch_size, "args": vars(self.args)})
 
-    def finish(self) -> dict:
-        """What results.json reports about training."""
+    def finish(self, tokens_per_sample: int | None = None) -> dict:
+        """What results.json reports about training (tokens/s too, given the tokens in a sample)."""
         samples = (self.step - self.start_step) * self.plan.effective_batch_size
-        return {
+        per_second = samples / self.train_seconds if self.train_seconds else None
+        summary = {
             "steps": self.step,
             "epochs": round(self.step / self.plan.steps_per_epoch, 2),
             "train_loss": self.train_loss,
-            "samples_per_second": samples / self.train_seconds if self.train_seconds else None,
+            "samples_per_second": per_second,
             "log_history": self.history,
         }
+        if tokens_per_sample:
+            summary["tokens_per_second"] = per_second * tokens_per_sample if per_second else None
+        return summary

@@ -117,15 +117,12 @@ def main(argv=None):
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
-    common.save_model(accelerator, model, args.output_dir)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-    summary = loop.finish()
-    tokens_per_second = summary["samples_per_second"] * block_size if summary["samples_per_second"] else None
+    common.save_model(accelerator, model, args.output_dir, tokenizer)
+    summary = loop.finish(tokens_per_sample=block_size)
     record = common.run_record(
         accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
-        parameters_per_process=common.parameters_per_process(accelerator, model), tokens_per_second=tokens_per_second,
-        mfu=common.mfu(accelerator, tokens_per_second, flops) if tokens_per_second else None)
+        parameters_per_process=common.parameters_per_process(accelerator, model),
+        mfu=common.mfu(accelerator, summary["tokens_per_second"], flops) if summary["tokens_per_second"] else None)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 

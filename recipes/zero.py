@@ -144,16 +144,13 @@ def main(argv=None):
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
-    common.save_model(accelerator, model, args.output_dir)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
+    common.save_model(accelerator, model, args.output_dir, tokenizer)
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
-    summary = loop.finish()
     record = common.run_record(
-        accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
-        parameters_per_process=common.parameters_per_process(accelerator, model), memory_estimate=estimates,
-        tokens_per_second=summary["samples_per_second"] * block_size if summary["samples_per_second"] else None)
+        accelerator, args, plan, **loop.finish(tokens_per_sample=block_size), **metrics, block_size=block_size,
+        parameters=parameters, parameters_per_process=common.parameters_per_process(accelerator, model),
+        memory_estimate=estimates)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 

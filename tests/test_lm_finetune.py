@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, accelerate_cpu, error_lines, lm_args, results, run
+from conftest import BIN, REPO, accelerate_cpu, error_lines, lm_args, results, run
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
@@ -157,7 +157,9 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
 ])
 def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     out = tmp_path / "run"
-    proc = run([REPO / "launch.sh", "lm_finetune", "--num_processes", "1", *lm_args(tiny_lm, out), *extra], check=False)
+    # Input validation needs no launcher: one case goes through launch.sh, the rest straight to python.
+    launcher = [REPO / "launch.sh", "lm_finetune", "--num_processes", "1"] if "--text_column" in extra else [BIN / "python", RECIPE]
+    proc = run([*launcher, *lm_args(tiny_lm, out), *extra], check=False)
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
