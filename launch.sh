@@ -25,6 +25,8 @@ rendezvous); --num_processes then counts the processes of one node.
 
   --config NAME       use accelerate_configs/NAME.yaml
   --num_processes N   processes on this node (at most the GPUs visible, on a GPU host)
+  --max_restarts N    restart the processes up to N times when one fails; they resume from the
+                      newest checkpoint in --output_dir (pair it with --checkpointing_steps)
   --dry_run           print the command and exit
   MASTER_PORT=P       environment: rendezvous port, when 29500 is taken by another job
                       (under Slurm the default is 20000 + job id % 10000, the same on every node)
@@ -32,6 +34,14 @@ rendezvous); --num_processes then counts the processes of one node.
                       name in the node list is not an address the other nodes can reach
   RDZV_TIMEOUT=S      environment, several nodes: seconds to wait for the head node, and for every
                       node to join (default 60)
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT=S
+                      environment: seconds the launcher gives the processes to save a checkpoint
+                      and exit after SIGTERM before it kills them (default here 120; torch's is 30)
+
+Stopping: SIGTERM or SIGUSR1, sent to launch.sh or to every process of the job (as Slurm does),
+makes the recipe finish its optimizer step, save checkpoint-<step> and exit; launch.sh exits 75.
+A process that dies (killed, out of memory) ends the others within TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+on its node and within the recipe's --ddp_timeout on other nodes.
 
 Examples:
   ./launch.sh cifar
@@ -103,19 +113,24 @@ if [[ ! -f "$script" ]]; then
   die "unknown recipe '$recipe' (available: ${available% })"
 fi
 
-config="" num_processes="" dry_run=0 recipe_args=()
+config="" num_processes="" max_restarts="" dry_run=0 recipe_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config) [[ $# -ge 2 ]] || die "--config needs a name"; config="$2"; shift 2 ;;
     --config=*) config="${1#*=}"; shift ;;
     --num_processes) [[ $# -ge 2 ]] || die "--num_processes needs a number"; num_processes="$2"; shift 2 ;;
     --num_processes=*) num_processes="${1#*=}"; shift ;;
+    --max_restarts) [[ $# -ge 2 ]] || die "--max_restarts needs a number"; max_restarts="$2"; shift 2 ;;
+    --max_restarts=*) max_restarts="${1#*=}"; shift ;;
     --dry_run) dry_run=1; shift ;;
     *) recipe_args+=("$1"); shift ;;
   esac
 done
 if [[ -n "$num_processes" && ! "$num_processes" =~ ^[1-9][0-9]*$ ]]; then
   die "--num_processes must be a positive integer, got '$num_processes'"
+fi
+if [[ -n "$max_restarts" && ! "$max_restarts" =~ ^[0-9]+$ ]]; then
+  die "--max_restarts must be a number, got '$max_restarts'"
 fi
 
 # Under Slurm, nodes of this srun step (the batch script itself runs on the first node only).
@@ -193,6 +208,8 @@ else
   [[ -n "$num_processes" ]] && cmd+=(--num_processes "$num_processes")
   [[ -n "${MASTER_PORT:-}" ]] && cmd+=(--main_process_port "$MASTER_PORT")
 fi
+# Restarted processes resume from the newest checkpoint by themselves (common.prepare_output_dir).
+[[ -n "$max_restarts" ]] && cmd+=(--max_restarts "$max_restarts")
 cmd+=("$script" ${recipe_args[@]+"${recipe_args[@]}"})
 
 echo "+ ${env_prefix[*]:+${env_prefix[*]} }$(printf '%q ' "${cmd[@]}")" >&2
@@ -203,4 +220,34 @@ if [[ "$recipe" == doctor ]]; then  # this node's report first: it needs no othe
   "$python_bin" "$script" --report --num_processes "$per_node" ${recipe_args[@]+"${recipe_args[@]}"}
 fi
 (( nodes > 1 && machine_rank > 0 )) && wait_for_head "$head" "$port" "$rdzv_timeout"
-exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"
+
+# Stopping: SIGTERM or SIGUSR1 (preemption, scancel, Slurm's --signal) must reach the recipe's
+# processes, which finish their step, save a checkpoint and exit 75; the launchers in between must
+# neither die of the signal first nor kill the recipe before its checkpoint is saved. So the
+# launcher runs in a process group of its own that ignores both signals (the recipe installs its
+# own handlers; torchrun's agent its own for TERM and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# seconds for its workers), and this shell passes every signal it gets on to that whole group.
+status_file=$(mktemp "${TMPDIR:-/tmp}/launch-status.XXXXXX")
+trap 'rm -f "$status_file"' EXIT
+export RECIPE_STATUS_FILE="$status_file" TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+set -m  # the launcher gets its own process group
+( trap '' TERM USR1; exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}" ) &
+child=$!
+set +m
+for sig in TERM INT HUP; do
+  trap "kill -s $sig -- -$child 2>/dev/null || true" "$sig"
+done
+# USR1 goes on as TERM: torchrun's agent (which ignores USR1) then shuts down for good instead of
+# restarting the stopped workers under --max_restarts.
+trap "kill -s TERM -- -$child 2>/dev/null || true" USR1
+rc=0
+while :; do
+  wait "$child" && rc=0 || rc=$?
+  kill -0 "$child" 2>/dev/null || break  # `wait` also returns when a trapped signal arrives
+done
+if [[ "$(cut -d' ' -f1 "$status_file")" == preempted ]]; then
+  echo "launch.sh: the run stopped on a signal after saving $(cut -d' ' -f3 "$status_file");" \
+    "run the same command with --resume_from_checkpoint latest to continue (exit 75)" >&2
+  exit 75
+fi
+exit "$rc"

@@ -29,6 +29,9 @@ def training_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--max_train_steps", type=int, help="stop after this many optimizer steps")
     t.add_argument("--checkpointing_steps", help="save the full state every N optimizer steps, or 'epoch'")
     t.add_argument("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
+    t.add_argument("--save_total_limit", type=int, help="keep only the newest N checkpoints")
+    t.add_argument("--overwrite_output_dir", action="store_true",
+                   help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)")
     t.add_argument("--logging_steps", type=int, default=10)
     t.add_argument("--report_to", default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
     t.add_argument("--dataloader_num_workers", type=int, help="per process; default from the CPU count")
@@ -42,6 +45,8 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
         parser.error("--checkpointing_steps takes a number of steps or 'epoch'")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        parser.error("--save_total_limit must be at least 1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")

@@ -1,4 +1,5 @@
-"""DataLoader defaults, data preparation order, and augmentation that survives a resume."""
+"""DataLoader defaults, data preparation order, augmentation that survives a resume, and datasets
+that live on the training device."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from .preemption import ignore_stop_signals
 
 
 @contextlib.contextmanager
@@ -35,7 +38,10 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, num_workers: int |
     of steps); evaluation keeps every sample, and `gather_for_metrics` removes the padding
     Accelerate adds to make the shards even. Accelerate replaces the sampler in `prepare`.
     """
-    if num_workers is None:
+    on_device = isinstance(dataset, DeviceTensorDataset)
+    if on_device:  # batches are cut on the device: nothing for workers to do, no host memory to pin
+        num_workers, collate_fn = 0, _already_collated
+    elif num_workers is None:
         num_workers = default_num_workers()
     return DataLoader(
         dataset,
@@ -43,10 +49,15 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, num_workers: int |
         shuffle=train,
         drop_last=train,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=torch.cuda.is_available() and not on_device,
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
+        worker_init_fn=ignore_stop_signals,
     )
+
+
+def _already_collated(batch):
+    return batch
 
 
 def set_epoch(dataloader, epoch: int) -> None:
@@ -87,3 +98,59 @@ class SeededTransform(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed % (2**63))
             return self.transform(sample), target
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (avalanching multiply-xorshift), on Python ints or int64 tensors."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def seeded_uniform(seed: int, epoch: int, index: torch.Tensor, draws: int) -> torch.Tensor:
+    """(len(index), draws) numbers in [0, 1), each a fixed function of (seed, epoch, sample index,
+    draw), computed on index's device. A counter-based hash rather than a generator's stream: the
+    numbers a sample gets do not depend on which batch, process or resumed run fetches it."""
+    key = _mix32((_mix32(seed & _M32) + epoch) & _M32)
+    per_sample = _mix32((index.long() + key) & _M32)
+    offsets = torch.arange(draws, device=index.device) * 0x9E3779B9
+    bits = _mix32((per_sample[:, None] + offsets) & _M32)
+    return (bits >> 8).float() / 2**24  # 24 bits: exact in float32
+
+
+class DeviceTensorDataset(Dataset):
+    """Tensors that already sit on the training device, fetched a whole batch at a time.
+
+    For data small enough to keep in accelerator memory (CIFAR-10 is 150 MB as uint8): a batch is
+    one indexing operation on the device instead of per-sample Python in worker processes and a
+    host-to-device copy. It still goes through a DataLoader and `accelerator.prepare`, so the
+    seedable sampler shards it by rank and skip_first_batches, set_epoch, even_batches and
+    gather_for_metrics work as for any dataset (`make_dataloader` sets no workers, no pinning and
+    a pass-through collate). `transform(batch, uniforms)`, if given, gets the indexed tensors and
+    `draws` numbers per sample from `seeded_uniform`, so augmentation is the same whatever the
+    process count and wherever a run was resumed.
+    """
+
+    def __init__(self, *tensors: torch.Tensor, transform=None, draws: int = 0, seed: int = 0):
+        if len({len(t) for t in tensors}) != 1:
+            raise ValueError("all tensors need the same first dimension")
+        self.tensors, self.transform, self.draws, self.seed, self.epoch = tensors, transform, draws, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.tensors[0])
+
+    def __getitems__(self, indices):
+        index = torch.as_tensor(indices, device=self.tensors[0].device)
+        batch = tuple(t[index] for t in self.tensors)
+        if self.transform is not None:
+            batch = self.transform(batch, seeded_uniform(self.seed, self.epoch, index, self.draws))
+        return batch
+
+    def __getitem__(self, index):
+        return tuple(t[0] for t in self.__getitems__([index]))

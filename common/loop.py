@@ -12,7 +12,8 @@ step) stays in the recipe.
         loop.end_epoch(evaluate(...))
     summary = loop.finish()
 
-What it keeps right: the position saved with a checkpoint is the next batch to train, so a resumed
+What it keeps right: on SIGTERM/SIGUSR1 every process stops after the same optimizer step, saves a
+checkpoint there and raises Preempted (see preemption.py); the position saved with a checkpoint is the next batch to train, so a resumed
 run replays exactly the batches it had not seen; the scheduler advances once per optimizer step;
 the logged loss is averaged over every micro-batch and every process since the last log; epochs
 are set on the sampler and the dataset so shuffling and augmentation follow the epoch.
@@ -22,12 +23,15 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, model_signature, save_checkpoint
 from .data import set_epoch
+from .metrics import public_args
+from .preemption import Preempted, StopAgreement
 from .runtime import logger
 
 
@@ -43,6 +47,10 @@ class TrainLoop:
         self.must_match = {"world_size": accelerator.num_processes,
                            "per_device_train_batch_size": args.per_device_train_batch_size,
                            "gradient_accumulation_steps": args.gradient_accumulation_steps}
+        # ...and the weights mean something only to the same recipe and model.
+        self.identity = {"recipe": Path(sys.argv[0]).stem, **model_signature(accelerator)}
+        self.stop = StopAgreement(accelerator)
+        self.saved_step = None
         self.progress = None
 
     @property
@@ -52,7 +60,7 @@ class TrainLoop:
     def resume(self, path) -> None:
         """Restore the state saved at `path` (None: start at step 0) and open the progress bar."""
         if path:
-            state = load_checkpoint(self.accelerator, path, self.must_match)
+            state = load_checkpoint(self.accelerator, path, self.must_match, self.identity)
             self.step, self.start_epoch, self.skip_batches = state["step"], state["epoch"], state["batches_in_epoch"]
         self.start_step = self.step
         self.progress = tqdm(total=self.plan.max_train_steps, initial=self.step,
@@ -97,6 +105,9 @@ class TrainLoop:
             self.progress.set_postfix(loss=f"{self.train_loss:.4f}")
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
+        stop_signal = self.stop.poll()
+        if stop_signal:
+            raise Preempted(stop_signal, self.step, self.save_checkpoint())
         return self.done
 
     def end_epoch(self, metrics: dict) -> None:
@@ -106,16 +117,22 @@ class TrainLoop:
         if self.args.checkpointing_steps == "epoch":
             self.save_checkpoint()
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
+        path = Path(self.args.output_dir) / f"checkpoint-{self.step}"
+        if self.saved_step == self.step:  # e.g. a stop signal right after a scheduled save
+            return path
         epoch, batches = self.epoch, self.batches_in_epoch
         if batches == len(self.train_dl):  # a finished epoch resumes at the start of the next
             epoch, batches = epoch + 1, 0
-        save_checkpoint(self.accelerator, self.args.output_dir, self.step,
-                        {"epoch": epoch, "batches_in_epoch": batches, **self.must_match,
-                         "effective_batch_size": self.plan.effective_batch_size, "args": vars(self.args)})
+        self.saved_step = self.step
+        return save_checkpoint(self.accelerator, self.args.output_dir, self.step,
+                               {"epoch": epoch, "batches_in_epoch": batches, **self.must_match, **self.identity,
+                                "effective_batch_size": self.plan.effective_batch_size, "args": public_args(self.args)},
+                               total_limit=getattr(self.args, "save_total_limit", None))
 
     def finish(self, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training (tokens/s too, given the tokens in a sample)."""
+        self.stop.close()
         samples = (self.step - self.start_step) * self.plan.effective_batch_size
         per_second = samples / self.train_seconds if self.train_seconds else None
         summary = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -93,8 +94,33 @@ def run_record(accelerator, args, plan, **metrics) -> dict:
         **metrics,
         **peak_memory_gb(accelerator),
         "versions": library_versions(),
-        "args": vars(args),
+        "args": public_args(args),
     }
+
+
+SECRET_NAMES = re.compile(r"token|secret|password|passwd|api_key|apikey|credential", re.I)
+SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
+
+
+def public_args(args) -> dict:
+    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped,
+    anything that looks like a credential masked (an argument named like one, a hub token, the
+    password in a URL)."""
+    shown = {}
+    for name, value in vars(args).items():
+        if value is None:
+            continue
+        if SECRET_NAMES.search(name) and not isinstance(value, bool):
+            value = "***"
+        elif isinstance(value, str):
+            value = SECRET_VALUES.sub("***", value)
+        shown[name] = value
+    return shown
+
+
+def tracker_config(args) -> dict:
+    """public_args in the plain types every tracker takes (tensorboard's hparams take no lists)."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_args(args).items()}
 
 
 def write_results(accelerator, output_dir, record: dict) -> Path:

@@ -15,11 +15,15 @@ import logging
 import os
 import platform
 import sys
+import traceback
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
+from tqdm.auto import tqdm
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+
+from .preemption import PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
 logger = get_logger("recipes")
 
@@ -41,19 +45,52 @@ class RecipeError(Exception):
         self.same_on_every_rank = same_on_every_rank
 
 
+class DataError(RecipeError):
+    """Bad data met by one process, often in a DataLoader worker (an unreadable image): the rank
+    that meets it reports it. DataLoader re-raises a worker's exception as `DataError(text)` with
+    the worker's traceback in the text; `one_line` recovers the message."""
+
+    def __init__(self, message: str, same_on_every_rank: bool = False):
+        super().__init__(message, same_on_every_rank)
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message as one line: the original message of an exception re-raised from a
+    DataLoader worker, the first line of a multi-line one."""
+    text = str(err).strip()
+    if "\nOriginal Traceback" in text:  # torch's ExceptionWrapper: "...\n<module>.<Type>: <message>"
+        last = text.splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def run(main):
-    """Decorator for a recipe's entry point: RecipeError becomes one line on stderr and exit 2."""
+    """Decorator for a recipe's entry point: RecipeError becomes one line on stderr and exit 2; a
+    stop on SIGTERM/SIGUSR1 (its checkpoint saved) one line and exit PREEMPTED_EXIT_CODE."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        # The launcher's RANK, not Accelerate's: when the group did not form, every process
+        # believes it is process 0.
+        first = os.environ.get("RANK", "0") == "0"
         try:
             return main(*args, **kwargs)
         except RecipeError as err:
-            # The launcher's RANK, not Accelerate's: when the group did not form, every process
-            # believes it is process 0.
-            if not err.same_on_every_rank or os.environ.get("RANK", "0") == "0":
-                print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            if not err.same_on_every_rank or first:
+                tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
+            code = 2
+        except Preempted as stop:
+            if first:
+                tqdm.write(f"preempted: {stop}", file=sys.stderr)
+                write_status(f"preempted {stop.step} {stop.checkpoint}")
+            code = PREEMPTED_EXIT_CODE
+        except Exception:
+            # Printed here rather than at exit, so the frames holding the DataLoader (and its
+            # workers, which ignore SIGTERM) are released first: the workers are then shut down
+            # instead of holding the exit up.
+            traceback.print_exc()
+            code = 1
+        sys.exit(code)
 
     return wrapper
 
@@ -75,6 +112,7 @@ def make_accelerator(
     - Data order comes from a seedable sampler, so resuming replays the same order.
     - Schedulers are stepped by the recipe once per optimizer step (not once per process).
     - Every process is seeded with `seed`, so every process builds the same initial model.
+    - SIGTERM and SIGUSR1 are recorded, for TrainLoop to stop at a checkpoint (preemption.py).
     - Under DeepSpeed, which clips and accumulates itself, its config takes `max_grad_norm` and
       must agree with `gradient_accumulation_steps`.
     """
@@ -84,6 +122,7 @@ def make_accelerator(
     if expected > 1 and not torch.cuda.is_available():
         pg_kwargs["backend"] = "gloo"
     try:
+        _join_restarted_group(pg_kwargs)
         accelerator = Accelerator(
             gradient_accumulation_steps=gradient_accumulation_steps,
             log_with=None if report_to in ("none", None) else report_to,
@@ -102,7 +141,27 @@ def make_accelerator(
     if accelerator.state.deepspeed_plugin is not None:
         _agree_with_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm)
     set_seed(seed)
+    install_stop_handlers()  # once the group stands: a process stuck joining it may still be killed
     return accelerator
+
+
+def _join_restarted_group(pg_kwargs: dict) -> None:
+    """Under `--max_restarts`, torchrun's static rendezvous keeps one store for every attempt, and
+    init_process_group's keys do not name the attempt: restarted processes read the dead
+    attempt's addresses and fail to connect ("Connection refused"). Join with the attempt in the
+    key prefix instead; Accelerate then uses the group that is already there."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
+        return
+    timeout = pg_kwargs["timeout"]
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    backend = pg_kwargs.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
+                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                         timeout=timeout)
 
 
 def _agree_with_deepspeed(config: dict, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
@@ -179,5 +238,5 @@ def _setup_logging(accelerator: Accelerator) -> None:
         datefmt="%H:%M:%S",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
     )
-    for noisy in ("torch.distributed", "torch.nn.parallel", "datasets", "httpx", "urllib3"):
+    for noisy in ("torch.distributed", "torch.nn.parallel", "datasets", "httpx", "urllib3", "accelerate.checkpointing"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

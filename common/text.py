@@ -132,6 +132,12 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     datasets' cache), in fixed-size blocks that need no padding."""
     from transformers import default_data_collator
 
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
+        raise RecipeError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
+            "use the tokenizer saved with the model (--tokenizer_name), or resize the model's embeddings to it first"
+        )
     limit = max_block_size(tokenizer, config)
     block_size = args.block_size or min(limit, 1024)
     if block_size > limit:

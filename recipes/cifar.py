@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torchvision
+from PIL import Image
 from torchvision import transforms as T
 
 import common
@@ -43,20 +44,36 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--label_smoothing", type=float, default=0.0)
+    p.add_argument("--data_on_device", action="store_true",
+                   help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
+                        "no host-to-device copies (images of 64 px or less)")
+    p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(output_dir="outputs/cifar", per_device_train_batch_size=128, per_device_eval_batch_size=256,
                    learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", warmup_ratio=0.05,
                    weight_decay=5e-4, max_grad_norm=0.0, num_train_epochs=30, logging_steps=20)
     return common.parse(p, argv)
 
 
-def build_datasets(args):
-    """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
+def load_image(path):
+    """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker)."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError) as err:  # not an image, truncated, an unsupported variant
+        raise common.DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
+
+
+def load_images(args):
+    """(train, eval, image size, mean, std, num_classes), the images not yet transformed."""
     if args.dataset == "imagefolder":
         for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
             if not folder or not Path(folder).is_dir():
                 raise RecipeError(f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images")
-        train = torchvision.datasets.ImageFolder(args.train_dir)
-        evals = torchvision.datasets.ImageFolder(args.val_dir)
+        try:
+            train = torchvision.datasets.ImageFolder(args.train_dir, loader=load_image)
+            evals = torchvision.datasets.ImageFolder(args.val_dir, loader=load_image)
+        except FileNotFoundError as err:  # no class folders, or no images in them
+            raise RecipeError(f"{err}; --dataset imagefolder needs class sub-folders holding images") from err
         if train.classes != evals.classes:
             raise RecipeError(f"{args.train_dir} and {args.val_dir} have different class folders")
         size, mean, std, num_classes = args.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train.classes)
@@ -70,6 +87,12 @@ def build_datasets(args):
                 f"download it where there is network and pass --data_dir, or use --dataset imagefolder"
             ) from err
         size, mean, std, num_classes = 32, CIFAR_MEAN, CIFAR_STD, len(train.classes)
+    return train, evals, size, mean, std, num_classes
+
+
+def build_datasets(args):
+    """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
+    train, evals, size, mean, std, num_classes = load_images(args)
     if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
         train_tf = [T.Resize((size, size)), T.RandomCrop(size, padding=size // 8)]
         eval_tf = [T.Resize((size, size))]
@@ -82,9 +105,49 @@ def build_datasets(args):
     return train, evals, num_classes
 
 
+def as_uint8(dataset, size):
+    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels."""
+    if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
+        return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
+    dataset.transform = T.Compose([T.Resize((size, size)), T.PILToTensor()])
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor(labels)
+
+
+def build_device_datasets(args, device):
+    """--data_on_device: (train, eval, num_classes) held on `device` as uint8. A batch is padded,
+    cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
+    train, evals, size, mean, std, num_classes = load_images(args)
+    if size > 64:
+        raise RecipeError(f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not {size}")
+    pad = size // 8
+    mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
+    steps = torch.arange(size, device=device)
+    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format  # as the model's, see main
+
+    def normalize(images):  # NHWC uint8 -> NCHW float (permuted, NHWC is channels_last already)
+        return ((images.permute(0, 3, 1, 2).float() - mean) / std).contiguous(memory_format=layout)
+
+    def crop_flip(batch, u):
+        images, labels = batch
+        padded = torch.nn.functional.pad(images, (0, 0, pad, pad, pad, pad))
+        rows = (u[:, 0] * (2 * pad + 1)).long()[:, None] + steps
+        cols = (u[:, 1] * (2 * pad + 1)).long()[:, None] + torch.where(u[:, 2:] < 0.5, steps.flip(0), steps)
+        cropped = padded[torch.arange(len(images), device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        return normalize(cropped), labels
+
+    train = common.DeviceTensorDataset(*(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3,
+                                       seed=args.seed)
+    evals = common.DeviceTensorDataset(*(t.to(device) for t in as_uint8(evals, size)),
+                                       transform=lambda batch, _: (normalize(batch[0]), batch[1]))
+    return train, evals, num_classes
+
+
 def get_dataloaders(args, accelerator):
     with common.prepare_data_first(accelerator):
-        train, evals, num_classes = build_datasets(args)
+        train, evals, num_classes = (build_device_datasets(args, accelerator.device) if args.data_on_device
+                                     else build_datasets(args))
     train_dl = common.make_dataloader(train, args.per_device_train_batch_size, train=True,
                                       num_workers=args.dataloader_num_workers)
     eval_dl = common.make_dataloader(evals, args.per_device_eval_batch_size, train=False,
@@ -104,11 +167,12 @@ def build_model(name, num_classes):
         raise RecipeError(f"--model {name}: {err}") from err
 
 
-def build_optimizer(args, model, lr):
+def build_optimizer(args, model, lr, fused=False):
+    """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor."""
     groups = common.decay_groups(model, args.weight_decay)
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
-    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov)
+        return torch.optim.AdamW(groups, lr=lr, fused=fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov, fused=fused)
 
 
 def evaluate(model, eval_dl, accelerator):
@@ -134,26 +198,28 @@ def main(argv=None):
     accelerator = common.make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
         report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
-    resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_from = common.prepare_output_dir(accelerator, args)
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
     plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
 
     model = build_model(args.model, num_classes)
-    channels_last = accelerator.device.type == "cuda"  # NHWC lets cuDNN use tensor cores
-    if channels_last:
+    on_gpu = accelerator.device.type == "cuda"
+    if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(args, model, plan.learning_rate)
+    if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
+        model.compile()
+    optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
     scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
 
     loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
     loop.resume(resume_from)
-    accelerator.init_trackers("cifar", config={k: v for k, v in vars(args).items() if v is not None})
+    accelerator.init_trackers("cifar", config=common.tracker_config(args))
     metrics = {}
     for _ in loop.epochs():
         for images, labels in loop.batches():
-            if channels_last:
+            if on_gpu:
                 images = images.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)

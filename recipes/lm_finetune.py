@@ -33,6 +33,7 @@ def parse_args(argv=None):
                    help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision")
     m.add_argument("--attn_implementation", default="sdpa", help="sdpa, flash_attention_2, eager")
     m.add_argument("--gradient_checkpointing", action="store_true")
+    m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
     m.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
     m.add_argument("--lora_alpha", type=int, default=32)
@@ -74,6 +75,8 @@ def build_model(args, model):
                                                  target_modules=targets, task_type="CAUSAL_LM"))
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
+    if args.torch_compile:  # in place, so state-dict names, checkpoints and save_pretrained stay unchanged
+        model.compile()
     return model
 
 
@@ -83,7 +86,7 @@ def main(argv=None):
     accelerator = common.make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
         report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
-    resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_from = common.prepare_output_dir(accelerator, args)
 
     model, tokenizer = load_model_and_tokenizer(args)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
@@ -99,7 +102,7 @@ def main(argv=None):
 
     loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
     loop.resume(resume_from)
-    accelerator.init_trackers("lm_finetune", config={k: str(v) for k, v in vars(args).items() if v is not None})
+    accelerator.init_trackers("lm_finetune", config=common.tracker_config(args))
     metrics = {}
     for _ in loop.epochs():
         for batch in loop.batches():

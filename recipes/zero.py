@@ -114,7 +114,7 @@ def main(argv=None):
     accelerator = common.make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
         report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
-    resume_from = common.resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resume_from = common.prepare_output_dir(accelerator, args)
 
     model, tokenizer = build_model(args)
     estimates = log_memory_estimates(accelerator, model)
@@ -126,7 +126,7 @@ def main(argv=None):
 
     loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
     loop.resume(resume_from)
-    accelerator.init_trackers("zero", config={k: str(v) for k, v in vars(args).items() if v is not None})
+    accelerator.init_trackers("zero", config=common.tracker_config(args))
     metrics = {}
     for _ in loop.epochs():
         for batch in loop.batches():

@@ -3,11 +3,15 @@
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,3 +139,37 @@ def lm_args(lm, output_dir, *extra):
     return ["--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
             "--output_dir", output_dir, "--block_size", "32", "--per_device_train_batch_size", "8",
             "--learning_rate", "3e-3", "--lr_scaling", "none", "--warmup_ratio", "0", *extra]
+
+
+def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, timeout=300):
+    """Start `cmd` in a session of its own (as a terminal or a Slurm step runs it), wait until
+    checkpoint-<after_step> is complete, then send `sig` to every process of the job, or to the
+    process of one `rank` only. Returns the finished process and the seconds it took to end."""
+    marker = Path(output_dir) / f"checkpoint-{after_step}" / "trainer_state.json"
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while not marker.exists():
+                assert proc.poll() is None, f"ended before checkpoint-{after_step}"
+                assert time.monotonic() < deadline, f"no checkpoint-{after_step} after {timeout} s"
+                time.sleep(0.05)
+            if rank is None:
+                os.killpg(proc.pid, sig)
+            else:
+                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                         if p.environ().get("RANK") == str(rank) and str(REPO / "recipes") in " ".join(p.cmdline())]
+                (target,) = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
+                target.send_signal(sig)
+            sent = time.monotonic()
+            proc.wait(timeout=timeout)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), took

@@ -2,13 +2,16 @@
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, load_recipe, results,
-                      run, user_env)
+import common
+
+from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, interrupt, load_recipe,
+                      results, run, user_env)
 
 RECIPE = REPO / "recipes" / "cifar.py"
 
@@ -115,29 +118,41 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
     assert not out.exists(), "a refused run must not write output"
 
 
-def test_resume_mid_epoch_ends_with_the_same_weights_as_the_uninterrupted_run(digits, tmp_path):
-    """2 processes, accumulation 2, loader workers: checkpoint at step 15 (mid epoch 0), resume,
-    cross into epoch 1, finish at step 26. Same weights, bit for bit up to allclose."""
+def test_stop_signal_mid_epoch_then_resume_ends_with_the_same_weights_as_the_uninterrupted_run(digits, tmp_path):
+    """2 processes, accumulation 2, loader workers. SIGUSR1 reaches rank 1 only, mid epoch 0: both
+    processes stop after the same step, save one checkpoint there and launch.sh exits 75. Resumed
+    with `latest` past a damaged and an incomplete newer checkpoint, the run crosses into epoch 1
+    and ends with the uninterrupted run's weights."""
     common_args = [*FAST_MODEL[:2], "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2",
                    "--dataloader_num_workers", "1", "--max_train_steps", "26", "--learning_rate", "0.05"]
-    straight = tmp_path / "straight"
-    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, straight, *common_args, "--checkpointing_steps", "15"))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, straight, *common_args))
     run(cmd, env=env)
-    checkpoint = straight / "checkpoint-15"
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state["step"] == 15 and state["epoch"] == 0 and 0 < state["batches_in_epoch"] < 43
 
-    # The resumed job's output_dir holds the complete checkpoint-15 plus debris that `latest`
-    # must not pick: a newer folder without trainer_state.json and a temporary folder.
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(checkpoint, resumed / "checkpoint-15")
-    shutil.copytree(checkpoint, resumed / "checkpoint-20")
-    (resumed / "checkpoint-20" / "trainer_state.json").unlink()
-    (resumed / ".tmp-checkpoint-25").mkdir()
+    launch = [REPO / "launch.sh", "cifar", *digits_args(digits, resumed, *common_args, "--checkpointing_steps", "3",
+                                                          "--save_total_limit", "2")]
+    proc, _ = interrupt(launch, user_env(), resumed, after_step=3, sig=signal.SIGUSR1, rank=1)
+    assert proc.returncode == common.PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
+    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("preempted:")]
+    stop = int(line.split("after step ")[1].split(";")[0])
+    assert 3 < stop < 26 and f"checkpoint-{stop}. Continue with --resume_from_checkpoint latest" in line
+    kept = sorted(int(p.name.split("-")[1]) for p in resumed.glob("checkpoint-*"))
+    assert kept == [stop // 3 * 3, stop] if stop % 3 else kept == [stop - 3, stop]  # --save_total_limit 2
+    state = json.loads((resumed / f"checkpoint-{stop}" / "trainer_state.json").read_text())
+    assert state["step"] == stop and state["epoch"] == 0 and 0 < state["batches_in_epoch"] < 43  # mid epoch
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])  # both processes saved this step
+    assert not (resumed / "results.json").exists()
+
+    # Newer debris that `latest` must pass over: a copy cut short, and a folder without its marker.
+    shutil.copytree(resumed / f"checkpoint-{stop}", resumed / "checkpoint-40")
+    weights = resumed / "checkpoint-40" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    shutil.copytree(resumed / f"checkpoint-{stop}", resumed / "checkpoint-50")
+    (resumed / "checkpoint-50" / "trainer_state.json").unlink()
     cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, resumed, *common_args, "--resume_from_checkpoint", "latest"))
     proc = run(cmd, env=env)
-    assert "resumed from" in proc.stderr and "checkpoint-15 at step 15" in proc.stderr
+    assert f"checkpoint-{stop} at step {stop}" in proc.stderr
+    assert "ignoring damaged checkpoint" in proc.stderr and "model.safetensors has 1000 bytes" in proc.stderr
     assert "ignoring incomplete checkpoint" in proc.stderr
 
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
@@ -160,11 +175,16 @@ def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
     assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
 
 
-def test_tensorboard_tracking_writes_events(digits, tmp_path):
+def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_file(digits, tmp_path):
     out = tmp_path / "run"
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
-         *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "4", "--logging_steps", "2", "--report_to", "tensorboard")])
+    secrets = {"HF_TOKEN": "hf_" + "S3cr3t" * 6, "WANDB_API_KEY": "0123456789abcdef" * 2}
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+                *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "4", "--logging_steps", "2",
+                             "--report_to", "tensorboard", "--checkpointing_steps", "4")], env=user_env(**secrets))
     assert list((out / "cifar").rglob("events.out.tfevents.*"))
+    written = [proc.stdout, proc.stderr] + [p.read_bytes().decode("latin-1") for p in out.rglob("*") if p.is_file()]
+    for secret in secrets.values():
+        assert not any(secret in text for text in written)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -190,3 +210,64 @@ def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, mes
 def test_unknown_argument_is_an_error():
     proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
     assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr
+
+
+def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digits):
+    """The property resume and other process counts rely on: a sample's crop and flip do not
+    depend on the batch that fetches it, and change with the epoch."""
+    cifar = load_recipe()
+    args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--data_on_device")])
+    train, evals, _ = cifar.build_device_datasets(args, torch.device("cpu"))
+    images, labels = train.__getitems__([3, 5, 7])
+    assert images.shape == (3, 3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
+    torch.testing.assert_close(train.__getitems__([5])[0][0], images[1], rtol=0, atol=0)
+    train.set_epoch(1)
+    assert not torch.equal(train.__getitems__([3, 5, 7])[0], images)
+
+    # Each image is the 32x32 window at the drawn offset of the zero-padded original, mirrored when drawn.
+    index = torch.arange(64)
+    crops = train.__getitems__(index.tolist())[0]
+    u = common.seeded_uniform(args.seed, 1, index, 3)
+    mean = torch.tensor(cifar.IMAGENET_MEAN).view(3, 1, 1) * 255
+    std = torch.tensor(cifar.IMAGENET_STD).view(3, 1, 1) * 255
+    flips = 0
+    for i in index.tolist():
+        padded = torch.nn.functional.pad(train.tensors[0][i].permute(2, 0, 1).float(), (4, 4, 4, 4))
+        dy, dx = int(u[i, 0] * 9), int(u[i, 1] * 9)
+        window = padded[:, dy:dy + 32, dx:dx + 32]
+        if u[i, 2] < 0.5:
+            window, flips = window.flip(-1), flips + 1
+        torch.testing.assert_close(crops[i], (window - mean) / std)
+    assert 16 < flips < 48
+
+
+def test_data_on_device_learns_resumes_exactly_and_two_processes_split_it(digits, tmp_path):
+    """--data_on_device on CPU: trains well above chance; a resumed run ends with the uninterrupted
+    run's weights; 2 processes get disjoint halves and evaluation counts each sample once."""
+    straight = tmp_path / "straight"
+    args = [*FAST_MODEL, "--data_on_device", "--num_train_epochs", "2", "--checkpointing_steps", "70"]
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, straight, *args)])
+    res = results(straight)
+    assert res["eval_accuracy"] > 0.7 and res["eval_samples"] == digits["n_val"], res
+    assert res["steps"] == 2 * (digits["n_train"] // 32)
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-70", resumed / "checkpoint-70")
+    run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+         *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    out = tmp_path / "probe.json"
+    cmd, env = accelerate_cpu(2, REPO / "tests/probes/shard_probe.py", out,
+                              *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32",
+                                           "--data_on_device"))
+    run(cmd, env=env)
+    probe = json.loads(out.read_text())
+    for rank0, rank1 in probe["train"]:
+        assert len(rank0) == len(rank1) == (digits["n_train"] // 32) // 2 * 32
+        assert not set(rank0) & set(rank1) and len(set(rank0)) == len(rank0)
+    assert probe["train"][0][0] != probe["train"][1][0], "the shuffle did not change between epochs"
+    assert sorted(probe["eval"]) == list(range(digits["n_val"])), "eval missed or double-counted samples"

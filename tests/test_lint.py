@@ -1,6 +1,8 @@
-"""pyflakes over everything Python: an undefined name in a rarely-run branch (a DeepSpeed-only
-path, an error message) fails here, not in a user's job hours in."""
+"""Static checks. pyflakes over everything Python: an undefined name in a rarely-run branch (a
+DeepSpeed-only path, an error message) fails here, not in a user's job hours in. And the loading
+rules: no pickle-executing loads, no remote code the user did not ask for."""
 
+import re
 import subprocess
 import sys
 
@@ -8,6 +10,19 @@ from conftest import REPO
 
 
 def test_pyflakes_finds_nothing():
-    proc = subprocess.run([sys.executable, "-m", "pyflakes", "recipes", "common", "tests", "scripts"],
+    proc = subprocess.run([sys.executable, "-m", "pyflakes", "recipes", "common", "tests", "scripts", "benchmarks"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_weights_are_loaded_safely_and_remote_code_only_on_request():
+    """Everything the repository loads goes through safetensors or torch.load(weights_only=True),
+    and trust_remote_code is only ever the user's flag."""
+    sources = [p for folder in ("recipes", "common", "benchmarks", "scripts") for p in (REPO / folder).rglob("*.py")]
+    assert sources
+    for path in sources:
+        text = path.read_text()
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, f"{path}: {call}"
+        assert not re.search(r"trust_remote_code\s*=\s*True", text), path
+        assert "pickle.load" not in text, path

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import BIN, REPO, accelerate_cpu, error_lines, lm_args, results, run
+from conftest import BIN, REPO, accelerate_cpu, error_lines, interrupt, lm_args, results, run
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
@@ -95,21 +95,27 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
     assert curves[1][-1][1] < 0.8 * curves[1][0][1]  # and it is a curve, not a flat line
 
 
-def test_resume_mid_epoch_gives_the_same_loss_and_weights(tiny_lm, tmp_path):
+def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, tmp_path):
+    """SIGTERM to every process of an `accelerate launch` job, as Slurm and Ctrl-C's neighbours send
+    it: each process finishes the step, they save one checkpoint and exit 75. Resumed with
+    `latest`, the loss curve and the weights are the uninterrupted run's."""
     args = ["--gradient_accumulation_steps", "2", "--max_train_steps", "14", "--logging_steps", "1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args, "--checkpointing_steps", "3"))
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args))
     run(cmd, env=env)
-    state = json.loads((straight / "checkpoint-9/trainer_state.json").read_text())
-    assert state["epoch"] == 1 and 0 < state["batches_in_epoch"]  # mid-epoch
-    resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-9", resumed / "checkpoint-9")
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
+    proc, _ = interrupt(cmd, env, resumed, after_step=4)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    stop = max(int(p.name.split("-")[1]) for p in resumed.glob("checkpoint-*"))
+    assert 4 < stop < 14 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr
+    files = json.loads((resumed / f"checkpoint-{stop}" / "trainer_state.json").read_text())["files"]
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)  # both processes stopped at this step
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--resume_from_checkpoint", "latest"))
     run(cmd, env=env)
     a, b = results(straight), results(resumed)
     assert a["steps"] == b["steps"] == 14 and a["epochs"] > 2  # the resumed part crossed epoch boundaries
-    assert b["log_history"][0]["step"] == 10
-    for after, before in zip(b["log_history"], a["log_history"][9:], strict=True):  # the same curve after step 9
+    assert b["log_history"][0]["step"] == stop + 1
+    for after, before in zip(b["log_history"], a["log_history"][stop:], strict=True):  # the same curve after the stop
         assert after["step"] == before["step"] and after["lr"] == pytest.approx(before["lr"])
         assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)

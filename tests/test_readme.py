@@ -122,7 +122,7 @@ def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
 def parse_recipe_args(args):
     """The recipe's (or the doctor's) own parser on a launch.sh argument list, less launch.sh's options."""
     recipe_args = args[1:]
-    for option in ("--config", "--num_processes"):  # launch.sh's own options, not the recipe's
+    for option in ("--config", "--num_processes", "--max_restarts"):  # launch.sh's own options, not the recipe's
         if option in recipe_args:
             at = recipe_args.index(option)
             del recipe_args[at:at + 2]

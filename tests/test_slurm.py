@@ -212,12 +212,15 @@ def test_requeue_template_needs_checkpoints(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: requeue.sbatch needs --checkpointing_steps")
 
 
-def test_requeue_template_requeues_itself_on_usr1(tmp_path):
-    """Slurm's warning signal before the time limit (--signal=B:USR1@300) makes the script requeue
-    its own job; preemption requeues it through --requeue."""
+def test_requeue_template_stops_the_step_at_a_checkpoint_and_requeues_on_usr1(tmp_path):
+    """Slurm's warning signal before the time limit (--signal=B:USR1@300) reaches the batch shell:
+    it passes USR1 to the step (srun forwards it to launch.sh on every node), and once the step
+    exits 75 (stopped at a checkpoint) it requeues the job. Preemption requeues through --requeue."""
     env = slurm_env(tmp_path, 2, SLURM_CPUS_PER_TASK="64")
     started = tmp_path / "started"
-    executable(tmp_path / "fakebin/srun", f"#!/bin/sh\ntouch {started}\nexec sleep 60\n")  # a long training step
+    # A long training step that, like launch.sh, saves and exits 75 on USR1.
+    executable(tmp_path / "fakebin/srun", f"#!/bin/bash\ntrap 'echo USR1 > {tmp_path}/step.log; exit 75' USR1\n"
+                                          f"touch {started}\nsleep 60 & wait\n")
     executable(tmp_path / "fakebin/scontrol", f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.log\n')
     log = tmp_path / "job.out"  # a file, not a pipe: the fake step would hold a pipe open
     proc = subprocess.Popen(["bash", REPO / "slurm/requeue.sbatch", "cifar", "--checkpointing_steps", "500"],
@@ -231,11 +234,12 @@ def test_requeue_template_requeues_itself_on_usr1(tmp_path):
         proc.wait(timeout=30)
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the fake step
+            os.killpg(proc.pid, signal.SIGKILL)  # the fake step's sleep
         except ProcessLookupError:
             pass
     out = log.read_text()
     assert proc.returncode == 0, out
+    assert (tmp_path / "step.log").read_text().strip() == "USR1", "the step was asked to stop"
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", JOB_ID]
     assert "requeueing job 4242" in out
 

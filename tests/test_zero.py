@@ -1,13 +1,12 @@
 """DeepSpeed ZeRO-2/3 on CPU: 2 processes, DeepSpeed's CPU accelerator and gloo (DESIGN.md)."""
 
 import json
-import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import BIN, REPO, accelerate_cpu, error_lines, lm_args, results, run, user_env
+from conftest import BIN, REPO, accelerate_cpu, error_lines, interrupt, lm_args, results, run, user_env
 from test_lm_finetune import eval_loss
 
 pytest.importorskip("deepspeed")
@@ -15,12 +14,13 @@ RECIPE = REPO / "recipes" / "lm_finetune.py"
 CURVE = ["--max_train_steps", "8", "--logging_steps", "1"]
 
 
-def deepspeed(config, nproc, *args, check=True):
+def deepspeed(config, nproc, *args, check=True, command=False):
     """`accelerate launch --config_file accelerate_configs/<config>.yaml`, fp32 (CPUs lack fast bf16)."""
     env = user_env()
     config_file = config if str(config).endswith(".yaml") else REPO / f"accelerate_configs/{config}.yaml"
-    return run([BIN / "accelerate", "launch", "--config_file", config_file, "--num_processes", nproc,
-                "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"], RECIPE, *args], env=env, check=check)
+    cmd = [BIN / "accelerate", "launch", "--config_file", config_file, "--num_processes", nproc,
+           "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"], RECIPE, *args]
+    return (cmd, env) if command else run(cmd, env=env, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +55,21 @@ def test_zero_follows_the_ddp_loss_curve_and_saves_a_loadable_model(tiny_lm, tmp
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
-def test_zero3_resume_mid_run_matches_the_uninterrupted_run(tiny_lm, tmp_path):
+def test_zero3_sigterm_then_resume_matches_the_uninterrupted_run(tiny_lm, tmp_path):
     args = ["--gradient_accumulation_steps", "2", "--max_train_steps", "8", "--logging_steps", "1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    deepspeed("zero3", 2, *lm_args(tiny_lm, straight, *args, "--checkpointing_steps", "3"))
-    checkpoint = straight / "checkpoint-3"
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["world_size"] == 2
-    resumed.mkdir()
-    shutil.copytree(checkpoint, resumed / checkpoint.name)
+    deepspeed("zero3", 2, *lm_args(tiny_lm, straight, *args))
+    cmd, env = deepspeed("zero3", 2, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "2"), command=True)
+    proc, _ = interrupt(cmd, env, resumed, after_step=2)
+    checkpoint = max(resumed.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    stop = state["step"]
+    assert 2 < stop < 8 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr, proc.stderr[-3000:]
+    assert state["world_size"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])
     deepspeed("zero3", 2, *lm_args(tiny_lm, resumed, *args, "--resume_from_checkpoint", "latest"))
     a, b = results(straight), results(resumed)
     assert a["effective_batch_size"] == b["effective_batch_size"] == 32  # 2 processes x 8 x 2 accumulated
-    assert [h["train_loss"] for h in b["log_history"]] == pytest.approx([h["train_loss"] for h in a["log_history"][3:]], rel=1e-5)
+    assert [h["train_loss"] for h in b["log_history"]] == pytest.approx([h["train_loss"] for h in a["log_history"][stop:]], rel=1e-5)
     wa = AutoModelForCausalLM.from_pretrained(straight).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(resumed).state_dict()
     for name in wa:

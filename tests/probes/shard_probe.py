@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import common  # noqa: E402
+import torch  # noqa: E402
 from accelerate.utils import gather_object  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
@@ -20,8 +21,12 @@ args = cifar.parse_args(argv)
 accelerator = common.make_accelerator(seed=args.seed)
 train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
 # Label every sample with its index, so a batch's labels say which samples it holds.
-for folder in (train_dl.dataset.dataset, eval_dl.dataset):
-    folder.samples = [(path, i) for i, (path, _) in enumerate(folder.samples)]
+for dataset in (train_dl.dataset, eval_dl.dataset):
+    if isinstance(dataset, common.DeviceTensorDataset):  # --data_on_device: (images, labels) tensors
+        dataset.tensors = (dataset.tensors[0], torch.arange(len(dataset), device=dataset.tensors[1].device))
+    else:  # an ImageFolder, the training one inside its SeededTransform
+        folder = getattr(dataset, "dataset", dataset)
+        folder.samples = [(path, i) for i, (path, _) in enumerate(folder.samples)]
 train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
 
 record = {"world_size": accelerator.num_processes, "train": [], "eval": []}

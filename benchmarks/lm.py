@@ -1,0 +1,92 @@
+"""LM: recipes/lm_finetune.py's tokens/s, MFU and peak memory per process under DDP, ZeRO-2, ZeRO-3
+and ZeRO-3 with CPU offload, for the same Llama (built from a config in a local folder: nothing
+downloaded) on the same packed text. Values come from each run's results.json.
+
+    .venv/bin/python benchmarks/lm.py                                  # CPU: 2 processes, fp32
+    .venv/bin/python benchmarks/lm.py --hidden_size 2048 --num_layers 16 --block_size 1024 --torch_compile   # GPUs
+
+MFU is reported on A100/H100/H200 only (common/metrics.py knows their bf16 peak); on CPU it is
+empty. Peak memory is the CUDA allocator's peak on GPUs, the resident set on CPU (which includes
+the Python runtime and, under DeepSpeed, its libraries: compare sharding savings on GPUs, or with a
+model large enough for its states to dominate). The first DeepSpeed run on a machine builds a C++
+op (40-60 s); that run's start-up, not its tokens/s, pays for it.
+"""
+
+import benchlib
+
+NAME = "lm"
+CONFIGS = {"ddp": None, "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
+
+
+def parse_args(argv=None):
+    p = benchlib.parser(__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all (smoke: ddp)")
+    p.add_argument("--processes", type=int, help="default: 2 (CPU) or every GPU")
+    p.add_argument("--hidden_size", type=int)
+    p.add_argument("--num_layers", type=int)
+    p.add_argument("--block_size", type=int)
+    p.add_argument("--per_device_train_batch_size", type=int, default=8)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--torch_compile", action="store_true", help="add a DDP run with --torch_compile")
+    args = p.parse_args(argv)
+    gpus = benchlib.machine()["gpus"]
+    big = gpus and not args.smoke
+    args.configs = args.configs or (["ddp"] if args.smoke else list(CONFIGS))
+    args.processes = args.processes or max(2, gpus)
+    args.hidden_size = args.hidden_size or (2048 if big else 64 if args.smoke else 256)
+    args.num_layers = args.num_layers or (16 if big else 2 if args.smoke else 4)
+    args.block_size = args.block_size or (1024 if big else 32 if args.smoke else 128)
+    args.steps = args.steps or (3 if args.smoke else 15)
+    args.repeats = args.repeats or (1 if args.smoke else 2)
+    args.work_dir = args.work_dir or args.out / "work"
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    lm = benchlib.tiny_lm(args.work_dir, args.hidden_size, args.num_layers, args.block_size,
+                          lines=200 if args.smoke else 3000)
+    runs = [(name, CONFIGS[name], []) for name in args.configs]
+    if args.torch_compile:
+        runs.append(("ddp + torch_compile", None, ["--torch_compile"]))
+    measured = {}
+    for rep in range(args.repeats):
+        for name, config, extra in runs:
+            out = args.work_dir / f"lm-{name.replace(' + ', '-')}-{rep}"
+            measured.setdefault(name, []).append(benchlib.launch_recipe("lm_finetune", args.processes, [
+                "--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
+                "--block_size", args.block_size, "--per_device_train_batch_size", args.per_device_train_batch_size,
+                "--max_train_steps", args.steps, "--logging_steps", args.steps, *extra], out, config=config))
+
+    results, rows = [], []
+    ddp_tokens = None
+    for name, reps in measured.items():
+        tokens = benchlib.median([r["tokens_per_second"] for r in reps])
+        mfus = [r["mfu"] for r in reps if r.get("mfu") is not None]
+        last = reps[-1]
+        ddp_tokens = tokens if name == "ddp" else ddp_tokens
+        entry = {"config": name, "processes": last["world_size"], "distributed_type": last["distributed_type"],
+                 "mixed_precision": last["mixed_precision"], "parameters": last["parameters"],
+                 "parameters_per_process": last["parameters_per_process"], "tokens_per_second": tokens,
+                 "all_tokens_per_second": [r["tokens_per_second"] for r in reps],
+                 "mfu": benchlib.median(mfus), "peak_memory_gb_per_process": last["peak_memory_gb_per_process"],
+                 "peak_memory_kind": last["peak_memory_kind"], "train_loss": last["train_loss"]}
+        results.append(entry)
+        precision = "fp32" if entry["mixed_precision"] == "no" else entry["mixed_precision"]
+        rows.append([name, entry["processes"], precision, tokens,
+                     tokens / ddp_tokens if ddp_tokens else None,
+                     None if entry["mfu"] is None else f"{100 * entry['mfu']:.1f}%",
+                     " / ".join(f"{g:.2f}" for g in entry["peak_memory_gb_per_process"]),
+                     " / ".join(f"{n:,}" for n in entry["parameters_per_process"])])
+    kind = results[0]["peak_memory_kind"]
+    md = (f"### LM: recipes/lm_finetune.py under DDP and ZeRO\n\nLlama {args.hidden_size} hidden x {args.num_layers} "
+          f"layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, per-device batch "
+          f"{args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, median of "
+          f"{args.repeats}. Peak memory: {kind} (GB per process).\n\n"
+          + benchlib.markdown_table(["config", "processes", "precision", "tokens/s", "vs DDP", "MFU",
+                                     "peak memory GB", "parameters held per process"], rows))
+    benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}, md)
+
+
+if __name__ == "__main__":
+    main()

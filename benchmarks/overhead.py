@@ -1,0 +1,134 @@
+"""Overhead: recipes/cifar.py, launched as users launch it, against hand-written PyTorch loops on the
+same model, data, batch and precision (benchmarks/baseline_loop.py: plain PyTorch in one process,
+DDP + DistributedSampler under torchrun in N). Runs alternate, several repetitions; the median of
+the per-repetition ratios is reported. Also: gradient accumulation with DDP's no_sync against an
+all-reduce after every micro-batch, the saving `accelerator.accumulate` gives the recipe.
+
+    .venv/bin/python benchmarks/overhead.py                 # CPU: 1 and 2 processes
+    .venv/bin/python benchmarks/overhead.py --smoke         # a few steps, to keep it working
+
+The recipe's samples/s is its results.json's (TrainLoop times every training batch, none of the
+evaluation); the loops time the same span. Default data path: --data_on_device (the whole set as
+uint8 on the device, batches cut there), so the comparison is of training-loop overhead, not of
+image decoding; --data loader compares the worker-process path instead.
+"""
+
+import json
+
+import benchlib
+
+NAME = "overhead"
+
+
+def parse_args(argv=None):
+    p = benchlib.parser(__doc__.split("\n")[0])
+    p.add_argument("--processes", type=int, nargs="+", help="default: 1 and 2 (CPU) or 1 and every GPU")
+    p.add_argument("--steps", type=int, help="optimizer steps per run")
+    p.add_argument("--per_device_train_batch_size", type=int, default=32)
+    p.add_argument("--model", help="default: resnet18 (CPU: a stride-2 stem, fast), resnet18_cifar (GPU)")
+    p.add_argument("--accumulation", type=int, default=4, help="micro-batches per step in the accumulation rows")
+    p.add_argument("--data", choices=["device", "loader"], default="device")
+    p.add_argument("--cifar_dir", help="measure on CIFAR-10 in this folder instead of the bundled digits")
+    p.add_argument("--torch_compile", action="store_true")
+    args = p.parse_args(argv)
+    gpus = benchlib.machine()["gpus"]
+    args.processes = args.processes or ([1] if args.smoke else [1, max(2, gpus)] if gpus > 1 else [1, 2])
+    args.steps = args.steps or (3 if args.smoke else 32)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.model = args.model or ("resnet18_cifar" if gpus else "resnet18")
+    args.work_dir = args.work_dir or args.out / "work"
+    return args
+
+
+def accumulation_steps(args, accumulation):
+    """Optimizer steps of a run: as many samples with accumulation as without (at least 2 steps)."""
+    return args.steps if accumulation == 1 else max(2, args.steps // accumulation)
+
+
+def recipe_args(args, accumulation):
+    if args.cifar_dir:
+        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
+    else:
+        d = benchlib.digits(args.work_dir)
+        data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
+    return [*data, "--model", args.model, "--per_device_train_batch_size", args.per_device_train_batch_size,
+            "--gradient_accumulation_steps", accumulation, "--max_train_steps", accumulation_steps(args, accumulation),
+            *(["--data_on_device"] if args.data == "device" else []),
+            *(["--torch_compile"] if args.torch_compile else [])]
+
+
+def run_recipe(args, nproc, accumulation, tag):
+    out = args.work_dir / f"recipe-{nproc}p-acc{accumulation}-{tag}"
+    return benchlib.launch_recipe("cifar", nproc, recipe_args(args, accumulation), out)["samples_per_second"]
+
+
+def run_baseline(args, nproc, variants, tag):
+    out = args.work_dir / f"baseline-{nproc}p-{tag}.json"
+    script = benchlib.REPO / "benchmarks" / "baseline_loop.py"
+    env = benchlib.env_for(nproc)
+    launcher = ([benchlib.BIN / "python"] if nproc == 1 else
+                [benchlib.BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", env["MASTER_PORT"]])
+    benchlib.run([*launcher, script, "--out", out, "--variants", *variants, "--accumulation", args.accumulation,
+                  "--accumulation_max_steps", accumulation_steps(args, args.accumulation), "--", *recipe_args(args, 1)],
+                 env=env)
+    return json.loads(out.read_text())["samples_per_second"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = {}  # (processes, accumulation) -> {"recipe": [...], "ddp": [...], ...}
+    for rep in range(args.repeats):
+        for nproc in args.processes:
+            accumulations = [1, args.accumulation] if nproc > 1 else [1]
+            variants = ["ddp", "accum_no_sync", "accum_sync_every_step"] if nproc > 1 else ["ddp"]
+            baseline_first = rep % 2 == 1  # alternate the order: drift in machine load hits both sides
+            if baseline_first:
+                base = run_baseline(args, nproc, variants, rep)
+            recipe = {k: run_recipe(args, nproc, k, rep) for k in accumulations}
+            if not baseline_first:
+                base = run_baseline(args, nproc, variants, rep)
+            for k in accumulations:
+                row = rows.setdefault((nproc, k), {"recipe": [], **{v: [] for v in variants}})
+                row["recipe"].append(recipe[k])
+                for v in variants:
+                    row[v].append(base[v])
+
+    results, overhead_rows, accumulation_rows = [], [], []
+    for (nproc, k), m in sorted(rows.items()):
+        baseline = "ddp" if k == 1 else "accum_no_sync"
+        ratios = [r / b for r, b in zip(m["recipe"], m[baseline])]
+        entry = {"processes": nproc, "accumulation": k, "baseline": baseline,
+                 "recipe_samples_per_second": m["recipe"], "baseline_samples_per_second": m[baseline],
+                 "ratios": ratios, "median_ratio": benchlib.median(ratios)}
+        name = ("plain PyTorch" if nproc == 1 else "DDP + DistributedSampler (torchrun)") + \
+            (f", no_sync x{k}" if k > 1 else "")
+        overhead_rows.append([nproc, k, name, benchlib.median(m["recipe"]), benchlib.median(m[baseline]),
+                              entry["median_ratio"], "yes" if entry["median_ratio"] >= 0.98 else "no"])
+        if k > 1:
+            every = m["accum_sync_every_step"]
+            gains = [n / e for n, e in zip(m["accum_no_sync"], every)]
+            entry.update(sync_every_micro_step_samples_per_second=every, no_sync_speedups=gains,
+                         median_no_sync_speedup=benchlib.median(gains))
+            accumulation_rows.append([nproc, k, benchlib.median(every), benchlib.median(m["accum_no_sync"]),
+                                      entry["median_no_sync_speedup"], benchlib.median(m["recipe"])])
+        results.append(entry)
+
+    how = (f"{args.model}, per-device batch {args.per_device_train_batch_size}, {args.steps} optimizer steps "
+           f"({accumulation_steps(args, args.accumulation)} with accumulation x{args.accumulation}: as many samples), "
+           f"data {'on the device (--data_on_device)' if args.data == 'device' else 'from loader workers'}, "
+           f"{'bf16 on CUDA' if benchlib.has_cuda() else 'fp32 on CPU'}"
+           f"{', torch.compile' if args.torch_compile else ''}; median of {args.repeats} alternating repetitions")
+    md = [f"### Overhead: recipes/cifar.py against hand-written loops\n\n{how}.\n",
+          benchlib.markdown_table(["processes", "accumulation", "hand-written loop", "recipe samples/s",
+                                   "loop samples/s", "ratio recipe/loop (median)", "within 2%"], overhead_rows)]
+    if accumulation_rows:
+        md += ["\n#### Gradient accumulation: all-reduce every micro-batch vs DDP no_sync\n",
+               benchlib.markdown_table(["processes", "accumulation", "loop, all-reduce every micro-batch",
+                                        "loop, no_sync", "no_sync speedup (median)",
+                                        "recipe (accelerator.accumulate)"], accumulation_rows)]
+    benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                  "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Run every benchmark and write benchmarks/results/: <name>.json per benchmark, results.md (the
+tables, the machine), scaling.png; then put results.md into benchmarks/README.md.
+
+    .venv/bin/python benchmarks/run_all.py             # CPU: a few minutes; GPU variants when CUDA is present
+    .venv/bin/python benchmarks/run_all.py --smoke --out /tmp/bench   # seconds: keeps the scripts working
+
+Each benchmark runs in its own process, one after another (they would compete for the cores).
+Options after `--` go to every benchmark (for example `-- --cifar_dir data`).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchlib
+
+BENCHMARKS = ("overhead", "scaling", "input_pipeline", "lm")
+README = benchlib.REPO / "benchmarks" / "README.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--out", type=Path, default=benchlib.RESULTS)
+    p.add_argument("--smoke", action="store_true", help="every benchmark in its smallest setting")
+    p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    p.add_argument("--readme", action=argparse.BooleanOptionalAction,
+                   help="update benchmarks/README.md (default: on for a full run into benchmarks/results)")
+    args, passed = p.parse_known_args(argv)
+    passed = [a for a in passed if a != "--"]
+    readme = args.readme if args.readme is not None else (not args.smoke and args.out.resolve() == benchlib.RESULTS)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    machine, tic, timings = benchlib.machine(), time.time(), {}
+    for name in args.only:
+        start = time.time()
+        cmd = [sys.executable, str(Path(__file__).parent / f"{name}.py"), "--out", str(args.out),
+               *(["--smoke"] if args.smoke else []), *passed]
+        print(f"+ {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, cwd=benchlib.REPO)
+        if proc.returncode != 0:
+            sys.exit(f"run_all: {name} failed (exit {proc.returncode})")
+        timings[name] = round(time.time() - start, 1)
+        print(f"{name}: {timings[name]} s", flush=True)
+
+    gpu = machine["gpu"] is not None
+    sections = [(args.out / f"{name}.md").read_text() for name in args.only]
+    md = (f"Measured {time.strftime('%Y-%m-%d')} on {benchlib.describe(machine)}, "
+          f"{round(os.getloadavg()[0], 2)} at the end, in {round(time.time() - tic)} s "
+          f"({', '.join(f'{k} {v} s' for k, v in timings.items())}), "
+          f"by `.venv/bin/python benchmarks/run_all.py{' --smoke' if args.smoke else ''}`"
+          f"{' (smoke setting: too short to mean anything)' if args.smoke else ''}.\n\n"
+          + ("" if gpu else "GPU numbers: not measured (no GPU in this run); the scripts pick CUDA, bf16, NCCL and "
+                            "the device-resident data path when a GPU is present.\n\n")
+          + "\n\n".join(s.strip() for s in sections) + "\n")
+    (args.out / "results.md").write_text(md)
+    print(f"wrote {args.out / 'results.md'}")
+    if readme:
+        text = README.read_text()
+        md = re.sub(r"\]\(([\w.-]+\.png)\)", r"](results/\1)", md)  # the README sits one folder up
+        updated = re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda _: f"{START}\n{md}{END}", text, flags=re.S)
+        README.write_text(updated)
+        print(f"updated {README}")
+
+
+if __name__ == "__main__":
+    main()

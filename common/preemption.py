@@ -1,0 +1,110 @@
+"""Stopping cleanly when the cluster asks: SIGTERM (preemption, scancel, a launcher shutting down)
+or SIGUSR1 (Slurm's `--signal=USR1@T` warning before the time limit).
+
+A signal may reach one process, or all of them at slightly different moments, so no process acts
+on its own signal: at every optimizer step the processes OR their flags together and all stop
+after the same step, save one checkpoint and exit with PREEMPTED_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # launch.sh reads why the recipe stopped from this file
+
+_received: list[int] = []  # signal numbers, in the order they arrived
+
+
+def install_stop_handlers() -> None:
+    """From here on SIGTERM and SIGUSR1 are recorded instead of killing the process."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # Python only lets the main thread install handlers (e.g. a notebook's worker)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record)
+    atexit.register(_end_loader_workers)  # runs before multiprocessing's own exit hook (LIFO)
+
+
+def _record(signum, frame) -> None:
+    _received.append(signum)
+
+
+def ignore_stop_signals(worker_id=None) -> None:
+    """For DataLoader workers: the group-wide signal is the training process's to handle; a
+    worker that died of it would turn a clean stop into a crash."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _end_loader_workers() -> None:
+    """At exit, end the DataLoader workers still running (after an error, say) with SIGKILL:
+    multiprocessing's exit hook would send them SIGTERM, which they ignore, and wait forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report each as a crash
+    for child in workers:
+        child.kill()
+
+
+class Preempted(Exception):
+    """Raised after the stop checkpoint is saved; `common.run` turns it into the exit code."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint):
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; saved {checkpoint}. "
+            f"Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})"
+        )
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class StopAgreement:
+    """Every process calls `poll()` once per optimizer step; it returns the stop signal's name
+    on every process at the same step, one step after any process received one.
+
+    The flags travel over a gloo group of their own: a CPU all-reduce needs no GPU
+    synchronisation, and, started asynchronously at one step and read at the next, it overlaps
+    a whole step of compute instead of stalling the loop.
+    """
+
+    def __init__(self, accelerator):
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._pending = None
+        distributed = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
+        self._group = dist.new_group(backend="gloo") if distributed else None
+
+    def poll(self) -> str | None:
+        local = _received[0] if _received else 0
+        if self._group is None:
+            return signal.Signals(local).name if local else None
+        agreed = 0
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = int(self._flag.item())
+        self._pending = None
+        if agreed:
+            return signal.Signals(agreed).name
+        self._flag.fill_(local)
+        # MAX over signal numbers: SIGTERM (15) wins over SIGUSR1 (10) in the message.
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return None
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+def write_status(text: str) -> None:
+    """Tell launch.sh (which sets RECIPE_STATUS_FILE) how the run ended."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        with open(path, "w") as f:
+            f.write(text + "\n")

@@ -1,0 +1,98 @@
+"""The benchmark scripts in their smallest setting (`benchmarks/run_all.py --smoke`), so they keep
+working: each runs, and what it wrote holds the numbers its runs measured, combined as the tables
+say. No speed is asserted here; benchmarks/README.md holds the measurements."""
+
+import json
+import re
+
+import pytest
+
+from conftest import BIN, REPO, results, run, user_env
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    readme = (REPO / "benchmarks/README.md").read_text()
+    run([BIN / "python", REPO / "benchmarks/run_all.py", "--smoke", "--out", out], env=user_env(), timeout=600)
+    assert (REPO / "benchmarks/README.md").read_text() == readme, "a smoke run must not touch the README"
+    return out
+
+
+def load(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_results_md_names_the_machine_and_holds_every_table(smoke):
+    md = (smoke / "results.md").read_text()
+    machine = load(smoke, "overhead")["machine"]
+    assert machine["cpu"] in md and f"{machine['cores']} cores" in md and f"torch {machine['torch']}" in md
+    for title in ("### Overhead", "### Scaling", "### Input pipeline", "### LM"):
+        assert md.count(title) == 1, title
+    if machine["gpu"] is None:
+        assert "GPU numbers: not measured" in md
+    assert "smoke setting" in md
+
+
+def test_overhead_ratio_is_the_recipe_run_over_the_hand_written_loop(smoke):
+    (entry,) = load(smoke, "overhead")["results"]
+    assert (entry["processes"], entry["accumulation"], entry["baseline"]) == (1, 1, "ddp")
+    recipe = results(smoke / "work/recipe-1p-acc1-0")
+    loop = json.loads((smoke / "work/baseline-1p-0.json").read_text())
+    assert recipe["steps"] == 3 and loop["world_size"] == 1
+    assert entry["recipe_samples_per_second"] == [recipe["samples_per_second"]] and recipe["samples_per_second"] > 0
+    assert entry["baseline_samples_per_second"] == [loop["samples_per_second"]["ddp"]] and loop["samples_per_second"]["ddp"] > 0
+    assert entry["median_ratio"] == pytest.approx(recipe["samples_per_second"] / loop["samples_per_second"]["ddp"])
+    assert f"{entry['median_ratio']:.3g}" in (smoke / "overhead.md").read_text()
+
+
+def test_scaling_speedup_and_efficiency_come_from_the_runs_throughputs(smoke):
+    rows = {(r["mode"], r["processes"]): r for r in load(smoke, "scaling")["results"]}
+    assert set(rows) == {("weak", 1), ("weak", 2)}
+    one, two = rows[("weak", 1)], rows[("weak", 2)]
+    assert one["per_device_batch"] == two["per_device_batch"] == 32 and two["global_batch"] == 64
+    for n, row in ((1, one), (2, two)):
+        res = results(smoke / f"work/scaling-{n}p-b32-0")
+        assert res["world_size"] == n and row["samples_per_second"] == res["samples_per_second"] > 0
+    assert one["speedup"] == pytest.approx(1.0)
+    assert two["speedup"] == pytest.approx(two["samples_per_second"] / one["samples_per_second"])
+    assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
+    png = (smoke / "scaling.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "![scaling](scaling.png)" in (smoke / "scaling.md").read_text()
+
+
+def test_input_pipeline_compares_every_loader_setting_with_the_model(smoke):
+    record = load(smoke, "input_pipeline")
+    model = record["model_samples_per_second"]
+    assert model > 0
+    seen = {(r["path"], r["num_workers"], r["persistent_workers"]) for r in record["results"]}
+    assert seen == {("DataLoader", 0, False), ("DataLoader", 1, False), ("DataLoader", 1, True),
+                    ("--data_on_device", 0, False)}
+    for row in record["results"]:
+        assert len(row["samples_per_second_per_epoch"]) == 2 and min(row["samples_per_second_per_epoch"]) > 0
+        assert row["loader_over_model"] == pytest.approx(row["samples_per_second"] / model)
+        assert row["verdict"] == ("input-bound" if row["samples_per_second"] < model else "compute-bound")
+
+
+def test_lm_reports_the_runs_tokens_per_second_and_memory(smoke):
+    (entry,) = load(smoke, "lm")["results"]
+    res = results(smoke / "work/lm-ddp-0")
+    assert entry["config"] == "ddp" and entry["processes"] == res["world_size"] == 2
+    assert entry["tokens_per_second"] == res["tokens_per_second"] > 0
+    assert entry["mfu"] is None  # CPU: no known peak
+    assert entry["peak_memory_gb_per_process"] == res["peak_memory_gb_per_process"] and min(res["peak_memory_gb_per_process"]) > 0
+    assert entry["parameters_per_process"] == [entry["parameters"]] * 2
+
+
+def test_readme_shows_the_results_of_the_last_full_run():
+    """benchmarks/README.md holds results/results.md as run_all.py wrote it, on the machine it names."""
+    readme = (REPO / "benchmarks/README.md").read_text()
+    shown = re.search(r"<!-- results:start -->\n(.*?)<!-- results:end -->", readme, flags=re.S).group(1)
+    written = (REPO / "benchmarks/results/results.md").read_text()
+    assert shown == re.sub(r"\]\(([\w.-]+\.png)\)", r"](results/\1)", written)
+    assert "--smoke" not in shown
+    machine = json.loads((REPO / "benchmarks/results/overhead.json").read_text())["machine"]
+    assert machine["cpu"] in shown and f"torch {machine['torch']}" in shown

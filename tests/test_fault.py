@@ -1,0 +1,187 @@
+"""Faults: a process that dies, restarts that resume, and the bad-input cases of the README's table
+that no other test file covers (each: one `error:` line naming the fix, exit 2, nothing existing
+changed). Stop signals and resume equivalence are tested per recipe in test_cifar, test_lm_finetune
+and test_zero."""
+
+import hashlib
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import common
+
+from conftest import BIN, REPO, NUMBERS, accelerate_cpu, error_lines, interrupt, lm_args, results, run, user_env
+
+LM = REPO / "recipes" / "lm_finetune.py"
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` with a digest of its bytes ({} when the folder does not exist)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()} if Path(folder).exists() else {}
+
+
+def refused(cmd, output_dir, message, env=None):
+    """Run a recipe that must refuse: exit 2, one error line holding `message`, output_dir as before."""
+    before = snapshot(output_dir)
+    proc = run(cmd, env=env, check=False, timeout=180)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert snapshot(output_dir) == before, "existing output changed"
+    assert not list(Path(output_dir).parent.glob("**/.write-test-*"))
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tiny_lm, tmp_path_factory):
+    """An lm_finetune run of 2 steps (1 process) with its checkpoint-2."""
+    out = tmp_path_factory.mktemp("lm_run")
+    run([BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "2", "--checkpointing_steps", "2")])
+    return out / "checkpoint-2"
+
+
+# A process that dies ----------------------------------------------------------------------------
+
+def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_path):
+    """SIGKILL (the OOM killer, a lost node) on one rank: the other is stopped by the launcher
+    within TORCH_ELASTIC_SHUTDOWN_TIMEOUT, not after the 10-minute collective timeout, and the
+    checkpoints already written stay intact."""
+    out = tmp_path / "run"
+    cmd = [REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--max_train_steps", "500", "--checkpointing_steps", "3")]
+    proc, took = interrupt(cmd, user_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20"), out, after_step=3, sig=signal.SIGKILL, rank=1)
+    assert proc.returncode not in (0, common.PREEMPTED_EXIT_CODE), proc.stderr[-2000:]
+    assert took < 20 + 15, f"the job took {took:.0f} s to end after a process died"
+    assert common.checkpoint_damage(out / "checkpoint-3") is None
+    assert not (out / "results.json").exists()
+
+
+def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(tiny_lm, tmp_path):
+    args = ["--max_train_steps", "12", "--logging_steps", "1"]
+    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
+    cmd, env = accelerate_cpu(2, LM, *lm_args(tiny_lm, straight, *args))
+    run(cmd, env=env)
+    cmd = [REPO / "launch.sh", "lm_finetune", "--max_restarts", "1", *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3")]
+    proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=signal.SIGKILL, rank=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart 1 of this job (--max_restarts): resuming from the latest checkpoint" in proc.stderr
+    assert "resumed from" in proc.stderr
+    assert results(restarted)["steps"] == 12
+    assert results(restarted)["eval_loss"] == pytest.approx(results(straight)["eval_loss"], rel=1e-5)
+    wa = AutoModelForCausalLM.from_pretrained(straight).state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(restarted).state_dict()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# Bad input ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_images(digits, tmp_path):
+    """Two classes of digits, 8 training and 4 validation images each."""
+    root = tmp_path / "images"
+    for split, count in (("train", 8), ("val", 4)):
+        for label in ("0", "1"):
+            (root / split / label).mkdir(parents=True)
+            for image in sorted((digits[split] / label).iterdir())[:count]:
+                shutil.copy(image, root / split / label / image.name)
+    return root
+
+
+def cifar(images, out, *extra):
+    return [BIN / "python", REPO / "recipes" / "cifar.py", "--dataset", "imagefolder", "--train_dir", images / "train",
+            "--val_dir", images / "val", "--model", "resnet18", "--per_device_train_batch_size", "4",
+            "--output_dir", out, *extra]
+
+
+def test_a_corrupt_image_is_named(small_images, tmp_path):
+    """The file is met in a DataLoader worker, mid-epoch; the error names it."""
+    bad = small_images / "train" / "1" / "scan.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really an image" * 10)
+    line = refused(cifar(small_images, tmp_path / "run", "--dataloader_num_workers", "1"), tmp_path / "run",
+                   f"{bad}: unreadable image")
+    assert "remove or replace the file" in line
+
+
+def test_an_image_folder_without_images_is_refused(small_images, tmp_path):
+    for image in (small_images / "train").rglob("*.png"):
+        image.unlink()
+    refused(cifar(small_images, tmp_path / "run"), tmp_path / "run", "Found no valid file for the classes")
+
+
+def test_an_output_dir_holding_a_run_is_not_overwritten_without_a_flag(tiny_lm, lm_checkpoint, tmp_path):
+    out = lm_checkpoint.parent  # checkpoint-2, results.json and the saved model
+    refused([BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "2")], out,
+            f"--output_dir {out} already holds a run (checkpoint-2, config.json")
+
+
+def test_overwrite_output_dir_starts_over_and_drops_the_old_checkpoints(tiny_lm, lm_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(lm_checkpoint.parent, out)
+    proc = run([BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "1", "--overwrite_output_dir")])
+    assert "deleting the earlier run's checkpoint-2" in proc.stderr
+    assert results(out)["steps"] == 1 and not (out / "checkpoint-2").exists()
+
+
+def test_an_unwritable_output_dir_is_refused_before_training(tiny_lm, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    refused([BIN / "python", LM, *lm_args(tiny_lm, blocker / "run")], tmp_path, f"cannot write to --output_dir {blocker / 'run'}")
+
+
+def test_a_checkpoint_of_another_recipe_is_refused(tiny_lm, lm_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    cmd = [BIN / "python", REPO / "recipes" / "zero.py", *lm_args(tiny_lm, out, "--resume_from_checkpoint", lm_checkpoint)]
+    refused(cmd, lm_checkpoint.parent, "was written by recipes/lm_finetune.py, this is recipes/zero.py")
+    assert not out.exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused(tiny_lm, lm_checkpoint, tmp_path):
+    other = tmp_path / "wider"
+    shutil.copytree(tiny_lm["model"], other)
+    config = AutoConfig.from_pretrained(other)
+    config.update({"hidden_size": 32, "intermediate_size": 64})
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    out = tmp_path / "run"
+    cmd = [BIN / "python", LM, *lm_args({**tiny_lm, "model": other}, out, "--resume_from_checkpoint", lm_checkpoint)]
+    refused(cmd, lm_checkpoint.parent, "holds another model")
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(tiny_lm, lm_checkpoint, tmp_path):
+    damaged = tmp_path / "checkpoint-2"
+    shutil.copytree(lm_checkpoint, damaged)
+    optimizer = damaged / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    cmd = [BIN / "python", LM, *lm_args(tiny_lm, tmp_path / "run", "--resume_from_checkpoint", damaged)]
+    line = refused(cmd, tmp_path, "the checkpoint is damaged: optimizer.bin has 100 bytes")
+    assert "`latest` to pick the newest intact one" in line
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_lm, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm["model"], model)
+    words = ["<unk>", "<eos>", *NUMBERS, *(f"extra{i}" for i in range(40))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>").save_pretrained(model)
+    refused([BIN / "python", LM, *lm_args({**tiny_lm, "model": model}, tmp_path / "run")], tmp_path / "run",
+            f"the tokenizer has {len(words)} tokens but the model's vocabulary has {AutoConfig.from_pretrained(model).vocab_size}")
+
+
+# Secrets ------------------------------------------------------------------------------------------
+
+def test_public_args_masks_credentials():
+    import argparse
+
+    args = argparse.Namespace(hub_token="hf_" + "a" * 30, api_key="k", learning_rate=0.1, push_to_hub=True,
+                              dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
+                              resume_from_checkpoint=None)
+    shown = common.public_args(args)
+    assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
+                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***"}
