@@ -63,8 +63,11 @@ def test_quick_start_and_copy_run_as_written(checkout):
     env = user_env()
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))  # no venv active
     bash(QUICKSTART, checkout, env)
-    res = results(checkout / "outputs/digits")
-    assert res["world_size"] == 2 and res["eval_samples"] == 397 and res["eval_accuracy"] > 0.7, res
+    res = results(checkout / "outputs/digits")  # 2 processes that form one group and learn together
+    assert res["world_size"] == 2 and res["num_processes"] == 2 and res["distributed_type"] == "MULTI_CPU"
+    assert res["eval_samples"] == 397 and res["eval_accuracy"] > 0.7, res  # an odd eval set, each sample once
+    assert res["effective_batch_size"] == 64 and res["steps"] == 3 * ((1400 // 32) // 2)  # half the batches each
+    assert len(res["peak_memory_gb_per_process"]) == 2
     assert (checkout / "outputs/digits/model.safetensors").is_file()
 
     bash(COPY, checkout, env)
