@@ -13,8 +13,9 @@ step) stays in the recipe.
     summary = loop.finish()
 
 What it keeps right: on SIGTERM/SIGUSR1 every process stops after the same optimizer step, saves a
-checkpoint there and raises Preempted (see preemption.py); the position saved with a checkpoint is the next batch to train, so a resumed
-run replays exactly the batches it had not seen; the scheduler advances once per optimizer step;
+checkpoint there and raises Preempted (see preemption.py); the position saved with a checkpoint
+is the next batch to train, so a resumed run replays exactly the batches it had not seen; the
+scheduler advances once per optimizer step;
 the logged loss is averaged over every micro-batch and every process since the last log; epochs
 are set on the sampler and the dataset so shuffling and augmentation follow the epoch.
 """
