@@ -207,6 +207,12 @@ if (( nodes > 1 )); then
 else
   [[ -n "$num_processes" ]] && cmd+=(--num_processes "$num_processes")
   [[ -n "${MASTER_PORT:-}" ]] && cmd+=(--main_process_port "$MASTER_PORT")
+  # One CPU process needs no process group: without --cpu, accelerate would wrap the model in a
+  # DistributedDataParallel of one process, whose all-reduce buckets cost time (benchmarks/).
+  # --max_restarts needs torchrun's agent and doctor times a group's all-reduce: both keep it.
+  if [[ -n "${env_prefix[*]:-}" && "$per_node" == 1 && -z "$max_restarts" && "$recipe" != doctor ]]; then
+    cmd+=(--cpu)
+  fi
 fi
 # Restarted processes resume from the newest checkpoint by themselves (common.prepare_output_dir).
 [[ -n "$max_restarts" ]] && cmd+=(--max_restarts "$max_restarts")

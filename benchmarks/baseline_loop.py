@@ -6,8 +6,8 @@ own functions); no Accelerate anywhere in the loop.
     python benchmarks/baseline_loop.py --out OUT.json -- RECIPE_ARGS...
     torchrun --nproc_per_node 2 benchmarks/baseline_loop.py --out OUT.json --variants ddp accum_no_sync -- RECIPE_ARGS...
 
-Variants (timed alternately, --repeats times each, over the same span the recipe's TrainLoop
-times: every training batch of every epoch, first batch included, no evaluation):
+Variants (timed alternately, --repeats times each, over the same spans the recipe's TrainLoop
+times: every training batch, no evaluation; and the same without the first optimizer step):
   ddp                    one optimizer step per batch (or plain PyTorch in one process)
   accum_no_sync          --gradient_accumulation_steps micro-batches per step, DDP's no_sync on all
                          but the last: one gradient all-reduce per optimizer step
@@ -81,9 +81,10 @@ def main():
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def samples_per_second(variant):
+        """(every step, after the first step): the two rates TrainLoop reports."""
         accumulation = 1 if variant == "ddp" else own.accumulation
         max_steps = args.max_train_steps if variant == "ddp" else own.accumulation_max_steps or args.max_train_steps
-        steps, seconds, epoch = 0, 0.0, 0
+        steps, batches, seconds, epoch, first_step = 0, 0, 0.0, 0, (0.0, 0)
         while steps < max_steps:
             if world > 1:
                 sampler.set_epoch(epoch)
@@ -94,6 +95,7 @@ def main():
                 images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 if cuda:
                     images = images.contiguous(memory_format=torch.channels_last)
+                batches += 1
                 micro = (i + 1) % accumulation != 0
                 skip_sync = micro and world > 1 and variant == "accum_no_sync"
                 with model.no_sync() if skip_sync else contextlib.nullcontext():
@@ -104,12 +106,15 @@ def main():
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     steps += 1
+                    if steps == 1:
+                        first_step = (seconds + time.perf_counter() - tic, batches)
                     if steps >= max_steps:
                         break
             loss.item()  # wait for the device, as the recipe's last log does
             seconds += time.perf_counter() - tic
             epoch += 1
-        return steps * args.per_device_train_batch_size * accumulation * world / seconds
+        samples = args.per_device_train_batch_size * world  # per batch: samples, as TrainLoop counts them
+        return batches * samples / seconds, (batches - first_step[1]) * samples / (seconds - first_step[0])
 
     measured = {v: [] for v in own.variants}
     for _ in range(own.repeats):
@@ -117,8 +122,10 @@ def main():
             measured[variant].append(samples_per_second(variant))
     if rank == 0:
         with open(own.out, "w") as f:
-            json.dump({"world_size": world, "samples_per_second": {v: statistics.median(s) for v, s in measured.items()},
-                       "all": measured, "accumulation": own.accumulation}, f, indent=2)
+            json.dump({"world_size": world, "accumulation": own.accumulation,
+                       "samples_per_second": {v: statistics.median(r[0] for r in m) for v, m in measured.items()},
+                       "steady_samples_per_second": {v: statistics.median(r[1] for r in m) for v, m in measured.items()},
+                       "all": measured}, f, indent=2)
     if world > 1:
         dist.destroy_process_group()
 

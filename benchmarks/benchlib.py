@@ -5,6 +5,7 @@ same run; nothing here asserts a speed."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -30,6 +31,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="the smallest setting: keeps the script working, measures little")
     p.add_argument("--repeats", type=int, help="repetitions per measurement (the median is reported)")
     p.add_argument("--work_dir", type=Path, help="scratch folder for data and run outputs (default: OUT/work)")
+    p.add_argument("--reuse_runs", action="store_true",
+                   help="take a recipe run with the same command and repetition from WORK_DIR/runs instead of "
+                        "launching it again (run_all.py clears that folder, then shares runs between benchmarks)")
     return p
 
 
@@ -115,6 +119,8 @@ def accelerate_config(nproc: int, config: str | None = None) -> tuple[list, dict
             "--num_processes", nproc, "--main_process_port", env["MASTER_PORT"]]
     if config.startswith("zero") and not has_cuda():  # DeepSpeed on CPU: fp32 (see tests/test_zero.py)
         args += ["--mixed_precision", "no"]
+    if config == "cpu" and nproc == 1:  # no process group of one, as launch.sh does
+        args += ["--cpu"]
     return args, env
 
 
@@ -129,6 +135,30 @@ def launch_recipe(recipe: str, nproc: int, recipe_args, output_dir: Path, config
         elif path.name != "results.json":
             path.unlink()
     return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def recipe_run(args, recipe: str, nproc: int, recipe_args, rep: int, config: str | None = None) -> tuple[dict, Path]:
+    """(results.json, run folder) of repetition `rep` of recipes/<recipe>.py with these arguments.
+    The folder is named after the command, so with --reuse_runs a benchmark takes a run another
+    one already made (scaling's weak-scaling points are overhead's recipe runs)."""
+    command = json.dumps([recipe, nproc, config, [str(a) for a in recipe_args]])
+    out = Path(args.work_dir) / "runs" / f"{recipe}-{nproc}p-{hashlib.sha1(command.encode()).hexdigest()[:10]}-{rep}"
+    if getattr(args, "reuse_runs", False) and (out / "results.json").is_file():
+        return json.loads((out / "results.json").read_text()), out
+    return launch_recipe(recipe, nproc, recipe_args, out, config), out
+
+
+def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on_device: bool = True) -> list:
+    """recipes/cifar.py's arguments for a benchmark run: the digits (or --cifar_dir), --model, the batch."""
+    if getattr(args, "cifar_dir", None):
+        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
+    else:
+        d = digits(args.work_dir)
+        data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
+    return [*data, "--model", args.model, "--per_device_train_batch_size", per_device,
+            "--gradient_accumulation_steps", accumulation, "--max_train_steps", steps,
+            *(["--data_on_device"] if data_on_device else []),
+            *(["--torch_compile"] if getattr(args, "torch_compile", False) else [])]
 
 
 def digits(work_dir: Path) -> dict:

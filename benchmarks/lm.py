@@ -36,8 +36,9 @@ def parse_args(argv=None):
     args.hidden_size = args.hidden_size or (2048 if big else 64 if args.smoke else 256)
     args.num_layers = args.num_layers or (16 if big else 2 if args.smoke else 4)
     args.block_size = args.block_size or (1024 if big else 32 if args.smoke else 128)
-    args.steps = args.steps or (3 if args.smoke else 15)
-    args.repeats = args.repeats or (1 if args.smoke else 2)
+    args.steps = args.steps or (3 if args.smoke else 20)
+    # On CPU each DeepSpeed launch spends ~40 s starting for ~10 s of training: one repetition.
+    args.repeats = args.repeats or (1 if args.smoke or not gpus else 2)
     args.work_dir = args.work_dir or args.out / "work"
     return args
 
@@ -49,26 +50,27 @@ def main(argv=None):
     runs = [(name, CONFIGS[name], []) for name in args.configs]
     if args.torch_compile:
         runs.append(("ddp + torch_compile", None, ["--torch_compile"]))
-    measured = {}
+    measured, dirs = {}, {}
     for rep in range(args.repeats):
         for name, config, extra in runs:
-            out = args.work_dir / f"lm-{name.replace(' + ', '-')}-{rep}"
-            measured.setdefault(name, []).append(benchlib.launch_recipe("lm_finetune", args.processes, [
+            res, out = benchlib.recipe_run(args, "lm_finetune", args.processes, [
                 "--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
                 "--block_size", args.block_size, "--per_device_train_batch_size", args.per_device_train_batch_size,
-                "--max_train_steps", args.steps, "--logging_steps", args.steps, *extra], out, config=config))
+                "--max_train_steps", args.steps, "--logging_steps", args.steps, *extra], rep, config=config)
+            measured.setdefault(name, []).append(res)
+            dirs.setdefault(name, []).append(str(out))
 
     results, rows = [], []
     ddp_tokens = None
     for name, reps in measured.items():
-        tokens = benchlib.median([r["tokens_per_second"] for r in reps])
+        tokens = benchlib.median([r["steady_tokens_per_second"] for r in reps])
         mfus = [r["mfu"] for r in reps if r.get("mfu") is not None]
         last = reps[-1]
         ddp_tokens = tokens if name == "ddp" else ddp_tokens
         entry = {"config": name, "processes": last["world_size"], "distributed_type": last["distributed_type"],
                  "mixed_precision": last["mixed_precision"], "parameters": last["parameters"],
                  "parameters_per_process": last["parameters_per_process"], "tokens_per_second": tokens,
-                 "all_tokens_per_second": [r["tokens_per_second"] for r in reps],
+                 "all_tokens_per_second": [r["steady_tokens_per_second"] for r in reps], "runs": dirs[name],
                  "mfu": benchlib.median(mfus), "peak_memory_gb_per_process": last["peak_memory_gb_per_process"],
                  "peak_memory_kind": last["peak_memory_kind"], "train_loss": last["train_loss"]}
         results.append(entry)
@@ -82,7 +84,7 @@ def main(argv=None):
     md = (f"### LM: recipes/lm_finetune.py under DDP and ZeRO\n\nLlama {args.hidden_size} hidden x {args.num_layers} "
           f"layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, per-device batch "
           f"{args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, median of "
-          f"{args.repeats}. Peak memory: {kind} (GB per process).\n\n"
+          f"{args.repeats}; tokens/s after the first step. Peak memory: {kind} (GB per process).\n\n"
           + benchlib.markdown_table(["config", "processes", "precision", "tokens/s", "vs DDP", "MFU",
                                      "peak memory GB", "parameters held per process"], rows))
     benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}, md)

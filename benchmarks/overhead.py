@@ -7,8 +7,10 @@ all-reduce after every micro-batch, the saving `accelerator.accumulate` gives th
     .venv/bin/python benchmarks/overhead.py                 # CPU: 1 and 2 processes
     .venv/bin/python benchmarks/overhead.py --smoke         # a few steps, to keep it working
 
-The recipe's samples/s is its results.json's (TrainLoop times every training batch, none of the
-evaluation); the loops time the same span. Default data path: --data_on_device (the whole set as
+The recipe's samples/s is its results.json's steady_samples_per_second (TrainLoop times every
+training batch after the first optimizer step, none of the evaluation); the loops time the same
+span. Leaving out the first step's one-time costs (oneDNN/cuDNN kernel choice, the allocator's
+first requests) keeps a short run's rate from measuring them instead of the loop. Default data path: --data_on_device (the whole set as
 uint8 on the device, batches cut there), so the comparison is of training-loop overhead, not of
 image decoding; --data loader compares the worker-process path instead.
 """
@@ -33,7 +35,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     args.processes = args.processes or ([1] if args.smoke else [1, max(2, gpus)] if gpus > 1 else [1, 2])
-    args.steps = args.steps or (3 if args.smoke else 32)
+    args.steps = args.steps or (3 if args.smoke else 40)
     args.repeats = args.repeats or (1 if args.smoke else 3)
     args.model = args.model or ("resnet18_cifar" if gpus else "resnet18")
     args.work_dir = args.work_dir or args.out / "work"
@@ -46,20 +48,13 @@ def accumulation_steps(args, accumulation):
 
 
 def recipe_args(args, accumulation):
-    if args.cifar_dir:
-        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
-    else:
-        d = benchlib.digits(args.work_dir)
-        data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
-    return [*data, "--model", args.model, "--per_device_train_batch_size", args.per_device_train_batch_size,
-            "--gradient_accumulation_steps", accumulation, "--max_train_steps", accumulation_steps(args, accumulation),
-            *(["--data_on_device"] if args.data == "device" else []),
-            *(["--torch_compile"] if args.torch_compile else [])]
+    return benchlib.cifar_args(args, args.per_device_train_batch_size, accumulation_steps(args, accumulation),
+                               accumulation, data_on_device=args.data == "device")
 
 
-def run_recipe(args, nproc, accumulation, tag):
-    out = args.work_dir / f"recipe-{nproc}p-acc{accumulation}-{tag}"
-    return benchlib.launch_recipe("cifar", nproc, recipe_args(args, accumulation), out)["samples_per_second"]
+def run_recipe(args, nproc, accumulation, rep):
+    res, out = benchlib.recipe_run(args, "cifar", nproc, recipe_args(args, accumulation), rep)
+    return res["steady_samples_per_second"], out
 
 
 def run_baseline(args, nproc, variants, tag):
@@ -71,12 +66,12 @@ def run_baseline(args, nproc, variants, tag):
     benchlib.run([*launcher, script, "--out", out, "--variants", *variants, "--accumulation", args.accumulation,
                   "--accumulation_max_steps", accumulation_steps(args, args.accumulation), "--", *recipe_args(args, 1)],
                  env=env)
-    return json.loads(out.read_text())["samples_per_second"]
+    return json.loads(out.read_text())["steady_samples_per_second"]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rows = {}  # (processes, accumulation) -> {"recipe": [...], "ddp": [...], ...}
+    rows = {}  # (processes, accumulation) -> {"recipe": [...], "ddp": [...], ..., "runs": [...]}
     for rep in range(args.repeats):
         for nproc in args.processes:
             accumulations = [1, args.accumulation] if nproc > 1 else [1]
@@ -85,11 +80,14 @@ def main(argv=None):
             if baseline_first:
                 base = run_baseline(args, nproc, variants, rep)
             recipe = {k: run_recipe(args, nproc, k, rep) for k in accumulations}
+            base_file = args.work_dir / f"baseline-{nproc}p-{rep}.json"
             if not baseline_first:
                 base = run_baseline(args, nproc, variants, rep)
             for k in accumulations:
-                row = rows.setdefault((nproc, k), {"recipe": [], **{v: [] for v in variants}})
-                row["recipe"].append(recipe[k])
+                row = rows.setdefault((nproc, k), {"recipe": [], "runs": [], "loop_runs": [], **{v: [] for v in variants}})
+                row["recipe"].append(recipe[k][0])
+                row["runs"].append(str(recipe[k][1]))
+                row["loop_runs"].append(str(base_file))
                 for v in variants:
                     row[v].append(base[v])
 
@@ -99,7 +97,8 @@ def main(argv=None):
         ratios = [r / b for r, b in zip(m["recipe"], m[baseline])]
         entry = {"processes": nproc, "accumulation": k, "baseline": baseline,
                  "recipe_samples_per_second": m["recipe"], "baseline_samples_per_second": m[baseline],
-                 "ratios": ratios, "median_ratio": benchlib.median(ratios)}
+                 "ratios": ratios, "median_ratio": benchlib.median(ratios), "spread": [min(ratios), max(ratios)],
+                 "recipe_runs": m["runs"], "loop_runs": m["loop_runs"]}
         name = ("plain PyTorch" if nproc == 1 else "DDP + DistributedSampler (torchrun)") + \
             (f", no_sync x{k}" if k > 1 else "")
         overhead_rows.append([nproc, k, name, benchlib.median(m["recipe"]), benchlib.median(m[baseline]),

@@ -11,6 +11,7 @@ Options after `--` go to every benchmark (for example `-- --cifar_dir data`).
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,10 +36,12 @@ def main(argv=None):
     readme = args.readme if args.readme is not None else (not args.smoke and args.out.resolve() == benchlib.RESULTS)
     args.out.mkdir(parents=True, exist_ok=True)
 
+    # Runs are shared within this invocation (scaling reuses overhead's recipe runs), never across.
+    shutil.rmtree(args.out / "work" / "runs", ignore_errors=True)
     machine, tic, timings = benchlib.machine(), time.time(), {}
     for name in args.only:
         start = time.time()
-        cmd = [sys.executable, str(Path(__file__).parent / f"{name}.py"), "--out", str(args.out),
+        cmd = [sys.executable, str(Path(__file__).parent / f"{name}.py"), "--out", str(args.out), "--reuse_runs",
                *(["--smoke"] if args.smoke else []), *passed]
         print(f"+ {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, cwd=benchlib.REPO)

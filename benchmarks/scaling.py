@@ -29,25 +29,17 @@ def parse_args(argv=None):
     if not args.processes:
         top = gpus or min(4, max(2, benchlib.cores()))
         args.processes = sorted({1, *[n for n in (2, 4, 8, 16) if n <= top], top})
-    args.steps = args.steps or (3 if args.smoke else 30)
-    args.repeats = args.repeats or (1 if args.smoke else 2)
+    args.steps = args.steps or (3 if args.smoke else 40)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
     args.model = args.model or ("resnet18_cifar" if gpus else "resnet18")
     args.work_dir = args.work_dir or args.out / "work"
     return args
 
 
 def throughput(args, nproc, per_device, rep):
-    if args.cifar_dir:
-        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
-    else:
-        d = benchlib.digits(args.work_dir)
-        data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
-    out = args.work_dir / f"scaling-{nproc}p-b{per_device}-{rep}"
-    res = benchlib.launch_recipe("cifar", nproc, [*data, "--model", args.model, "--data_on_device",
-                                                   "--per_device_train_batch_size", per_device,
-                                                   "--max_train_steps", args.steps], out)
+    res, out = benchlib.recipe_run(args, "cifar", nproc, benchlib.cifar_args(args, per_device, args.steps), rep)
     assert res["world_size"] == nproc, res
-    return res["samples_per_second"]
+    return res["steady_samples_per_second"], str(out)
 
 
 def main(argv=None):
@@ -59,10 +51,12 @@ def main(argv=None):
             if mode == "strong" and (b * top) % n:
                 continue  # the global batch must split evenly
             points[(mode, n)] = b if mode == "weak" else b * top // n
-    measured = {}
+    measured, runs = {}, {}
     for rep in range(args.repeats):  # every point once per repetition, so load drift spreads over all
         for key, per_device in points.items():
-            measured.setdefault(key, []).append(throughput(args, key[1], per_device, rep))
+            sps, out = throughput(args, key[1], per_device, rep)
+            measured.setdefault(key, []).append(sps)
+            runs.setdefault(key, []).append(out)
 
     results, rows, panels = [], [], {"samples/s": {}, "efficiency": {}}
     for mode in args.modes:
@@ -73,7 +67,8 @@ def main(argv=None):
             speedup = sps / base
             entry = {"mode": mode, "processes": n, "per_device_batch": points[(mode, n)],
                      "global_batch": points[(mode, n)] * n, "samples_per_second": sps,
-                     "all_samples_per_second": measured[(mode, n)], "speedup": speedup, "efficiency": speedup / n}
+                     "all_samples_per_second": measured[(mode, n)], "speedup": speedup, "efficiency": speedup / n,
+                     "runs": runs[(mode, n)]}
             results.append(entry)
             rows.append([mode, n, entry["per_device_batch"], entry["global_batch"], sps, speedup, speedup / n])
         panels["samples/s"][mode] = (ns, [benchlib.median(measured[(mode, n)]) for n in ns])
@@ -83,7 +78,8 @@ def main(argv=None):
     benchlib.plot(args.out / f"{NAME}.png", f"recipes/cifar.py scaling over {where} ({args.model})", "processes",
                   list(panels.items()))
     md = (f"### Scaling: recipes/cifar.py in 1..{top} {where}\n\n{args.model}, --data_on_device, {args.steps} "
-          f"optimizer steps a run, median of {args.repeats}. Speedup = samples/s(N) / samples/s(1), "
+          f"optimizer steps a run, samples/s after the first step, median of {args.repeats}. "
+          f"Speedup = samples/s(N) / samples/s(1), "
           f"efficiency = speedup / N. Weak: per-device batch {b}; strong: global batch {b * top}.\n\n"
           + benchlib.markdown_table(["mode", "processes", "per-device batch", "global batch", "samples/s",
                                      "speedup", "efficiency"], rows)

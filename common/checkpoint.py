@@ -115,12 +115,15 @@ def resolve_checkpoint(output_dir, spec: str | None) -> Path | None:
     for path in Path(output_dir).glob("checkpoint-*"):
         if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
             logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
+    damaged = 0
     for path in reversed(complete_checkpoints(output_dir)):
         damage = checkpoint_damage(path)
         if not damage:
             return path
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
-    logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {output_dir} yet, starting at step 0")
+        damaged += 1
+    what = f"no intact checkpoint ({damaged} damaged)" if damaged else "no checkpoint yet"
+    logger.warning(f"--resume_from_checkpoint latest: {what} in {output_dir}, starting at step 0")
     return None
 
 

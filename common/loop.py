@@ -41,6 +41,9 @@ class TrainLoop:
         self.accelerator, self.args, self.plan, self.train_dl, self.scheduler = accelerator, args, plan, train_dl, scheduler
         self.step = self.start_step = self.start_epoch = self.skip_batches = self.batches_in_epoch = self.epoch = 0
         self.train_loss, self.history, self.train_seconds = float("nan"), [], 0.0
+        # Counted in batches, not steps x effective batch: at an epoch's end Accelerate steps the
+        # optimizer after fewer micro-batches than --gradient_accumulation_steps.
+        self._batches, self._epoch_tic, self._first_step = 0, 0.0, None  # (seconds, batches) at step 1
         self._loss_sum, self._loss_count = torch.zeros((), device=accelerator.device), 0
         every = args.checkpointing_steps or ""
         self.checkpoint_every = int(every) if every.isdigit() else 0
@@ -81,21 +84,24 @@ class TrainLoop:
         """This epoch's batches, starting after those a resumed checkpoint had already trained."""
         loader = self.accelerator.skip_first_batches(self.train_dl, self.skip_batches) if self.skip_batches else self.train_dl
         self.batches_in_epoch, self.skip_batches = self.skip_batches, 0
-        tic = time.perf_counter()
+        self._epoch_tic = time.perf_counter()
         try:
             yield from loader
         finally:
-            self.train_seconds += time.perf_counter() - tic
+            self.train_seconds += time.perf_counter() - self._epoch_tic
 
     def end_of_batch(self, loss) -> bool:
         """Call after each batch's optimizer.step(); returns True once max_train_steps is reached."""
         self.batches_in_epoch += 1
+        self._batches += 1
         self._loss_sum += loss.detach()
         self._loss_count += 1
         if not self.accelerator.sync_gradients:  # an accumulation micro-step: no optimizer step yet
             return False
         self.scheduler.step()
         self.step += 1
+        if self.step == self.start_step + 1:  # one-time costs: kernel selection, allocator, torch.compile
+            self._first_step = (self.train_seconds + time.perf_counter() - self._epoch_tic, self._batches)
         self.progress.update(1)
         if self.step % self.args.logging_steps == 0 or self.done or self.batches_in_epoch == len(self.train_dl):
             self.train_loss = self.accelerator.reduce(self._loss_sum / self._loss_count, reduction="mean").item()
@@ -132,17 +138,25 @@ class TrainLoop:
                                total_limit=getattr(self.args, "save_total_limit", None))
 
     def finish(self, tokens_per_sample: int | None = None) -> dict:
-        """What results.json reports about training (tokens/s too, given the tokens in a sample)."""
+        """What results.json reports about training (tokens/s too, given the tokens in a sample).
+        samples_per_second spans every training batch of this run; steady_samples_per_second leaves
+        out the first optimizer step, whose one-time costs a short run cannot amortize."""
         self.stop.close()
-        samples = (self.step - self.start_step) * self.plan.effective_batch_size
-        per_second = samples / self.train_seconds if self.train_seconds else None
+        per_batch = self.args.per_device_train_batch_size * self.accelerator.num_processes  # drop_last: all full
+        per_second = self._batches * per_batch / self.train_seconds if self.train_seconds else None
+        first_seconds, first_batches = self._first_step or (0.0, 0)
+        steady_seconds = self.train_seconds - first_seconds
+        steady = ((self._batches - first_batches) * per_batch / steady_seconds
+                  if self.step - self.start_step > 1 and steady_seconds > 0 else None)
         summary = {
             "steps": self.step,
             "epochs": round(self.step / self.plan.steps_per_epoch, 2),
             "train_loss": self.train_loss,
             "samples_per_second": per_second,
+            "steady_samples_per_second": steady,
             "log_history": self.history,
         }
         if tokens_per_sample:
             summary["tokens_per_second"] = per_second * tokens_per_sample if per_second else None
+            summary["steady_tokens_per_second"] = steady * tokens_per_sample if steady else None
         return summary

@@ -30,6 +30,7 @@ def install_stop_handlers() -> None:
         return  # Python only lets the main thread install handlers (e.g. a notebook's worker)
     for sig in STOP_SIGNALS:
         signal.signal(sig, _record)
+    atexit.unregister(_end_loader_workers)  # once, however many accelerators a process makes
     atexit.register(_end_loader_workers)  # runs before multiprocessing's own exit hook (LIFO)
 
 

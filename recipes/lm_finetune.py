@@ -125,7 +125,7 @@ def main(argv=None):
     record = common.run_record(
         accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
         parameters_per_process=common.parameters_per_process(accelerator, model),
-        mfu=common.mfu(accelerator, summary["tokens_per_second"], flops) if summary["tokens_per_second"] else None)
+        mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops) if summary["steady_tokens_per_second"] else None)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 

@@ -141,6 +141,19 @@ def lm_args(lm, output_dir, *extra):
             "--learning_rate", "3e-3", "--lr_scaling", "none", "--warmup_ratio", "0", *extra]
 
 
+# The run the stop/restart tests compare with: 14 steps of 2 micro-batches, crossing epochs.
+LM_INTERRUPTED_ARGS = ("--gradient_accumulation_steps", "2", "--max_train_steps", "14", "--logging_steps", "1")
+
+
+@pytest.fixture(scope="session")
+def lm_uninterrupted(tiny_lm, tmp_path_factory):
+    """An uninterrupted 2-process lm_finetune run with LM_INTERRUPTED_ARGS (its output folder)."""
+    out = tmp_path_factory.mktemp("lm_uninterrupted") / "run"
+    cmd, env = accelerate_cpu(2, REPO / "recipes" / "lm_finetune.py", *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS))
+    run(cmd, env=env)
+    return out
+
+
 def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, timeout=300):
     """Start `cmd` in a session of its own (as a terminal or a Slurm step runs it), wait until
     checkpoint-<after_step> is complete, then send `sig` to every process of the job, or to the

@@ -4,6 +4,7 @@ say. No speed is asserted here; benchmarks/README.md holds the measurements."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -39,12 +40,14 @@ def test_results_md_names_the_machine_and_holds_every_table(smoke):
 def test_overhead_ratio_is_the_recipe_run_over_the_hand_written_loop(smoke):
     (entry,) = load(smoke, "overhead")["results"]
     assert (entry["processes"], entry["accumulation"], entry["baseline"]) == (1, 1, "ddp")
-    recipe = results(smoke / "work/recipe-1p-acc1-0")
-    loop = json.loads((smoke / "work/baseline-1p-0.json").read_text())
-    assert recipe["steps"] == 3 and loop["world_size"] == 1
-    assert entry["recipe_samples_per_second"] == [recipe["samples_per_second"]] and recipe["samples_per_second"] > 0
-    assert entry["baseline_samples_per_second"] == [loop["samples_per_second"]["ddp"]] and loop["samples_per_second"]["ddp"] > 0
-    assert entry["median_ratio"] == pytest.approx(recipe["samples_per_second"] / loop["samples_per_second"]["ddp"])
+    (run_dir,), (loop_file,) = entry["recipe_runs"], entry["loop_runs"]
+    recipe, loop = results(run_dir), json.loads(Path(loop_file).read_text())
+    assert recipe["steps"] == 3 and recipe["world_size"] == loop["world_size"] == 1
+    assert recipe["distributed_type"] == "NO"  # one CPU process: no DistributedDataParallel of one
+    steady = loop["steady_samples_per_second"]["ddp"]
+    assert entry["recipe_samples_per_second"] == [recipe["steady_samples_per_second"]]
+    assert entry["baseline_samples_per_second"] == [steady] and steady > 0
+    assert entry["median_ratio"] == pytest.approx(recipe["steady_samples_per_second"] / steady)
     assert f"{entry['median_ratio']:.3g}" in (smoke / "overhead.md").read_text()
 
 
@@ -53,9 +56,13 @@ def test_scaling_speedup_and_efficiency_come_from_the_runs_throughputs(smoke):
     assert set(rows) == {("weak", 1), ("weak", 2)}
     one, two = rows[("weak", 1)], rows[("weak", 2)]
     assert one["per_device_batch"] == two["per_device_batch"] == 32 and two["global_batch"] == 64
+    # run_all shares runs: the 1-process point is overhead's recipe run, not a second launch
+    assert one["runs"] == load(smoke, "overhead")["results"][0]["recipe_runs"]
     for n, row in ((1, one), (2, two)):
-        res = results(smoke / f"work/scaling-{n}p-b32-0")
-        assert res["world_size"] == n and row["samples_per_second"] == res["samples_per_second"] > 0
+        (run_dir,) = row["runs"]
+        res = results(run_dir)
+        assert res["world_size"] == n and res["args"]["per_device_train_batch_size"] == 32
+        assert row["samples_per_second"] == res["steady_samples_per_second"] > 0
     assert one["speedup"] == pytest.approx(1.0)
     assert two["speedup"] == pytest.approx(two["samples_per_second"] / one["samples_per_second"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
@@ -79,9 +86,10 @@ def test_input_pipeline_compares_every_loader_setting_with_the_model(smoke):
 
 def test_lm_reports_the_runs_tokens_per_second_and_memory(smoke):
     (entry,) = load(smoke, "lm")["results"]
-    res = results(smoke / "work/lm-ddp-0")
+    (run_dir,) = entry["runs"]
+    res = results(run_dir)
     assert entry["config"] == "ddp" and entry["processes"] == res["world_size"] == 2
-    assert entry["tokens_per_second"] == res["tokens_per_second"] > 0
+    assert entry["tokens_per_second"] == res["steady_tokens_per_second"] > 0
     assert entry["mfu"] is None  # CPU: no known peak
     assert entry["peak_memory_gb_per_process"] == res["peak_memory_gb_per_process"] and min(res["peak_memory_gb_per_process"]) > 0
     assert entry["parameters_per_process"] == [entry["parameters"]] * 2

@@ -42,7 +42,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
     res = results(out)
     per_epoch = digits["n_train"] // 32
-    assert res["world_size"] == 1 and res["num_processes"] == 1
+    assert res["world_size"] == 1 and res["num_processes"] == 1 and res["distributed_type"] == "NO"
     assert res["eval_samples"] == digits["n_val"]
     assert res["eval_accuracy"] > 0.7, res  # chance is 0.1
     assert res["steps"] == 3 * per_epoch

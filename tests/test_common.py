@@ -137,3 +137,36 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
         common.make_accelerator(seed=0)
+
+
+def test_train_loop_counts_the_samples_it_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
+    """7 batches an epoch, accumulation 2: Accelerate steps the optimizer after the 7th batch
+    alone, so 2 epochs are 8 steps but 14 batches, not 8 x 2. The rates count batches."""
+    from accelerate import Accelerator
+
+    args = common.parse(common.training_parser("t"), [
+        "--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+        "--num_train_epochs", "2", "--logging_steps", "1"])
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = torch.nn.Linear(4, 1)
+    train_dl = DataLoader([torch.ones(4)] * 14, batch_size=2, drop_last=True)
+    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)
+    scheduler = common.make_scheduler(optimizer, "constant", plan)
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
+    loop.resume(None)
+    batches = 0
+    for _ in loop.epochs():
+        for x in loop.batches():
+            with accelerator.accumulate(model):
+                loss = model(x).pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            batches += 1
+            loop.end_of_batch(loss)
+    summary = loop.finish()
+    assert (summary["steps"], batches) == (8, 14)
+    assert summary["samples_per_second"] * loop.train_seconds == pytest.approx(14 * 2)
+    assert summary["steady_samples_per_second"] > 0

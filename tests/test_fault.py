@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import common
 
-from conftest import BIN, REPO, NUMBERS, accelerate_cpu, error_lines, interrupt, lm_args, results, run, user_env
+from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
 
 LM = REPO / "recipes" / "lm_finetune.py"
 
@@ -59,17 +59,15 @@ def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_
     assert not (out / "results.json").exists()
 
 
-def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(tiny_lm, tmp_path):
-    args = ["--max_train_steps", "12", "--logging_steps", "1"]
-    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
-    cmd, env = accelerate_cpu(2, LM, *lm_args(tiny_lm, straight, *args))
-    run(cmd, env=env)
+def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(tiny_lm, lm_uninterrupted,
+                                                                                          tmp_path):
+    args, straight, restarted = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "restarted"
     cmd = [REPO / "launch.sh", "lm_finetune", "--max_restarts", "1", *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3")]
     proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=signal.SIGKILL, rank=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restart 1 of this job (--max_restarts): resuming from the latest checkpoint" in proc.stderr
     assert "resumed from" in proc.stderr
-    assert results(restarted)["steps"] == 12
+    assert results(restarted)["steps"] == 14
     assert results(restarted)["eval_loss"] == pytest.approx(results(straight)["eval_loss"], rel=1e-5)
     wa = AutoModelForCausalLM.from_pretrained(straight).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(restarted).state_dict()

@@ -55,6 +55,14 @@ def test_cuda_visible_devices_narrows_the_count(gpus):
 def test_no_gpu_runs_cpu_processes_in_one_group(gpus):
     line = dry_run(gpus(0), "--num_processes", "3")
     assert line.startswith("+ ACCELERATE_USE_CPU=true ") and "accelerate_configs/cpu.yaml --num_processes 3" in line
+    assert " --cpu " not in line
+
+
+def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
+    """--cpu: no DistributedDataParallel of one process (benchmarks/README.md); --max_restarts
+    needs torchrun's agent, which forms the group."""
+    assert "--num_processes 1 --cpu " in dry_run(gpus(0), "--num_processes", "1")
+    assert " --cpu " not in dry_run(gpus(0), "--num_processes", "1", "--max_restarts", "2")
 
 
 def test_overrides_and_master_port(gpus):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import BIN, REPO, accelerate_cpu, error_lines, interrupt, lm_args, results, run
+from conftest import BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, error_lines, interrupt, lm_args, results, run
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
@@ -40,6 +40,9 @@ def test_two_processes_learn_and_from_pretrained_reproduces_the_eval_loss(tiny_l
     assert res["eval_loss"] < 0.5 * before, res
     assert res["perplexity"] == pytest.approx(math.exp(res["eval_loss"]))
     assert res["tokens_per_second"] > 0 and res["mfu"] is None  # no GPU peak to compare with on CPU
+    # the steady rate is the same work less the first step (which pays one-time costs)
+    assert res["steady_tokens_per_second"] == pytest.approx(res["steady_samples_per_second"] * 32)
+    assert res["steady_tokens_per_second"] > res["tokens_per_second"] * (res["steps"] - 1) / res["steps"]
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
@@ -95,14 +98,11 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
     assert curves[1][-1][1] < 0.8 * curves[1][0][1]  # and it is a curve, not a flat line
 
 
-def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, tmp_path):
+def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted, tmp_path):
     """SIGTERM to every process of an `accelerate launch` job, as Slurm and Ctrl-C's neighbours send
     it: each process finishes the step, they save one checkpoint and exit 75. Resumed with
     `latest`, the loss curve and the weights are the uninterrupted run's."""
-    args = ["--gradient_accumulation_steps", "2", "--max_train_steps", "14", "--logging_steps", "1"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args))
-    run(cmd, env=env)
+    args, straight, resumed = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "resumed"
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
     proc, _ = interrupt(cmd, env, resumed, after_step=4)
     assert proc.returncode != 0, proc.stderr[-3000:]
