@@ -6,8 +6,9 @@ own functions); no Accelerate anywhere in the loop.
     python benchmarks/baseline_loop.py --out OUT.json -- RECIPE_ARGS...
     torchrun --nproc_per_node 2 benchmarks/baseline_loop.py --out OUT.json --variants ddp accum_no_sync -- RECIPE_ARGS...
 
-Variants (timed alternately, --repeats times each, over the same spans the recipe's TrainLoop
-times: every training batch, no evaluation; and the same without the first optimizer step):
+Variants (timed alternately, --repeats times each, as the recipe's TrainLoop times itself: every
+training batch, no evaluation; the same without the first optimizer step; and each optimizer step,
+whose median gives the rate at the median step):
   ddp                    one optimizer step per batch (or plain PyTorch in one process)
   accum_no_sync          --gradient_accumulation_steps micro-batches per step, DDP's no_sync on all
                          but the last: one gradient all-reduce per optimizer step
@@ -84,7 +85,7 @@ def main():
         """(every step, after the first step): the two rates TrainLoop reports."""
         accumulation = 1 if variant == "ddp" else own.accumulation
         max_steps = args.max_train_steps if variant == "ddp" else own.accumulation_max_steps or args.max_train_steps
-        steps, batches, seconds, epoch, first_step = 0, 0, 0.0, 0, (0.0, 0)
+        steps, batches, seconds, epoch, first_step, step_ends = 0, 0, 0.0, 0, (0.0, 0), []
         while steps < max_steps:
             if world > 1:
                 sampler.set_epoch(epoch)
@@ -105,7 +106,9 @@ def main():
                 if not micro:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+                    loss.item()  # the recipe benchmarked logs every step: the same device sync
                     steps += 1
+                    step_ends.append(seconds + time.perf_counter() - tic)
                     if steps == 1:
                         first_step = (seconds + time.perf_counter() - tic, batches)
                     if steps >= max_steps:
@@ -114,7 +117,9 @@ def main():
             seconds += time.perf_counter() - tic
             epoch += 1
         samples = args.per_device_train_batch_size * world  # per batch: samples, as TrainLoop counts them
-        return batches * samples / seconds, (batches - first_step[1]) * samples / (seconds - first_step[0])
+        step = statistics.median(b - a for a, b in zip(step_ends[:-1], step_ends[1:])) if steps > 2 else None
+        return (batches * samples / seconds, (batches - first_step[1]) * samples / (seconds - first_step[0]),
+                samples * accumulation / step if step else None)
 
     measured = {v: [] for v in own.variants}
     for _ in range(own.repeats):
@@ -125,6 +130,8 @@ def main():
             json.dump({"world_size": world, "accumulation": own.accumulation,
                        "samples_per_second": {v: statistics.median(r[0] for r in m) for v, m in measured.items()},
                        "steady_samples_per_second": {v: statistics.median(r[1] for r in m) for v, m in measured.items()},
+                       "median_step_samples_per_second": {v: statistics.median(r[2] for r in m)
+                                                          for v, m in measured.items()},
                        "all": measured}, f, indent=2)
     if world > 1:
         dist.destroy_process_group()

@@ -156,9 +156,20 @@ def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on
         d = digits(args.work_dir)
         data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
     return [*data, "--model", args.model, "--per_device_train_batch_size", per_device,
-            "--gradient_accumulation_steps", accumulation, "--max_train_steps", steps,
+            "--gradient_accumulation_steps", accumulation, "--max_train_steps", steps, "--logging_steps", 1,
             *(["--data_on_device"] if data_on_device else []),
             *(["--torch_compile"] if getattr(args, "torch_compile", False) else [])]
+
+
+def median_step_rate(res: dict) -> float | None:
+    """Samples/s at the median optimizer step of a run logged every step (--logging_steps 1),
+    the first step left out. On a shared machine other jobs only ever slow steps down, and they
+    come and go within seconds: the median step is the undisturbed one, where the mean of a short
+    run moves by 10-20% with the load."""
+    ends = [h["train_seconds"] for h in res["log_history"]]
+    if len(ends) < 3 or [h["step"] for h in res["log_history"]] != list(range(1, len(ends) + 1)):
+        return None  # not logged every step
+    return res["effective_batch_size"] / statistics.median(b - a for a, b in zip(ends[:-1], ends[1:]))
 
 
 def digits(work_dir: Path) -> dict:

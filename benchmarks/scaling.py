@@ -39,7 +39,7 @@ def parse_args(argv=None):
 def throughput(args, nproc, per_device, rep):
     res, out = benchlib.recipe_run(args, "cifar", nproc, benchlib.cifar_args(args, per_device, args.steps), rep)
     assert res["world_size"] == nproc, res
-    return res["steady_samples_per_second"], str(out)
+    return benchlib.median_step_rate(res), str(out)
 
 
 def main(argv=None):
@@ -78,7 +78,7 @@ def main(argv=None):
     benchlib.plot(args.out / f"{NAME}.png", f"recipes/cifar.py scaling over {where} ({args.model})", "processes",
                   list(panels.items()))
     md = (f"### Scaling: recipes/cifar.py in 1..{top} {where}\n\n{args.model}, --data_on_device, {args.steps} "
-          f"optimizer steps a run, samples/s after the first step, median of {args.repeats}. "
+          f"optimizer steps a run, samples/s at the median step, median of {args.repeats} runs. "
           f"Speedup = samples/s(N) / samples/s(1), "
           f"efficiency = speedup / N. Weak: per-device batch {b}; strong: global batch {b * top}.\n\n"
           + benchlib.markdown_table(["mode", "processes", "per-device batch", "global batch", "samples/s",

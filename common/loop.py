@@ -107,7 +107,10 @@ class TrainLoop:
             self.train_loss = self.accelerator.reduce(self._loss_sum / self._loss_count, reduction="mean").item()
             self._loss_sum.zero_()
             self._loss_count = 0
-            self.history.append({"step": self.step, "train_loss": self.train_loss, "lr": self.scheduler.get_last_lr()[0]})
+            # train_seconds: this run's training time so far, read after the loss reached the host
+            # (a device sync), so consecutive logs time the steps between them (benchmarks/)
+            self.history.append({"step": self.step, "train_loss": self.train_loss, "lr": self.scheduler.get_last_lr()[0],
+                                 "train_seconds": round(self.train_seconds + time.perf_counter() - self._epoch_tic, 4)})
             self.accelerator.log(self.history[-1], step=self.step)
             self.progress.set_postfix(loss=f"{self.train_loss:.4f}")
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:

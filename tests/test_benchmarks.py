@@ -4,6 +4,7 @@ say. No speed is asserted here; benchmarks/README.md holds the measurements."""
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -44,11 +45,27 @@ def test_overhead_ratio_is_the_recipe_run_over_the_hand_written_loop(smoke):
     recipe, loop = results(run_dir), json.loads(Path(loop_file).read_text())
     assert recipe["steps"] == 3 and recipe["world_size"] == loop["world_size"] == 1
     assert recipe["distributed_type"] == "NO"  # one CPU process: no DistributedDataParallel of one
-    steady = loop["steady_samples_per_second"]["ddp"]
-    assert entry["recipe_samples_per_second"] == [recipe["steady_samples_per_second"]]
-    assert entry["baseline_samples_per_second"] == [steady] and steady > 0
-    assert entry["median_ratio"] == pytest.approx(recipe["steady_samples_per_second"] / steady)
-    assert f"{entry['median_ratio']:.3g}" in (smoke / "overhead.md").read_text()
+    rate, loop_rate = median_step_rate(recipe), loop["median_step_samples_per_second"]["ddp"]
+    assert entry["recipe_samples_per_second"] == [pytest.approx(rate)]
+    assert entry["baseline_samples_per_second"] == [loop_rate] and loop_rate > 0
+    assert entry["median_ratio"] == pytest.approx(rate / loop_rate)
+    md = (smoke / "overhead.md").read_text()
+    assert f"{entry['median_ratio']:.3g}" in md
+
+
+def median_step_rate(res):
+    """Samples/s at the median step after the first, from a run that logged every step."""
+    assert [h["step"] for h in res["log_history"]] == list(range(1, res["steps"] + 1))
+    ends = [h["train_seconds"] for h in res["log_history"]]
+    return res["effective_batch_size"] / statistics.median(b - a for a, b in zip(ends[:-1], ends[1:]))
+
+
+def test_step_cost_is_the_recipe_loop_over_the_bare_loop(smoke):
+    cost = load(smoke, "overhead")["step_cost"]
+    differences = [r - b for r, b in zip(cost["recipe_us_per_step"], cost["bare_us_per_step"], strict=True)]
+    assert cost["machinery_us_per_step"] == pytest.approx(statistics.median(differences))
+    assert min(cost["bare_us_per_step"]) > 0
+    assert f"adds **{cost['machinery_us_per_step']:.0f} us per optimizer step**" in (smoke / "overhead.md").read_text()
 
 
 def test_scaling_speedup_and_efficiency_come_from_the_runs_throughputs(smoke):
@@ -62,7 +79,7 @@ def test_scaling_speedup_and_efficiency_come_from_the_runs_throughputs(smoke):
         (run_dir,) = row["runs"]
         res = results(run_dir)
         assert res["world_size"] == n and res["args"]["per_device_train_batch_size"] == 32
-        assert row["samples_per_second"] == res["steady_samples_per_second"] > 0
+        assert row["samples_per_second"] == pytest.approx(median_step_rate(res)) and row["samples_per_second"] > 0
     assert one["speedup"] == pytest.approx(1.0)
     assert two["speedup"] == pytest.approx(two["samples_per_second"] / one["samples_per_second"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
