@@ -163,10 +163,10 @@ wanted=${num_processes:-$(yaml_get num_processes "$config_file")}
 per_node=$(( ${wanted:-1} / machines ))
 (( nodes > 1 )) && per_node=${num_processes:-$per_node}  # launch.sh fills in the nodes itself
 
-env_prefix=()
+env_prefix=() on_cpu=0
 if [[ "$(yaml_get use_cpu "$config_file")" == "true" ]]; then
   # Without this variable a GPU-less launch trains N unsynchronised copies (see common/runtime.py).
-  env_prefix=(ACCELERATE_USE_CPU=true)
+  env_prefix=(ACCELERATE_USE_CPU=true) on_cpu=1
 elif (( per_node > gpus )); then
   if (( gpus == 0 )); then
     die "config '$config' needs $per_node GPU(s) on this node but none is visible; use --config cpu to run on CPU"
@@ -210,7 +210,7 @@ else
   # One CPU process needs no process group: without --cpu, accelerate would wrap the model in a
   # DistributedDataParallel of one process, whose all-reduce buckets cost time (benchmarks/).
   # --max_restarts needs torchrun's agent and doctor times a group's all-reduce: both keep it.
-  if [[ -n "${env_prefix[*]:-}" && "$per_node" == 1 && -z "$max_restarts" && "$recipe" != doctor ]]; then
+  if (( on_cpu )) && [[ "$per_node" == 1 && -z "$max_restarts" && "$recipe" != doctor ]]; then
     cmd+=(--cpu)
   fi
 fi

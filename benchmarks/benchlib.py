@@ -148,14 +148,17 @@ def recipe_run(args, recipe: str, nproc: int, recipe_args, rep: int, config: str
     return launch_recipe(recipe, nproc, recipe_args, out, config), out
 
 
-def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on_device: bool = True) -> list:
-    """recipes/cifar.py's arguments for a benchmark run: the digits (or --cifar_dir), --model, the batch."""
+def cifar_data_args(args) -> list:
+    """recipes/cifar.py's data arguments: CIFAR-10 in --cifar_dir, else the digits as an ImageFolder."""
     if getattr(args, "cifar_dir", None):
-        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
-    else:
-        d = digits(args.work_dir)
-        data = ["--dataset", "imagefolder", "--train_dir", d["train"], "--val_dir", d["val"]]
-    return [*data, "--model", args.model, "--per_device_train_batch_size", per_device,
+        return ["--dataset", "cifar10", "--data_dir", str(args.cifar_dir)]
+    d = digits(args.work_dir)
+    return ["--dataset", "imagefolder", "--train_dir", str(d["train"]), "--val_dir", str(d["val"])]
+
+
+def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on_device: bool = True) -> list:
+    """recipes/cifar.py's arguments for a benchmark run: the data, --model, the batch."""
+    return [*cifar_data_args(args), "--model", args.model, "--per_device_train_batch_size", per_device,
             "--gradient_accumulation_steps", accumulation, "--max_train_steps", steps, "--logging_steps", 1,
             *(["--data_on_device"] if data_on_device else []),
             *(["--torch_compile"] if getattr(args, "torch_compile", False) else [])]

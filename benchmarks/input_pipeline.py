@@ -48,12 +48,8 @@ def parse_args(argv=None):
 
 
 def recipe_args(args):
-    if args.cifar_dir:
-        data = ["--dataset", "cifar10", "--data_dir", args.cifar_dir]
-    else:
-        d = benchlib.digits(args.work_dir)
-        data = ["--dataset", "imagefolder", "--train_dir", str(d["train"]), "--val_dir", str(d["val"])]
-    return [*data, "--model", args.model, "--per_device_train_batch_size", str(args.per_device_train_batch_size)]
+    return [*benchlib.cifar_data_args(args), "--model", args.model,
+            "--per_device_train_batch_size", str(args.per_device_train_batch_size)]
 
 
 def loader_rate(loader, epochs, max_batches, device):

@@ -67,7 +67,7 @@ def run_baseline(args, nproc, variants, tag):
     benchlib.run([*launcher, script, "--out", out, "--variants", *variants, "--accumulation", args.accumulation,
                   "--accumulation_max_steps", accumulation_steps(args, args.accumulation), "--", *recipe_args(args, 1)],
                  env=env)
-    return json.loads(out.read_text())["median_step_samples_per_second"]
+    return json.loads(out.read_text())["median_step_samples_per_second"], out
 
 
 def run_step_cost(args):
@@ -90,11 +90,10 @@ def main(argv=None):
             variants = ["ddp", "accum_no_sync", "accum_sync_every_step"] if nproc > 1 else ["ddp"]
             baseline_first = rep % 2 == 1  # alternate the order: drift in machine load hits both sides
             if baseline_first:
-                base = run_baseline(args, nproc, variants, rep)
+                base, base_file = run_baseline(args, nproc, variants, rep)
             recipe = {k: run_recipe(args, nproc, k, rep) for k in accumulations}
-            base_file = args.work_dir / f"baseline-{nproc}p-{rep}.json"
             if not baseline_first:
-                base = run_baseline(args, nproc, variants, rep)
+                base, base_file = run_baseline(args, nproc, variants, rep)
             for k in accumulations:
                 row = rows.setdefault((nproc, k), {"recipe": [], "runs": [], "loop_runs": [], **{v: [] for v in variants}})
                 row["recipe"].append(recipe[k][0])

@@ -20,8 +20,8 @@ import traceback
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from tqdm.auto import tqdm
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from tqdm.auto import tqdm
 
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
