@@ -98,7 +98,9 @@ def run_record(accelerator, args, plan, **metrics) -> dict:
     }
 
 
-SECRET_NAMES = re.compile(r"token|secret|password|passwd|api_key|apikey|credential", re.I)
+# Whole words of an argument's name: hub_token and api_key are masked, tokenizer_name and
+# max_tokens are not.
+SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
 SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
 
 

@@ -179,7 +179,10 @@ def test_public_args_masks_credentials():
 
     args = argparse.Namespace(hub_token="hf_" + "a" * 30, api_key="k", learning_rate=0.1, push_to_hub=True,
                               dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
-                              resume_from_checkpoint=None)
+                              resume_from_checkpoint=None, tokenizer_name="gpt2", max_tokens=512,
+                              wandb_api_key="w", HF_TOKEN="t", client_secret="s")
     shown = common.public_args(args)
     assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
-                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***"}
+                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
+                     "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials
+                     "wandb_api_key": "***", "HF_TOKEN": "***", "client_secret": "***"}
