@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from benchlib import load_recipe
 
 import common
+from common.data import default_num_workers
+from common.scaling import scale_lr
 
 VARIANTS = ("ddp", "accum_no_sync", "accum_sync_every_step")
 
@@ -60,7 +62,7 @@ def main():
     else:
         train, _, num_classes = cifar.build_datasets(args)
     on_device = isinstance(train, common.DeviceTensorDataset)
-    workers = 0 if on_device else (common.default_num_workers() if args.dataloader_num_workers is None
+    workers = 0 if on_device else (default_num_workers() if args.dataloader_num_workers is None
                                    else args.dataloader_num_workers)
     generator = torch.Generator().manual_seed(args.seed)
     sampler = (DistributedSampler(train, shuffle=True, drop_last=True, seed=args.seed) if world > 1
@@ -76,7 +78,7 @@ def main():
         model.compile()
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-    lr = common.scale_lr(args.learning_rate, args.per_device_train_batch_size * world, args.reference_batch_size,
+    lr = scale_lr(args.learning_rate, args.per_device_train_batch_size * world, args.reference_batch_size,
                          args.lr_scaling)
     optimizer = cifar.build_optimizer(args, model, lr, fused=cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()

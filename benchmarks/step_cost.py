@@ -1,7 +1,7 @@
 """What the recipes' machinery costs per optimizer step, measured where nothing else is: a model
 so small that a step is almost all overhead, trained in one process once by the recipes' loop
-(common.make_accelerator, accelerator.prepare, accumulate, backward, the prepared optimizer and
-scheduler, TrainLoop's bookkeeping and stop check) and once by a bare PyTorch loop, alternating.
+(accelerator.prepare, the accumulation windows, backward, the prepared optimizer and scheduler, the
+training log, the checkpoint schedule and the stop check) and once by a bare PyTorch loop, alternating.
 The difference is microseconds per step, a fixed cost: it is under 2% of any step 50 times longer.
 
     python benchmarks/step_cost.py --out step_cost.json        # overhead.py runs it
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
 
 BATCH, FEATURES = 8, 16
 
@@ -56,22 +57,34 @@ def recipe(steps, accelerator, out):
         "--num_train_epochs", "1000", "--logging_steps", "20"])
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, num_workers=0)
-    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
-    scheduler = common.make_scheduler(optimizer, "constant", plan)
+    plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
+    scheduler = common.make_scheduler(optimizer, "constant", plan, progress)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
-    loop.resume(None)
+    checkpoints = common.Checkpoints(accelerator, args, plan, "step_cost")
+    stop = common.StopOnSignal(accelerator)
+    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
     tic = time.perf_counter()
-    for _ in loop.epochs():
-        for x, y in loop.batches():
-            with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(x), y)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if loop.end_of_batch(loss):
+    for epoch in range(progress.epoch, plan.num_epochs):  # the recipes' loop, less the model's own work
+        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+            for i, (x, y) in enumerate(window):
+                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                    loss = F.cross_entropy(model(x), y)
+                    accelerator.backward(loss * args.gradient_accumulation_steps / len(window))
+                log.add(loss * len(y), len(y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            log.step(progress, window, scheduler.get_last_lr()[0])
+            if checkpoints.due(progress.step):
+                checkpoints.save(progress, log, model)
+            if stop.requested():
+                raise SystemExit("stopped")
+            if progress.step >= plan.max_train_steps:
                 break
-    loop.finish()
+        if progress.step >= plan.max_train_steps:
+            break
+    log.summary(progress)
     return (time.perf_counter() - tic) / steps
 
 
@@ -82,7 +95,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)  # a step this small only waits for more threads
-    accelerator = common.make_accelerator(seed=0)
+    accelerator = Accelerator(cpu=True)
     measured = {"bare": [], "recipe": []}
     for rep in range(args.repeats + 1):  # the first round warms both up and is dropped
         for name in (("bare", "recipe") if rep % 2 else ("recipe", "bare")):

@@ -1,62 +1,49 @@
-"""What every recipe shares: the Accelerator and its launch checks, data loading defaults, batch
-and learning-rate arithmetic, checkpoints, and the results record. Nothing recipe-specific."""
+"""What the recipes share: launch checks, data loading, LR scaling and the schedule, the training
+step's bookkeeping, checkpoints, stopping on a signal, and the results record. Nothing
+recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
 
 from .args import parse, training_parser
-from .checkpoint import (checkpoint_damage, complete_checkpoints, load_checkpoint, prepare_output_dir, resolve_checkpoint,
-                         save_checkpoint, save_model, write_json)
-from .loop import TrainLoop
-from .data import (DeviceTensorDataset, SeededTransform, default_num_workers, make_dataloader, prepare_data_first,
-                   seeded_uniform, set_epoch)
-from .metrics import (count_parameters, mfu, parameters_per_process, peak_memory_gb, public_args, run_record,
-                      tracker_config, write_results, zero_memory_estimates)
-from .preemption import PREEMPTED_EXIT_CODE, Preempted
-from .runtime import DataError, RecipeError, check_process_group, library_versions, logger, make_accelerator, run
-from .scaling import (LR_SCALING_RULES, TrainingPlan, decay_groups, effective_batch_size, make_scheduler,
-                      plan_from_args, plan_training, scale_lr)
+from .checkpoint import prepare_output_dir, save_model
+from .data import DeviceTensorDataset, SeededTransform, make_dataloader, prepare_data_first
+from .metrics import count_parameters, mfu, parameters_per_process, run_record, tracker_config, write_results, zero_memory_estimates
+from .preemption import Preempted, StopOnSignal
+from .runtime import DataError, RecipeError, check_launch, exit_codes, logger, process_group_kwargs, setup_logging
+from .scaling import decay_groups, make_scheduler
+from .training import (Checkpoints, TrainLog, accumulation_windows, micro_batch, plan_run, target_tokens,
+                       window_tokens)
 
 __all__ = [
-    "LR_SCALING_RULES",
-    "PREEMPTED_EXIT_CODE",
+    "Checkpoints",
     "DataError",
-    "Preempted",
-    "checkpoint_damage",
-    "complete_checkpoints",
-    "prepare_output_dir",
-    "public_args",
-    "tracker_config",
     "DeviceTensorDataset",
+    "Preempted",
     "RecipeError",
     "SeededTransform",
-    "TrainLoop",
-    "TrainingPlan",
-    "check_process_group",
+    "StopOnSignal",
+    "TrainLog",
+    "accumulation_windows",
+    "check_launch",
     "count_parameters",
     "decay_groups",
-    "default_num_workers",
-    "effective_batch_size",
-    "library_versions",
-    "load_checkpoint",
+    "exit_codes",
     "logger",
-    "make_accelerator",
     "make_dataloader",
     "make_scheduler",
     "mfu",
+    "micro_batch",
     "parameters_per_process",
     "parse",
-    "peak_memory_gb",
-    "plan_from_args",
-    "plan_training",
+    "plan_run",
     "prepare_data_first",
-    "resolve_checkpoint",
-    "run",
+    "prepare_output_dir",
+    "process_group_kwargs",
     "run_record",
-    "save_checkpoint",
     "save_model",
-    "scale_lr",
-    "seeded_uniform",
-    "set_epoch",
+    "setup_logging",
+    "target_tokens",
+    "tracker_config",
     "training_parser",
-    "write_json",
+    "window_tokens",
     "write_results",
     "zero_memory_estimates",
 ]

@@ -7,7 +7,7 @@ import contextlib
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .preemption import ignore_stop_signals
 
@@ -31,12 +31,15 @@ def default_num_workers() -> int:
     return max(0, min(8, per_process - 1))
 
 
-def make_dataloader(dataset, batch_size: int, *, train: bool, num_workers: int | None = None, collate_fn=None):
+def make_dataloader(dataset, batch_size: int, *, train: bool, seed: int = 0, num_workers: int | None = None,
+                    collate_fn=None):
     """A DataLoader with the defaults a data-parallel job wants.
 
-    Training shuffles and drops the last partial batch (every process then takes the same number
-    of steps); evaluation keeps every sample, and `gather_for_metrics` removes the padding
-    Accelerate adds to make the shards even. Accelerate replaces the sampler in `prepare`.
+    Training draws samples in the order of an EpochSampler (fixed by seed and epoch, resumable at any
+    sample) and drops the last partial batch; Accelerate deals the batches to the processes round-robin
+    and drops an incomplete round, so every process takes the same number of steps. Evaluation keeps
+    every sample in order, and `gather_for_metrics` removes the padding Accelerate adds to make the
+    shards even.
     """
     on_device = isinstance(dataset, DeviceTensorDataset)
     if on_device:  # batches are cut on the device: nothing for workers to do, no host memory to pin
@@ -46,7 +49,7 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, num_workers: int |
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train,
+        sampler=EpochSampler(len(dataset), seed) if train else None,
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() and not on_device,
@@ -60,12 +63,44 @@ def _already_collated(batch):
     return batch
 
 
-def set_epoch(dataloader, epoch: int) -> None:
-    """Set the epoch on the sampler (the shuffle order) and on the dataset (its augmentation).
+class EpochSampler(Sampler):
+    """Every sample once per epoch, in an order that depends on (seed, epoch) alone.
 
-    Accelerate's DataLoaderShard forwards the epoch to the dataset only when the sampler has no
-    `set_epoch`, and the seedable sampler has one, so the dataset is told here.
+    The order is one list of samples for the whole job, whatever the number of processes, the batch
+    size or the accumulation: Accelerate cuts it into batches and deals them to the processes in turn,
+    so after n rounds the job has trained exactly the first n x processes x batch samples of it. A
+    resumed run starts the epoch it stopped in at that sample (`resume_at`), with this or any other
+    layout, and later epochs from their start. No `generator` attribute: Accelerate would reseed it.
     """
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+        self._resume_epoch, self._resume_sample = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, sample: int) -> None:
+        """Start `epoch` at position `sample` of its order (the samples before it were trained)."""
+        self._resume_epoch, self._resume_sample = epoch, sample
+
+    def order(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def _start(self) -> int:
+        return self._resume_sample if self.epoch == self._resume_epoch else 0
+
+    def __iter__(self):
+        return iter(self.order(self.epoch)[self._start():].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples - self._start()
+
+
+def set_epoch(dataloader, epoch: int) -> None:
+    """Set the epoch on the sampler (the order) and on the dataset (its augmentation). Accelerate's
+    DataLoaderShard.set_epoch tells the dataset only when the sampler has no `set_epoch`."""
     dataloader.set_epoch(epoch)
     if hasattr(dataloader.dataset, "set_epoch"):
         dataloader.dataset.set_epoch(epoch)

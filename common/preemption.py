@@ -1,9 +1,10 @@
-"""Stopping cleanly when the cluster asks: SIGTERM (preemption, scancel, a launcher shutting down)
-or SIGUSR1 (Slurm's `--signal=USR1@T` warning before the time limit).
+"""Stopping cleanly when the cluster or the user asks: SIGTERM (preemption, scancel, a launcher
+shutting down), SIGUSR1 (Slurm's `--signal=USR1@T` warning before the time limit) or a first Ctrl-C
+(SIGINT; a second one interrupts at once).
 
 A signal may reach one process, or all of them at slightly different moments, so no process acts
-on its own signal: at every optimizer step the processes OR their flags together and all stop
-after the same step, save one checkpoint and exit with PREEMPTED_EXIT_CODE.
+on its own signal: at every optimizer step (and every evaluation batch) the processes OR their flags
+together and all stop at the same point, save one checkpoint and exit with PREEMPTED_EXIT_CODE.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # launch.sh reads why the recipe stopped from this file
 
 _received: list[int] = []  # signal numbers, in the order they arrived
 
 
 def install_stop_handlers() -> None:
-    """From here on SIGTERM and SIGUSR1 are recorded instead of killing the process."""
+    """From here on SIGTERM, SIGUSR1 and a first SIGINT are recorded instead of ending the process."""
     if threading.current_thread() is not threading.main_thread():
         return  # Python only lets the main thread install handlers (e.g. a notebook's worker)
     for sig in STOP_SIGNALS:
@@ -35,6 +36,8 @@ def install_stop_handlers() -> None:
 
 
 def _record(signum, frame) -> None:
+    if signum == signal.SIGINT and signal.SIGINT in _received:  # Ctrl-C twice: do not wait for the step
+        signal.default_int_handler(signum, frame)
     _received.append(signum)
 
 
@@ -56,44 +59,52 @@ def _end_loader_workers() -> None:
 
 
 class Preempted(Exception):
-    """Raised after the stop checkpoint is saved; `common.run` turns it into the exit code."""
+    """Raised after the stop checkpoint is saved; `common.exit_codes` turns it into the exit code."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint):
+    def __init__(self, signal_name: str, step: int, checkpoint, during: str | None = None):
+        when = f"during {during} " if during else ""
         super().__init__(
-            f"stopped by {signal_name} after step {step}; saved {checkpoint}. "
+            f"stopped by {signal_name} {when}after step {step}; saved {checkpoint}. "
             f"Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})"
         )
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
-class StopAgreement:
-    """Every process calls `poll()` once per optimizer step; it returns the stop signal's name
-    on every process at the same step, one step after any process received one.
+class StopOnSignal:
+    """Records the stop signals from now on; every process calls `requested()` once per optimizer
+    step (and per evaluation batch), and it returns the signal's name on every process at the same
+    call, one call after any process received one.
 
     The flags travel over a gloo group of their own: a CPU all-reduce needs no GPU
-    synchronisation, and, started asynchronously at one step and read at the next, it overlaps
+    synchronisation, and, started asynchronously at one call and read at the next, it overlaps
     a whole step of compute instead of stalling the loop.
     """
 
     def __init__(self, accelerator):
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pending = None
+        self.signal = None  # the agreed signal's name, once requested() has returned it
         distributed = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
+        install_stop_handlers()  # once the group stands: a process stuck joining it may still be killed
 
-    def poll(self) -> str | None:
+    def requested(self) -> str | None:
         local = _received[0] if _received else 0
         if self._group is None:
-            return signal.Signals(local).name if local else None
-        agreed = 0
-        if self._pending is not None:
-            self._pending.wait()
-            agreed = int(self._flag.item())
-        self._pending = None
+            agreed = local
+        else:
+            agreed = 0
+            if self._pending is not None:
+                self._pending.wait()
+                agreed = int(self._flag.item())
+            self._pending = None
         if agreed:
-            return signal.Signals(agreed).name
+            self.signal = signal.Signals(agreed).name
+            return self.signal
+        if self._group is None:
+            return None
         self._flag.fill_(local)
-        # MAX over signal numbers: SIGTERM (15) wins over SIGUSR1 (10) in the message.
+        # MAX over signal numbers: SIGTERM (15) wins over SIGUSR1 (10) and SIGINT (2) in the message.
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return None
 

@@ -8,22 +8,25 @@ models. `make_accelerator` checks what actually formed and stops with one line n
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
-import functools
 import importlib.metadata
 import logging
 import os
 import platform
+import signal
 import sys
 import traceback
+from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from tqdm.auto import tqdm
 
-from .preemption import PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
+from .preemption import PREEMPTED_EXIT_CODE, Preempted, write_status
 
 logger = get_logger("recipes")
 
@@ -64,85 +67,104 @@ def one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def run(main):
-    """Decorator for a recipe's entry point: RecipeError becomes one line on stderr and exit 2; a
-    stop on SIGTERM/SIGUSR1 (its checkpoint saved) one line and exit PREEMPTED_EXIT_CODE."""
+@contextlib.contextmanager
+def exit_codes():
+    """Around a recipe's main(): a user's mistake (RecipeError) becomes one `error:` line and exit 2; a
+    stop on a signal, its checkpoint saved (Preempted), one line and exit PREEMPTED_EXIT_CODE; a
+    second Ctrl-C one line and exit 130; a bug its traceback and exit 1. launch.sh learns how the
+    run ended from RECIPE_STATUS_FILE."""
+    # The launcher's RANK, not Accelerate's: when the group did not form, every process believes
+    # it is process 0.
+    first = os.environ.get("RANK", "0") == "0"
+    try:
+        yield
+        write_status("finished")
+        return
+    except RecipeError as err:
+        if not err.same_on_every_rank or first:
+            tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
+        write_status("error")
+        code = 2
+    except Preempted as stop:
+        if first:
+            tqdm.write(f"preempted: {stop}", file=sys.stderr)
+            write_status(f"preempted {stop.step} {stop.checkpoint}")
+        code = PREEMPTED_EXIT_CODE
+    except KeyboardInterrupt:
+        if first:
+            tqdm.write("interrupted by Ctrl-C: nothing was saved after the last checkpoint", file=sys.stderr)
+            write_status("interrupted")
+        code = 130
+    except Exception:
+        # Printed here rather than at exit, so the frames holding the DataLoader (and its
+        # workers, which ignore SIGTERM) are released first: the workers are then shut down
+        # instead of holding the exit up.
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)
 
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        # The launcher's RANK, not Accelerate's: when the group did not form, every process
-        # believes it is process 0.
-        first = os.environ.get("RANK", "0") == "0"
-        try:
-            return main(*args, **kwargs)
-        except RecipeError as err:
-            if not err.same_on_every_rank or first:
-                tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
-            code = 2
-        except Preempted as stop:
-            if first:
-                tqdm.write(f"preempted: {stop}", file=sys.stderr)
-                write_status(f"preempted {stop.step} {stop.checkpoint}")
-            code = PREEMPTED_EXIT_CODE
-        except Exception:
-            # Printed here rather than at exit, so the frames holding the DataLoader (and its
-            # workers, which ignore SIGTERM) are released first: the workers are then shut down
-            # instead of holding the exit up.
-            traceback.print_exc()
-            code = 1
-        sys.exit(code)
 
-    return wrapper
+def process_group_kwargs(ddp_timeout: int = 600) -> InitProcessGroupKwargs:
+    """For `Accelerator(kwargs_handlers=[...])`: the process group's settings, after the checks that
+    must precede it.
 
-
-def make_accelerator(
-    *,
-    seed: int,
-    gradient_accumulation_steps: int = 1,
-    ddp_timeout: int = 600,
-    report_to: str = "none",
-    project_dir: str | None = None,
-    max_grad_norm: float | None = None,
-) -> Accelerator:
-    """The Accelerator every recipe uses; precision and topology come from the accelerate config.
-
-    - CPU-only hosts get gloo explicitly (DeepSpeed's CPU path needs it, see DESIGN.md).
-    - The process-group timeout is `ddp_timeout` seconds, so a dead peer ends the job instead of
-      hanging for torch's default.
-    - Data order comes from a seedable sampler, so resuming replays the same order.
-    - Schedulers are stepped by the recipe once per optimizer step (not once per process).
-    - Every process is seeded with `seed`, so every process builds the same initial model.
-    - SIGTERM and SIGUSR1 are recorded, for TrainLoop to stop at a checkpoint (preemption.py).
-    - Under DeepSpeed, which clips and accumulates itself, its config takes `max_grad_norm` and
-      must agree with `gradient_accumulation_steps`.
+    - More processes on this node than visible GPUs is refused now, not with 'invalid device ordinal'.
+    - A process started by a launcher ends with it (Linux's parent-death signal, SIGTERM: it stops
+      at a checkpoint), instead of training on alone when the launcher is killed.
+    - A process restarted by `--max_restarts` joins its attempt's group (see _join_restarted_group).
+    - A stuck collective fails after `ddp_timeout` seconds instead of torch's 30 minutes or more.
+    - Hosts without GPUs get gloo explicitly: DeepSpeed's CPU path needs it to see the world size.
     """
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _check_visible_gpus()
-    pg_kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
+    if _started_by_a_launcher():
+        _die_with_parent(signal.SIGTERM)
+    kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
     if expected > 1 and not torch.cuda.is_available():
-        pg_kwargs["backend"] = "gloo"
+        kwargs["backend"] = "gloo"
     try:
-        _join_restarted_group(pg_kwargs)
-        accelerator = Accelerator(
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            log_with=None if report_to in ("none", None) else report_to,
-            project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=project_dir),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
-            step_scheduler_with_optimizer=False,
-            kwargs_handlers=[InitProcessGroupKwargs(**pg_kwargs)],
-        )
-    except torch.distributed.DistError as err:  # rendezvous and store failures
-        raise RecipeError(
-            f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
-            "reachable from every process and that the port is free"
-        ) from err
-    _setup_logging(accelerator)
-    check_process_group(accelerator, expected)
+        _join_restarted_group(kwargs)
+    except torch.distributed.DistError as err:
+        raise RecipeError(f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
+                          "reachable from every process and that the port is free") from err
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def check_launch(accelerator: Accelerator, gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None):
+    """Refuse a launch that would not train as one job: the processes the launcher started must form
+    one group that syncs gradients (one all-reduce proves it), and under DeepSpeed, which clips and
+    accumulates itself, its config must agree with the recipe's accumulation (its clipping is set
+    from `max_grad_norm` when the config leaves it to us)."""
+    check_process_group(accelerator, int(os.environ.get("WORLD_SIZE", "1")))
     if accelerator.state.deepspeed_plugin is not None:
-        _agree_with_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm)
-    set_seed(seed)
-    install_stop_handlers()  # once the group stands: a process stuck joining it may still be killed
-    return accelerator
+        _agree_with_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps,
+                              max_grad_norm)
+
+
+def _started_by_a_launcher() -> bool:
+    """torchrun's workers, or the one process `accelerate launch` starts without it."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(Path(os.fsdecode(arg)).name == "accelerate" for arg in parent[:2]) and b"launch" in parent
+
+
+def _die_with_parent(sig: int) -> None:
+    """Ask Linux to send `sig` when the process that started this one exits (prctl PR_SET_PDEATHSIG;
+    elsewhere nothing). torchrun starts its workers in sessions of their own, so killing the
+    launcher's process group would otherwise leave them training."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), sig)
 
 
 def _join_restarted_group(pg_kwargs: dict) -> None:
@@ -232,7 +254,8 @@ def _check_visible_gpus() -> None:
         )
 
 
-def _setup_logging(accelerator: Accelerator) -> None:
+def setup_logging(accelerator: Accelerator) -> None:
+    """INFO from the main process, warnings and errors from every process; libraries' chatter off."""
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",

@@ -156,12 +156,16 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     return train, evals, block_size
 
 
-def evaluate_causal_lm(model, eval_dl, accelerator) -> dict:
-    """Token-weighted loss and perplexity over the whole eval set, each block counted once."""
+def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
+    """Token-weighted loss and perplexity over the whole eval set, each block counted once; None if
+    `stop` (a common.StopOnSignal) reports a signal, which every process sees at the same batch."""
     model.eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for batch in eval_dl:
+            if stop is not None and stop.requested():
+                model.train()
+                return None
             logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
             labels = batch["labels"][:, 1:]
             per_block = torch.stack([F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")

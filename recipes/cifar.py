@@ -23,8 +23,13 @@ import torchvision
 from PIL import Image
 from torchvision import transforms as T
 
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
 import common
 from common import RecipeError
+
+RECIPE = "cifar"  # checkpoints name the recipe that wrote them: a copy renamed to train.py still resumes them
 
 DATASETS = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -48,6 +53,9 @@ def parse_args(argv=None):
                    help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
                         "no host-to-device copies (images of 64 px or less)")
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
+    p.add_argument("--norm_layer", choices=["batch", "sync_batch", "group"], default="batch",
+                   help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
+                        "per process, of the whole step's batch, or per sample")
     p.set_defaults(output_dir="outputs/cifar", per_device_train_batch_size=128, per_device_eval_batch_size=256,
                    learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", warmup_ratio=0.05,
                    weight_decay=5e-4, max_grad_norm=0.0, num_train_epochs=30, logging_steps=20)
@@ -148,7 +156,7 @@ def get_dataloaders(args, accelerator):
     with common.prepare_data_first(accelerator):
         train, evals, num_classes = (build_device_datasets(args, accelerator.device) if args.data_on_device
                                      else build_datasets(args))
-    train_dl = common.make_dataloader(train, args.per_device_train_batch_size, train=True,
+    train_dl = common.make_dataloader(train, args.per_device_train_batch_size, train=True, seed=args.seed,
                                       num_workers=args.dataloader_num_workers)
     eval_dl = common.make_dataloader(evals, args.per_device_eval_batch_size, train=False,
                                      num_workers=args.dataloader_num_workers)
@@ -167,6 +175,23 @@ def build_model(name, num_classes):
         raise RecipeError(f"--model {name}: {err}") from err
 
 
+def set_norm_layer(model, kind: str, on_gpu: bool):
+    """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b
+    do not train exactly as 1 x Nb. sync_batch computes them over every process (an all-reduce per
+    layer, GPUs only in torch); group (GroupNorm, up to 32 groups) needs no batch statistics at all."""
+    if kind == "sync_batch":
+        if not on_gpu:
+            raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if kind == "group":
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+                    groups = max(g for g in range(1, 33) if child.num_features % g == 0)
+                    setattr(parent, name, torch.nn.GroupNorm(groups, child.num_features))
+    return model
+
+
 def build_optimizer(args, model, lr, fused=False):
     """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor."""
     groups = common.decay_groups(model, args.weight_decay)
@@ -175,12 +200,16 @@ def build_optimizer(args, model, lr, fused=False):
     return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov, fused=fused)
 
 
-def evaluate(model, eval_dl, accelerator):
-    """Loss and accuracy over the whole eval set, each sample counted exactly once."""
+def evaluate(model, eval_dl, accelerator, stop=None):
+    """Loss and accuracy over the whole eval set, each sample counted exactly once; None if `stop` (a
+    common.StopOnSignal) reports a signal, which every process sees at the same batch."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for images, labels in eval_dl:
+            if stop is not None and stop.requested():
+                model.train()
+                return None
             logits = model(images)
             losses = F.cross_entropy(logits, labels, reduction="none")
             # gather_for_metrics drops the samples Accelerate repeated to even out the last batch
@@ -192,54 +221,83 @@ def evaluate(model, eval_dl, accelerator):
     return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_samples": count}
 
 
-@common.run
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = common.make_accelerator(
-        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
-        report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
+        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
+    )
+    common.setup_logging(accelerator)
+    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    set_seed(args.seed)  # every process builds the same initial model
     resume_from = common.prepare_output_dir(accelerator, args)
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
-    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
 
-    model = build_model(args.model, num_classes)
     on_gpu = accelerator.device.type == "cuda"
+    model = set_norm_layer(build_model(args.model, num_classes), args.norm_layer, on_gpu)
     if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
         model.compile()
     optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
-    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
+    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
+    if resume_from:
+        checkpoints.restore(resume_from, optimizer, scheduler)
+    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    stop = common.StopOnSignal(accelerator)
+    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
 
-    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
-    loop.resume(resume_from)
-    accelerator.init_trackers("cifar", config=common.tracker_config(args))
     metrics = {}
-    for _ in loop.epochs():
-        for images, labels in loop.batches():
-            if on_gpu:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if loop.end_of_batch(loss):
+    for epoch in range(progress.epoch, plan.num_epochs):
+        if progress.step >= plan.max_train_steps:  # resumed from the last step
+            break
+        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+            for i, (images, labels) in enumerate(window):
+                if on_gpu:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                    loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
+                    # Accelerate divides by the accumulation steps: an epoch's shorter last window is
+                    # weighted up, so every step's gradient is the mean over the samples it trained
+                    accelerator.backward(loss * args.gradient_accumulation_steps / len(window))
+                log.add(loss * len(labels), len(labels))
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            log.step(progress, window, scheduler.get_last_lr()[0])
+            if checkpoints.due(progress.step):
+                checkpoints.save(progress, log, model)
+            if stop.requested():  # on every process at the same step
+                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
+            if progress.step >= plan.max_train_steps:
                 break
-        metrics = evaluate(model, eval_dl, accelerator)
-        loop.end_epoch(metrics)
+        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+        metrics = evaluate(model, eval_dl, accelerator, None if last else stop)
+        if metrics is None:
+            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
+        log.end_epoch(epoch, progress.step, metrics)
+        if checkpoints.each_epoch:
+            checkpoints.save(progress, log, model)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate(model, eval_dl, accelerator)
 
+    log.check_finite(progress.step, model)
     common.save_model(accelerator, model, args.output_dir)
-    record = common.run_record(accelerator, args, plan, **loop.finish(), **metrics, num_classes=num_classes)
+    record = common.run_record(accelerator, args, plan, **log.summary(progress), **metrics, num_classes=num_classes)
     common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    with common.exit_codes():  # a mistake of the user's: one error line, exit 2; a stop on a signal: exit 75
+        main()

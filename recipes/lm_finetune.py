@@ -18,10 +18,14 @@ GPU throughput and MFU: not measured yet in this repository.
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from common import RecipeError
+
+RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 from common.text import add_text_args, evaluate_causal_lm, flops_per_token, lm_dataloaders
 
 
@@ -80,48 +84,77 @@ def build_model(args, model):
     return model
 
 
-@common.run
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = common.make_accelerator(
-        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
-        report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
+        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
+    )
+    common.setup_logging(accelerator)
+    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    set_seed(args.seed)
     resume_from = common.prepare_output_dir(accelerator, args)
 
-    model, tokenizer = load_model_and_tokenizer(args)
+    model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)
     flops = flops_per_token(model, block_size, parameters)
     optimizer = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), lr=plan.learning_rate,
                                   fused=accelerator.device.type == "cuda")
-    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
+    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
+    if resume_from:
+        checkpoints.restore(resume_from, optimizer, scheduler)
+    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    stop = common.StopOnSignal(accelerator)
+    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
 
-    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
-    loop.resume(resume_from)
-    accelerator.init_trackers("lm_finetune", config=common.tracker_config(args))
     metrics = {}
-    for _ in loop.epochs():
-        for batch in loop.batches():
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if loop.end_of_batch(loss):
+    for epoch in range(progress.epoch, plan.num_epochs):
+        if progress.step >= plan.max_train_steps:  # resumed from the last step
+            break
+        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+            tokens = common.window_tokens(accelerator, window)  # the step's loss is its mean over these
+            for i, batch in enumerate(window):
+                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                    loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
+                    # Accelerate divides by the accumulation steps and DDP averages over processes; the
+                    # loss is already this micro-batch's share of the step's mean: undo both
+                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                log.add(loss * tokens, common.target_tokens(batch["labels"]))
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            log.step(progress, window, scheduler.get_last_lr()[0])
+            if checkpoints.due(progress.step):
+                checkpoints.save(progress, log, model)
+            if stop.requested():  # on every process at the same step
+                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
+            if progress.step >= plan.max_train_steps:
                 break
-        metrics = evaluate_causal_lm(model, eval_dl, accelerator)
-        loop.end_epoch(metrics)
+        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+        metrics = evaluate_causal_lm(model, eval_dl, accelerator, None if last else stop)
+        if metrics is None:
+            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
+        log.end_epoch(epoch, progress.step, metrics)
+        if checkpoints.each_epoch:
+            checkpoints.save(progress, log, model)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
+    log.check_finite(progress.step, model)
     common.save_model(accelerator, model, args.output_dir, tokenizer)
-    summary = loop.finish(tokens_per_sample=block_size)
+    summary = log.summary(progress, tokens_per_sample=block_size)
     record = common.run_record(
         accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
         parameters_per_process=common.parameters_per_process(accelerator, model),
@@ -131,4 +164,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with common.exit_codes():  # a mistake of the user's: one error line, exit 2; a stop on a signal: exit 75
+        main()

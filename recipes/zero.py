@@ -17,12 +17,15 @@ import shutil
 from pathlib import Path
 
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler
+from accelerate import Accelerator
+from accelerate.utils import DummyOptim, DummyScheduler, set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import common
 from common import RecipeError, logger
 from common.text import add_text_args, evaluate_causal_lm, lm_dataloaders
+
+RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
 
 def parse_args(argv=None):
@@ -77,7 +80,7 @@ def log_memory_estimates(accelerator, model) -> dict:
     return estimates
 
 
-def build_optimizer(args, accelerator, model, plan):
+def build_optimizer(args, accelerator, model, plan, progress):
     """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
     stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
@@ -88,7 +91,7 @@ def build_optimizer(args, accelerator, model, plan):
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=accelerator.device.type == "cuda")
     if "scheduler" in ds_config:
         return optimizer, DummyScheduler(optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps)
-    return optimizer, common.make_scheduler(optimizer, args.lr_scheduler_type, plan)
+    return optimizer, common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
 
 
 def export_fp32(accelerator, model, output_dir):
@@ -108,47 +111,77 @@ def export_fp32(accelerator, model, output_dir):
     accelerator.wait_for_everyone()
 
 
-@common.run
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = common.make_accelerator(
-        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
-        report_to=args.report_to, project_dir=args.output_dir, max_grad_norm=args.max_grad_norm)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
+        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
+    )
+    common.setup_logging(accelerator)
+    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    set_seed(args.seed)
     resume_from = common.prepare_output_dir(accelerator, args)
 
     model, tokenizer = build_model(args)
     estimates = log_memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
     parameters = common.count_parameters(model)
-    optimizer, scheduler = build_optimizer(args, accelerator, model, plan)
+    optimizer, scheduler = build_optimizer(args, accelerator, model, plan, progress)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
+    if resume_from:
+        checkpoints.restore(resume_from, optimizer, scheduler)
+    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    stop = common.StopOnSignal(accelerator)
+    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
 
-    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
-    loop.resume(resume_from)
-    accelerator.init_trackers("zero", config=common.tracker_config(args))
     metrics = {}
-    for _ in loop.epochs():
-        for batch in loop.batches():
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-                accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if loop.end_of_batch(loss):
+    for epoch in range(progress.epoch, plan.num_epochs):
+        if progress.step >= plan.max_train_steps:  # resumed from the last step
+            break
+        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+            tokens = common.window_tokens(accelerator, window)  # the step's loss is its mean over these
+            for i, batch in enumerate(window):
+                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                    loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
+                    # DeepSpeed divides by the accumulation steps and averages over processes; the loss
+                    # is already this micro-batch's share of the step's mean: undo both. At the window's
+                    # end DeepSpeed also clips and steps, inside backward
+                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                log.add(loss * tokens, common.target_tokens(batch["labels"]))
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            log.step(progress, window, scheduler.get_last_lr()[0])
+            if checkpoints.due(progress.step):
+                checkpoints.save(progress, log, model)
+            if stop.requested():  # on every process at the same step
+                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
+            if progress.step >= plan.max_train_steps:
                 break
-        metrics = evaluate_causal_lm(model, eval_dl, accelerator)
-        loop.end_epoch(metrics)
+        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+        metrics = evaluate_causal_lm(model, eval_dl, accelerator, None if last else stop)
+        if metrics is None:
+            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
+        log.end_epoch(epoch, progress.step, metrics)
+        if checkpoints.each_epoch:
+            checkpoints.save(progress, log, model)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
+    log.check_finite(progress.step, model)
     common.save_model(accelerator, model, args.output_dir, tokenizer)
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
     record = common.run_record(
-        accelerator, args, plan, **loop.finish(tokens_per_sample=block_size), **metrics, block_size=block_size,
+        accelerator, args, plan, **log.summary(progress, tokens_per_sample=block_size), **metrics, block_size=block_size,
         parameters=parameters, parameters_per_process=common.parameters_per_process(accelerator, model),
         memory_estimate=estimates)
     common.write_results(accelerator, args.output_dir, record)
@@ -156,4 +189,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with common.exit_codes():  # a mistake of the user's: one error line, exit 2; a stop on a signal: exit 75
+        main()

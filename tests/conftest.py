@@ -126,19 +126,47 @@ def tiny_lm(tmp_path_factory):
         with open(root / f"{name}.jsonl", "w") as f:
             for _ in range(lines):
                 f.write(json.dumps({"text": count(rng.randrange(6, 14))}) + "\n")
-    with open(root / "chat.jsonl", "w") as f:
-        for _ in range(300):
-            words_ = count(8).split()
-            f.write(json.dumps({"messages": [{"role": "user", "content": "count from " + " ".join(words_[:3])},
-                                             {"role": "assistant", "content": " ".join(words_[3:])}]}) + "\n")
+    for name, replies in (("chat", [5] * 300), ("chat_varied", [rng.randrange(1, 25) for _ in range(200)])):
+        with open(root / f"{name}.jsonl", "w") as f:  # chat_varied: 1 to 24 words, so blocks hold few or many targets
+            for reply in replies:
+                words_ = count(3 + reply).split()
+                f.write(json.dumps({"messages": [{"role": "user", "content": "count from " + " ".join(words_[:3])},
+                                                 {"role": "assistant", "content": " ".join(words_[3:])}]}) + "\n")
     return {"model": root / "model", "train": root / "train.jsonl", "validation": root / "validation.jsonl",
-            "chat": root / "chat.jsonl"}
+            "chat": root / "chat.jsonl", "chat_varied": root / "chat_varied.jsonl"}
 
 
 def lm_args(lm, output_dir, *extra):
     return ["--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
             "--output_dir", output_dir, "--block_size", "32", "--per_device_train_batch_size", "8",
             "--learning_rate", "3e-3", "--lr_scaling", "none", "--warmup_ratio", "0", *extra]
+
+
+# Chats whose replies hold 1 to 24 words (tiny_lm's chat_varied): a 32-token block's target tokens vary
+# from a few to most of it. No clipping and no weight decay, so an update is the gradient's alone.
+def chat_args(lm, output_dir, batch, *extra):
+    return ["--model_name_or_path", lm["model"], "--train_file", lm["chat_varied"], "--data_format", "chat",
+            "--validation_split_percentage", "10", "--output_dir", output_dir, "--block_size", "32",
+            "--per_device_train_batch_size", str(batch), "--learning_rate", "3e-3", "--lr_scaling", "none",
+            "--warmup_ratio", "0", "--max_grad_norm", "0", "--max_train_steps", "6", "--logging_steps", "1", *extra]
+
+
+def update_distance(out, reference, initial) -> float:
+    """|weights(out) - weights(reference)| / |weights(reference) - weights(initial)|, over every tensor."""
+    from safetensors.torch import load_file
+
+    a, b, w0 = (load_file(Path(folder) / "model.safetensors") for folder in (out, reference, initial))
+    apart = sum(((a[k] - b[k]).double() ** 2).sum() for k in b)
+    update = sum(((b[k] - w0[k]).double() ** 2).sum() for k in b)
+    return float((apart / update).sqrt())
+
+
+@pytest.fixture(scope="session")
+def chat_reference(tiny_lm, tmp_path_factory):
+    """One process, batch 4: the run every other split of the same samples must reproduce."""
+    out = tmp_path_factory.mktemp("chat_reference") / "1x4"
+    run([BIN / "python", REPO / "recipes" / "lm_finetune.py", *chat_args(tiny_lm, out, 4)])
+    return out
 
 
 # The run the stop/restart tests compare with: 14 steps of 2 micro-batches, crossing epochs.

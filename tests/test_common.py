@@ -5,34 +5,38 @@ import math
 
 import pytest
 import torch
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
 from torch.utils.data import DataLoader, Dataset
 
 import common
 from common import RecipeError
+from common.checkpoint import resolve_checkpoint, write_json
+from common.data import SeededTransform, set_epoch
+from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
+from common.training import Progress
 
 
 def test_effective_batch_size():
-    assert common.effective_batch_size(128, 8, 4) == 4096
-    assert common.effective_batch_size(32, 1, 1) == 32
+    assert effective_batch_size(128, 8, 4) == 4096
+    assert effective_batch_size(32, 1, 1) == 32
 
 
 @pytest.mark.parametrize("rule, batch, expected", [
     ("linear", 1024, 0.8), ("linear", 64, 0.05), ("sqrt", 512, 0.2), ("sqrt", 32, 0.05), ("none", 4096, 0.1),
 ])
 def test_scale_lr(rule, batch, expected):
-    assert common.scale_lr(0.1, batch, 128, rule) == pytest.approx(expected)
+    assert scale_lr(0.1, batch, 128, rule) == pytest.approx(expected)
 
 
 def test_scale_lr_rejects_unknown_rule():
     with pytest.raises(ValueError, match="linear, sqrt, none"):
-        common.scale_lr(0.1, 256, 128, "cube")
+        scale_lr(0.1, 256, 128, "cube")
 
 
 def plan(**kw):
-    base = dict(num_batches=43, per_device_batch_size=32, num_processes=2, gradient_accumulation_steps=1,
+    base = dict(num_samples=1400, per_device_batch_size=32, num_processes=2, gradient_accumulation_steps=1,
                 learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", num_train_epochs=3)
-    return common.plan_training(**{**base, **kw})
+    return plan_training(**{**base, **kw})
 
 
 def test_plan_counts_optimizer_steps_per_process():
@@ -53,17 +57,19 @@ def test_plan_max_train_steps_and_warmup():
 
 def test_plan_refuses_a_batch_larger_than_the_data():
     with pytest.raises(RecipeError, match="lower --per_device_train_batch_size"):
-        plan(num_batches=1, num_processes=2)
+        plan(num_samples=63, num_processes=2)
 
 
 def test_schedule_warms_up_then_decays_to_zero():
     p = plan(max_train_steps=100, warmup_steps=10)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.learning_rate)
-    sched = common.make_scheduler(opt, "cosine", p)
+    progress = Progress()
+    sched = make_scheduler(opt, "cosine", p, progress)
     lrs = []
-    for _ in range(100):
+    for step in range(100):
         lrs.append(sched.get_last_lr()[0])
         opt.step()
+        progress.samples_seen = p.samples_for_steps(step + 1)
         sched.step()
     assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
@@ -80,7 +86,7 @@ def make_checkpoint(root, step, complete=True):
     path = root / f"checkpoint-{step}"
     path.mkdir()
     if complete:
-        common.write_json(path / common.checkpoint.STATE_FILE, {"step": step})
+        write_json(path / common.checkpoint.STATE_FILE, {"step": step})
     return path
 
 
@@ -90,14 +96,14 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
     make_checkpoint(tmp_path, 200, complete=False)
     (tmp_path / ".tmp-checkpoint-300").mkdir()
     (tmp_path / "checkpoint-final").mkdir()
-    assert common.resolve_checkpoint(tmp_path, "latest") == newest  # 100 > 9 numerically
+    assert resolve_checkpoint(tmp_path, "latest") == newest  # 100 > 9 numerically
 
 
 def test_latest_without_checkpoints_starts_fresh_and_bad_paths_fail(tmp_path, accelerate_state):
-    assert common.resolve_checkpoint(tmp_path, "latest") is None
-    assert common.resolve_checkpoint(tmp_path, None) is None
+    assert resolve_checkpoint(tmp_path, "latest") is None
+    assert resolve_checkpoint(tmp_path, None) is None
     with pytest.raises(RecipeError, match="not a complete checkpoint"):
-        common.resolve_checkpoint(tmp_path, str(make_checkpoint(tmp_path, 5, complete=False)))
+        resolve_checkpoint(tmp_path, str(make_checkpoint(tmp_path, 5, complete=False)))
 
 
 class Indexed(Dataset):
@@ -110,21 +116,21 @@ class Indexed(Dataset):
 
 def test_seeded_transform_depends_on_seed_epoch_and_index_only():
     noise = lambda x: x + torch.rand(4)  # noqa: E731
-    ds = common.SeededTransform(Indexed(), noise, seed=1)
+    ds = SeededTransform(Indexed(), noise, seed=1)
     first = [ds[i][0] for i in range(8)]
     torch.rand(100)  # the global RNG moving on changes nothing
     assert all(torch.equal(ds[i][0], first[i]) for i in reversed(range(8)))
     assert not torch.equal(first[0], first[1])
     ds.set_epoch(1)
     assert not torch.equal(ds[0][0], first[0])
-    assert not torch.equal(common.SeededTransform(Indexed(), noise, seed=2)[0][0], first[0])
+    assert not torch.equal(SeededTransform(Indexed(), noise, seed=2)[0][0], first[0])
 
 
 def test_seeded_transform_epoch_reaches_persistent_workers():
-    ds = common.SeededTransform(Indexed(), lambda x: x + torch.rand(4), seed=0)
+    ds = SeededTransform(Indexed(), lambda x: x + torch.rand(4), seed=0)
     loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
     for epoch in range(3):
-        common.data.set_epoch(type("L", (), {"set_epoch": lambda s, e: None, "dataset": ds})(), epoch)
+        set_epoch(type("L", (), {"set_epoch": lambda s, e: None, "dataset": ds})(), epoch)
         (from_worker, _), = list(loader)
         expected = torch.stack([ds[i][0] for i in range(8)])  # computed here, in this process
         assert torch.equal(from_worker, expected), epoch
@@ -136,37 +142,41 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
-        common.make_accelerator(seed=0)
+        common.process_group_kwargs()
 
 
-def test_train_loop_counts_the_samples_it_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
-    """7 batches an epoch, accumulation 2: Accelerate steps the optimizer after the 7th batch
-    alone, so 2 epochs are 8 steps but 14 batches, not 8 x 2. The rates count batches."""
-    from accelerate import Accelerator
-
+def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
+    """7 batches an epoch, accumulation 2: the 7th batch is a window of its own, so 2 epochs are 8
+    steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
     args = common.parse(common.training_parser("t"), [
         "--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--num_train_epochs", "2", "--logging_steps", "1"])
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     model = torch.nn.Linear(4, 1)
-    train_dl = DataLoader([torch.ones(4)] * 14, batch_size=2, drop_last=True)
-    plan = common.plan_from_args(args, len(train_dl), accelerator.num_processes)
+    data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
+    train_dl = common.make_dataloader(data, 2, train=True, num_workers=0)
+    plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
+    assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (4, 8, 28)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)
-    scheduler = common.make_scheduler(optimizer, "constant", plan)
+    scheduler = make_scheduler(optimizer, "constant", plan, progress)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    loop = common.TrainLoop(accelerator, args, plan, train_dl, scheduler)
-    loop.resume(None)
-    batches = 0
-    for _ in loop.epochs():
-        for x in loop.batches():
-            with accelerator.accumulate(model):
-                loss = model(x).pow(2).mean()
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            batches += 1
-            loop.end_of_batch(loss)
-    summary = loop.finish()
-    assert (summary["steps"], batches) == (8, 14)
-    assert summary["samples_per_second"] * loop.train_seconds == pytest.approx(14 * 2)
-    assert summary["steady_samples_per_second"] > 0
+    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    windows = []
+    for epoch in range(plan.num_epochs):
+        for window in common.accumulation_windows(train_dl, 2, epoch, progress):
+            for i, x in enumerate(window):
+                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                    loss = model(x).pow(2).mean()
+                    accelerator.backward(loss)
+                log.add(loss * len(x), len(x))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            progress.step += 1
+            windows.append(len(window))
+            log.step(progress, window, scheduler.get_last_lr()[0])
+    summary = log.summary(progress)
+    assert windows == [2, 2, 2, 1] * 2 and summary["steps"] == 8
+    assert progress.samples_seen == summary["samples_seen"] == 28 and progress.samples_in_epoch == 14
+    assert summary["samples_per_second"] * log.train_seconds == pytest.approx(28)
+    assert summary["steady_samples_per_second"] > 0 and summary["epochs"] == 2

@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import common
+from common.checkpoint import checkpoint_damage
+from common.metrics import public_args
+from common.preemption import PREEMPTED_EXIT_CODE
 
 from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
 
@@ -53,9 +55,9 @@ def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_
     out = tmp_path / "run"
     cmd = [REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--max_train_steps", "500", "--checkpointing_steps", "3")]
     proc, took = interrupt(cmd, user_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20"), out, after_step=3, sig=signal.SIGKILL, rank=1)
-    assert proc.returncode not in (0, common.PREEMPTED_EXIT_CODE), proc.stderr[-2000:]
+    assert proc.returncode not in (0, PREEMPTED_EXIT_CODE), proc.stderr[-2000:]
     assert took < 20 + 15, f"the job took {took:.0f} s to end after a process died"
-    assert common.checkpoint_damage(out / "checkpoint-3") is None
+    assert checkpoint_damage(out / "checkpoint-3") is None
     assert not (out / "results.json").exists()
 
 
@@ -181,7 +183,7 @@ def test_public_args_masks_credentials():
                               dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
                               resume_from_checkpoint=None, tokenizer_name="gpt2", max_tokens=512,
                               wandb_api_key="w", HF_TOKEN="t", client_secret="s")
-    shown = common.public_args(args)
+    shown = public_args(args)
     assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
                      "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
                      "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials

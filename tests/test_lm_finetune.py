@@ -8,25 +8,33 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, error_lines, interrupt, lm_args, results, run
+from conftest import (BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, chat_args, error_lines, interrupt, lm_args, results,
+                      run, update_distance)
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
+from common.training import target_tokens, window_tokens
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
 
 
-def eval_loss(model_dir, lm, block_size=32, model=None):
-    """Token-weighted loss of a saved model on the validation file, computed here, without Accelerate."""
+def eval_loss(model_dir, lm, block_size=32, model=None, chat=False):
+    """Token-weighted loss of a saved model on the validation blocks the recipe held out (the text
+    validation file, or 10% of the varied chats split with the recipes' seed), computed here,
+    without Accelerate."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = model or AutoModelForCausalLM.from_pretrained(model_dir)
-    raw = load_raw_datasets(train_file=lm["train"], validation_file=lm["validation"])
-    blocks = tokenize_and_pack(raw, tokenizer, data_format="text", text_column="text", block_size=block_size)["validation"]
+    if chat:
+        raw = load_raw_datasets(train_file=lm["chat_varied"], validation_split_percentage=10, seed=42)
+    else:
+        raw = load_raw_datasets(train_file=lm["train"], validation_file=lm["validation"])
+    blocks = tokenize_and_pack(raw, tokenizer, data_format="chat" if chat else "text", text_column="text",
+                               block_size=block_size)["validation"]
     total, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(blocks), 16):
-            ids = blocks[i:i + 16]["input_ids"]
+            ids, labels = blocks[i:i + 16]["input_ids"], blocks[i:i + 16]["labels"][:, 1:]
             logits = model(input_ids=ids).logits[:, :-1]
-            total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="sum").item()
-            tokens += ids[:, 1:].numel()
+            total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="sum").item()
+            tokens += int((labels != IGNORE_INDEX).sum())
     return total / tokens
 
 
@@ -96,6 +104,50 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
     for (step, one), (_, two) in zip(curves[1], curves[2]):
         assert two == pytest.approx(one, rel=2e-4, abs=1e-5), f"step {step}: {one} vs {two}"
     assert curves[1][-1][1] < 0.8 * curves[1][0][1]  # and it is a curve, not a flat line
+
+
+# Chats whose replies hold 1 to 24 words: the target tokens of a 32-token block vary from a few to
+# most of it. No clipping and no weight decay, so the update is the gradient's alone.
+def test_every_target_token_weighs_the_same_however_a_step_is_split_into_processes_and_accumulation(
+        tiny_lm, chat_reference, tmp_path):
+    """The step's loss is its target tokens' summed loss over their number, across every micro-batch
+    and process (transformers' num_items_in_batch), so 2 processes x batch 2 and 1 process x batch 2 x
+    accumulation 2 make the same update as 1 x 4. A mean per micro-batch, averaged, does not: it
+    weighs a block with 3 target tokens like one with 30 (measured before the fix: 4.6e-3 apart)."""
+    accumulated, two = tmp_path / "1x2x2", tmp_path / "2x2"
+    run([BIN / "python", RECIPE, *chat_args(tiny_lm, accumulated, 2, "--gradient_accumulation_steps", "2")])
+    cmd, env = accelerate_cpu(2, RECIPE, *chat_args(tiny_lm, two, 2))
+    run(cmd, env=env)
+    reference = results(chat_reference)
+    for out in (accumulated, two):
+        assert results(out)["effective_batch_size"] == reference["effective_batch_size"] == 4
+        assert update_distance(out, chat_reference, tiny_lm["model"]) < 1e-5, out  # measured: 5.6e-7
+        # the logged loss is the same token-weighted mean
+        curve = [h["train_loss"] for h in results(out)["log_history"]]
+        assert curve == pytest.approx([h["train_loss"] for h in reference["log_history"]], rel=1e-5)
+    assert results(two)["world_size"] == 2
+
+
+def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zero_update(tiny_lm):
+    from accelerate import PartialState
+
+    labels = torch.tensor([[5, -100, -100, -100],  # the first position is never a target: 0
+                           [-100, -100, 7, -100],  # 1
+                           [3, 4, 5, 6]])  # 3
+    assert target_tokens(labels) == 4 and [int(target_tokens(row)) for row in labels] == [0, 1, 3]
+
+    class Single:  # the one-process accelerator window_tokens reduces with
+        def reduce(self, tensor, reduction):
+            return tensor
+    PartialState()
+    empty = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "labels": torch.full((1, 4), -100)}
+    tokens = window_tokens(Single(), [empty, empty])
+    assert tokens == 1  # not 0: no division by zero
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
+    loss = model(**empty, num_items_in_batch=tokens).loss
+    assert loss.item() == 0.0 and not loss.isnan()
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
 
 
 def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted, tmp_path):

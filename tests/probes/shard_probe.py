@@ -12,13 +12,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import gather_object  # noqa: E402
+from common.training import Progress, accumulation_windows  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 cifar = load_recipe()
 args = cifar.parse_args(argv)
-accelerator = common.make_accelerator(seed=args.seed)
+accelerator = Accelerator(kwargs_handlers=[common.process_group_kwargs()])
+common.check_launch(accelerator)
 train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
 # Label every sample with its index, so a batch's labels say which samples it holds.
 for dataset in (train_dl.dataset, eval_dl.dataset):
@@ -30,9 +33,10 @@ for dataset in (train_dl.dataset, eval_dl.dataset):
 train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
 
 record = {"world_size": accelerator.num_processes, "train": [], "eval": []}
-for epoch in range(2):
-    common.set_epoch(train_dl, epoch)
-    mine = [i for _, labels in train_dl for i in labels.tolist()]
+progress = Progress()
+for epoch in range(2):  # as the recipe iterates: windows of one optimizer step
+    mine = [i for window in accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress)
+            for _, labels in window for i in labels.tolist()]
     record["train"].append(gather_object([mine]))  # one list per process
 for _, labels in eval_dl:
     record["eval"] += accelerator.gather_for_metrics(labels).tolist()
