@@ -102,14 +102,14 @@ def _number(text, kind, wanted):
     return value
 
 
-def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, unit=""):
+def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
     """An argparse type for numbers of `kind` in [low, high] (an open end when `*_open`)."""
     parts = []
     if low is not None:
         parts.append(f"{'greater than' if low_open else 'at least'} {low}")
     if high is not None:
         parts.append(f"{'below' if high_open else 'at most'} {high}")
-    wanted = f"{'a whole number' if kind is int else 'a number'} {' and '.join(parts)}{unit}"
+    wanted = f"{'a whole number' if kind is int else 'a number'} {' and '.join(parts)}"
 
     def convert(text):
         value = _number(text, kind, wanted)
