@@ -1,53 +1,250 @@
 """The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds
-its own and sets its defaults with `parser.set_defaults(learning_rate=..., ...)`."""
+its own and sets its defaults with `parser.set_defaults(learning_rate=..., ...)`.
+
+Every value is checked when the arguments are parsed, by the `type=` beside it (`positive_int`,
+`probability`, ...) or, for a rule between two arguments, in `parse`: a mistake costs one
+`error:` line and exit code 2 before anything is loaded, launched or written. No parse error
+repeats a value that looks like a credential.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
+import math
+import os
+import sys
+import warnings
 
+from .metrics import SECRET_NAMES, SECRET_VALUES
 from .scaling import LR_SCALING_RULES
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one `error: ...` line (no usage block) and exit code 2, printed by
+    the first process only (every process of a launch parses the same command line), with any
+    credential in the message masked."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(_masked_tokens(extras))}{self._did_you_mean(extras)}")
+        return namespace
+
+    def _did_you_mean(self, extras) -> str:
+        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        guesses = []
+        for token in extras:
+            if token.startswith("--"):
+                guesses += difflib.get_close_matches(token.split("=", 1)[0], known, n=2, cutoff=0.75)
+        if guesses:
+            return f" (did you mean {' or '.join(dict.fromkeys(guesses))}?)"
+        return f"; {self.prog} --help lists every option"
+
+    def error(self, message):
+        message = mask_secrets(message, getattr(self, "_argv", []))
+        # The launcher's RANK: under `accelerate launch` every process would print the same line.
+        self.exit(2, f"error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+
+
+def _secret_values(argv) -> set:
+    """Values given to an option named like a credential: --hub_token hf_..., --api_key=..."""
+    secrets = set()
+    for i, token in enumerate(argv):
+        if not token.startswith("-"):
+            continue
+        name, eq, value = token.lstrip("-").partition("=")
+        if SECRET_NAMES.search(name):
+            if eq:
+                secrets.add(value)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                secrets.add(argv[i + 1])
+    return {s for s in secrets if s}
+
+
+def _masked_tokens(tokens) -> list:
+    secrets = _secret_values(tokens)
+    masked = []
+    for token in tokens:
+        name, eq, value = token.partition("=")
+        if token in secrets:
+            token = "***"
+        elif eq and token.startswith("-") and value in secrets:
+            token = f"{name}=***"
+        masked.append(SECRET_VALUES.sub("***", token))
+    return masked
+
+
+def mask_secrets(message: str, argv=()) -> str:
+    """`message` with hub tokens, URL passwords and the values of credential-named options masked."""
+    for secret in sorted(_secret_values(argv), key=len, reverse=True):
+        if len(secret) >= 4:  # shorter ones would mask unrelated letters; unrecognized arguments mask them exactly
+            message = message.replace(secret, "***")
+    return SECRET_VALUES.sub("***", message)
+
+
+# --- argument types: each returns the value or raises ArgumentTypeError, which argparse prints as
+# "error: argument --NAME: <message>".
+
+def _number(text, kind, wanted):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}; "
+                                         f"pass {wanted}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
+    return value
+
+
+def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type for numbers of `kind` in [low, high] (an open end when `*_open`)."""
+    parts = []
+    if low is not None:
+        parts.append(f"{'greater than' if low_open else 'at least'} {low}")
+    if high is not None:
+        parts.append(f"{'below' if high_open else 'at most'} {high}")
+    wanted = f"{'a whole number' if kind is int else 'a number'} {' and '.join(parts)}"
+
+    def convert(text):
+        value = _number(text, kind, wanted)
+        if (low is not None and (value <= low if low_open else value < low)) or \
+                (high is not None and (value >= high if high_open else value > high)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
+        return value
+
+    convert.__name__ = wanted
+    return convert
+
+
+def at_least(low: int):
+    """An int type of at least `low`."""
+    return _ranged(int, low)
+
+
+positive_int = _ranged(int, 1)
+non_negative_int = _ranged(int, 0)
+positive_float = _ranged(float, 0, low_open=True)
+non_negative_float = _ranged(float, 0)
+probability = _ranged(float, 0, 1)  # a fraction where both ends mean something (warmup over none or all steps)
+fraction_below_one = _ranged(float, 0, 1, high_open=True)  # dropout, smoothing, momentum: 1 leaves nothing to learn
+seed = _ranged(int, 0, 2**32, high_open=True)  # what numpy's and torch's generators accept
+percentage = _ranged(float, 0, 100, low_open=True, high_open=True)  # a held-out split: 0% and 100% leave a side empty
+
+
+def nonempty(text):
+    """A string that names something: an empty --output_dir would be the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def checkpointing_steps(text):
+    """'epoch' or a number of steps >= 1, kept as the string the training loop reads."""
+    if text == "epoch":
+        return text
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no "
+                                         "checkpoints, omit --checkpointing_steps")
+    return str(steps)
+
+
+@functools.cache
+def drivable_schedules() -> tuple:
+    """transformers' schedules that run from a warmup and a total step count alone, stepped once per
+    optimizer step: not those that need a metric (reduce_lr_on_plateau) or extra arguments
+    (cosine_with_min_lr, warmup_stable_decay). Found by building each, so a new transformers'
+    schedule is accepted when it qualifies."""
+    import torch
+    from transformers import SchedulerType, get_scheduler
+
+    names = []
+    for kind in SchedulerType:
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scheduler = get_scheduler(kind.value, optimizer, num_warmup_steps=1, num_training_steps=4)
+                optimizer.step()
+                scheduler.step()
+        except Exception:  # a probe: whatever fails here would fail in the recipe
+            continue
+        names.append(kind.value)
+    return tuple(names)
+
+
+def lr_scheduler_type(text):
+    names = drivable_schedules()
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a schedule this recipe can drive; "
+                                         f"choose from {', '.join(names)}")
+    return text
+
+
+def report_to(text):
+    """'none', 'all' (every installed tracker), or one tracker accelerate knows, installed here."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    names = ["none", *(t.value for t in LoggerType)]
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tracker accelerate knows; choose from {', '.join(names)}")
+    if text not in ("none", "all") and text not in {t.value for t in get_available_trackers()}:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not installed here: pip install {text}, or pass --report_to none")
+    return text
+
+
 def training_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p = ArgumentParser(description=description, allow_abbrev=False)
     t = p.add_argument_group("training (shared by every recipe)")
-    t.add_argument("--output_dir", default="outputs/run")
-    t.add_argument("--per_device_train_batch_size", type=int, default=8)
-    t.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    t.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    t.add_argument("--learning_rate", type=float, default=1e-3, help="for --reference_batch_size samples")
-    t.add_argument("--reference_batch_size", type=int, default=64,
+    t.add_argument("--output_dir", type=nonempty, default="outputs/run")
+    t.add_argument("--per_device_train_batch_size", type=positive_int, default=8)
+    t.add_argument("--per_device_eval_batch_size", type=positive_int, default=8)
+    t.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    t.add_argument("--learning_rate", type=positive_float, default=1e-3, help="for --reference_batch_size samples")
+    t.add_argument("--reference_batch_size", type=positive_int, default=64,
                    help="the effective batch --learning_rate is meant for")
     t.add_argument("--lr_scaling", choices=LR_SCALING_RULES, default="linear",
                    help="how the learning rate follows the effective batch")
-    t.add_argument("--lr_scheduler_type", default="cosine", help="any transformers schedule name")
-    t.add_argument("--warmup_steps", type=int, help="overrides --warmup_ratio")
-    t.add_argument("--warmup_ratio", type=float, default=0.0)
-    t.add_argument("--weight_decay", type=float, default=0.0, help="not applied to biases and norms")
-    t.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
-    t.add_argument("--num_train_epochs", type=int, default=3)
-    t.add_argument("--max_train_steps", type=int, help="stop after this many optimizer steps")
-    t.add_argument("--checkpointing_steps", help="save the full state every N optimizer steps, or 'epoch'")
+    t.add_argument("--lr_scheduler_type", type=lr_scheduler_type, default="cosine",
+                   help="a transformers schedule driven by warmup and total steps: linear, cosine, "
+                        "constant_with_warmup, ...")
+    t.add_argument("--warmup_steps", type=non_negative_int, help="overrides --warmup_ratio")
+    t.add_argument("--warmup_ratio", type=probability, default=0.0)
+    t.add_argument("--weight_decay", type=non_negative_float, default=0.0, help="not applied to biases and norms")
+    t.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="0 disables clipping")
+    t.add_argument("--num_train_epochs", type=positive_int, default=3)
+    t.add_argument("--max_train_steps", type=positive_int, help="stop after this many optimizer steps")
+    t.add_argument("--checkpointing_steps", type=checkpointing_steps,
+                   help="save the full state every N optimizer steps, or 'epoch'; omit it to save no checkpoints")
     t.add_argument("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
-    t.add_argument("--save_total_limit", type=int, help="keep only the newest N checkpoints")
+    t.add_argument("--save_total_limit", type=positive_int, help="keep only the newest N checkpoints")
     t.add_argument("--overwrite_output_dir", action="store_true",
                    help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)")
-    t.add_argument("--logging_steps", type=int, default=10)
-    t.add_argument("--report_to", default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
-    t.add_argument("--dataloader_num_workers", type=int, help="per process; default from the CPU count")
-    t.add_argument("--ddp_timeout", type=int, default=600, help="seconds before a stuck collective fails")
-    t.add_argument("--seed", type=int, default=42)
+    t.add_argument("--logging_steps", type=positive_int, default=10)
+    t.add_argument("--report_to", type=report_to, default="none",
+                   help="an accelerate tracker: tensorboard, wandb, ... or none")
+    t.add_argument("--dataloader_num_workers", type=non_negative_int, help="per process; default from the CPU count")
+    t.add_argument("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600,
+                   help="seconds before a stuck collective fails (at most a year)")
+    t.add_argument("--seed", type=seed, default=42)
     return p
 
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse, rejecting unknown arguments and values the parser's types cannot express."""
+    """Parse, rejecting unknown arguments and combinations no single argument's type can see."""
     args = parser.parse_args(argv)
-    if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
-        parser.error("--checkpointing_steps takes a number of steps or 'epoch'")
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        parser.error("--save_total_limit must be at least 1")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
+    if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
+        parser.error(f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
+                     f"{args.max_train_steps}; pass fewer warmup steps")
     return args

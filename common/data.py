@@ -17,10 +17,18 @@ def prepare_data_first(accelerator):
     """Run the block on the main process first, then on each node's local main, then the rest.
 
     Downloads and `datasets` cache writes then happen once on a shared filesystem and once per
-    node on node-local disks; every other process finds the data already there.
+    node on node-local disks; every other process finds the data already there. A process whose
+    block fails (bad data) still lets the others past their wait and then raises: they meet the
+    same error in their own turn, instead of a barrier broken by its exit.
     """
+    failure = None
     with accelerator.main_process_first(), accelerator.local_main_process_first():
-        yield
+        try:
+            yield
+        except Exception as err:
+            failure = err
+    if failure is not None:
+        raise failure
 
 
 def default_num_workers() -> int:

@@ -1,20 +1,147 @@
 """Text data for causal-LM recipes: local or hub datasets, tokenization, chat-prompt masking, and
-packing into fixed-length blocks."""
+packing into fixed-length blocks.
+
+Whatever `datasets`, the tokenizer or the chat template raise about the user's data becomes one
+RecipeError naming the file (or dataset) and what to do about it."""
 
 from __future__ import annotations
 
+import argparse
+import copy
+import difflib
+import json
+import logging
 import math
+import os
+import reprlib
+import warnings
 from itertools import chain
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .args import at_least, nonempty, percentage, positive_int
 from .data import make_dataloader, prepare_data_first
 from .runtime import RecipeError
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+MESSAGE_SHAPE = '{"role": ..., "content": "..."}'
+
+
+def _excerpt(value, limit=80) -> str:
+    """A short repr of a user's value for an error line (long rows would bury the message)."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxdict, r.maxlevel = limit, limit, 4, 4, 3
+    return r.repr(value)
+
+
+def _cause(err: BaseException) -> str:
+    """The exception under datasets' generic "An error occurred while generating the dataset", as
+    `Type: first line` (the type says what went wrong: ArrowInvalid, UnicodeDecodeError, ...)."""
+    from datasets.exceptions import DatasetGenerationError
+
+    seen = err
+    while isinstance(seen, DatasetGenerationError) and (seen.__cause__ or seen.__context__):
+        seen = seen.__cause__ or seen.__context__
+    text = str(seen).strip().splitlines()
+    return f"{type(seen).__name__}: {text[0]}" if text else type(seen).__name__
+
+
+def _read_error(err: BaseException, fmt: str) -> str:
+    """Why a local file could not be read as `fmt`, and what to do."""
+    cause = err
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return _not_utf8(cause)
+    if "corresponds to no data" in str(err):
+        return "holds no rows; add data or pass another file"
+    if isinstance(err, OSError) and err.errno == 28:  # ENOSPC: datasets' cache, not the file
+        return f"the datasets cache is out of space ({err}); free space or point HF_DATASETS_CACHE elsewhere"
+    hint = {"json": "each line must be one JSON object, such as {\"text\": \"...\"}",
+            "csv": "it must be comma-separated with a header row naming the columns",
+            "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
+            "text": "it must be plain UTF-8 text"}[fmt]
+    return f"cannot be read as {fmt} ({_cause(err)}); {hint}"
+
+
+def _not_utf8(err: UnicodeDecodeError) -> str:
+    around = err.object[max(0, err.start - 20):err.start + 20]
+    return (f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); "
+            "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+
+
+def _check_local_file(flag: str, path) -> str:
+    """The `datasets` builder for a local data file, after checking the file is one it can read."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise RecipeError(f"{flag} {path}: is a folder; pass a data file, or the folder as --dataset_name")
+    if not path.is_file():
+        raise RecipeError(f"{flag} {path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise RecipeError(f"{flag} {path}: not readable by this user (permission denied); fix its permissions")
+    fmt = LOCAL_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise RecipeError(f"{flag} {path}: unknown format {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
+    size = path.stat().st_size
+    if size == 0 or (size < 1 << 16 and not path.read_bytes().strip()):
+        raise RecipeError(f"{flag} {path}: the file is empty; pass a file that holds data")
+    if fmt == "parquet":  # checked here: datasets would log its own error line before raising
+        import pyarrow
+        import pyarrow.parquet
+
+        try:
+            pyarrow.parquet.read_metadata(path)
+        except (pyarrow.ArrowException, OSError) as err:
+            raise RecipeError(f"{flag} {path}: not a parquet file ({str(err).splitlines()[0]}); "
+                              "write it again with a parquet writer, or pass .jsonl/.csv/.txt") from err
+    return fmt
+
+
+def _load_local_file(flag: str, path, fmt: str):
+    from datasets import load_dataset
+
+    # The builder logs its own error line before raising; ours names the file and the fix instead.
+    builder_log = logging.getLogger(f"datasets.packaged_modules.{fmt}.{fmt}")
+    level = builder_log.level
+    builder_log.setLevel(logging.CRITICAL)
+    try:
+        data = load_dataset(fmt, data_files={"train": str(Path(path).expanduser())})["train"]
+    except Exception as err:  # anything datasets, pyarrow or pandas raise about the file's contents
+        raise RecipeError(f"{flag} {path}: {_read_error(err, fmt)}") from err
+    finally:
+        builder_log.setLevel(level)
+    if len(data) == 0:
+        raise RecipeError(f"{flag} {path}: holds no rows; add data or pass another file")
+    return data
+
+
+def _load_named(dataset_name: str, config_name=None):
+    from datasets import load_dataset
+
+    flag = f"--dataset_name {dataset_name}" + (f" --dataset_config_name {config_name}" if config_name else "")
+    if dataset_name.startswith(("/", ".", "~")) and not Path(dataset_name).expanduser().is_dir():
+        raise RecipeError(f"--dataset_name {dataset_name}: no such folder; pass a folder of data files or a hub "
+                          "dataset id")
+    try:
+        raw = load_dataset(dataset_name, config_name)
+    except Exception as err:  # not on the hub, offline, no data files, a bad config name, unreadable files
+        raise RecipeError(f"{flag}: {_cause(err)}; pass a hub dataset id (with network, or cached) or a folder of "
+                          "data files, or --train_file") from err
+    if "train" not in raw:
+        raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
+    return raw
+
+
+def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
+    """How error messages name each split's data."""
+    if dataset_name:
+        return {split: f"--dataset_name {dataset_name} ({split} split)" for split in ("train", "validation")}
+    return {"train": f"--train_file {train_file}",
+            "validation": f"--validation_file {validation_file}" if validation_file
+            else f"the part of --train_file {train_file} held out for validation"}
 
 
 def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
@@ -23,25 +150,59 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
 
     With no validation split, `validation_split_percentage` percent of train is held out (seeded).
     """
-    from datasets import DatasetDict, load_dataset
+    from datasets import DatasetDict
 
     if dataset_name:
-        raw = load_dataset(dataset_name, dataset_config_name)
+        raw = _load_named(dataset_name, dataset_config_name)
+        source = f"--dataset_name {dataset_name}"
     elif train_file:
-        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        for split, path in files.items():
-            if not Path(path).is_file():
-                raise RecipeError(f"--{split}_file {path}: no such file")
-        suffix = Path(train_file).suffix
-        if suffix not in LOCAL_FORMATS:
-            raise RecipeError(f"--train_file {train_file}: unknown format {suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
-        raw = load_dataset(LOCAL_FORMATS[suffix], data_files={k: str(v) for k, v in files.items()})
+        train_format = _check_local_file("--train_file", train_file)
+        if validation_file:
+            validation_format = _check_local_file("--validation_file", validation_file)
+            if validation_format != train_format:
+                raise RecipeError(f"--validation_file {validation_file} is {validation_format} but --train_file "
+                                  f"{train_file} is {train_format}; pass both in one format")
+        raw = DatasetDict(train=_load_local_file("--train_file", train_file, train_format))
+        if validation_file:
+            raw["validation"] = _load_local_file("--validation_file", validation_file, validation_format)
+        source = f"--train_file {train_file}"
     else:
         raise RecipeError("no data: pass --dataset_name (hub) or --train_file (local txt, json, jsonl, csv, parquet)")
     if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        if not 0 < validation_split_percentage < 100:
+            raise RecipeError(f"--validation_split_percentage {validation_split_percentage} leaves a split empty; "
+                              "pass a percentage between 0 and 100 (exclusive)")
+        rows = len(raw["train"])
+        try:
+            split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        except ValueError as err:  # a side would be empty
+            raise RecipeError(f"{source}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
+                              "validation; add rows, pass --validation_file, or change "
+                              "--validation_split_percentage") from err
         raw = DatasetDict(train=split["train"], validation=split["test"])
     return raw
+
+
+def check_conversation(messages) -> None:
+    """Refuse a conversation the chat template cannot render faithfully or that teaches nothing: it
+    must be a list of {"role": str, "content": str} messages with at least one assistant reply."""
+    if not isinstance(messages, list) or not messages:
+        raise RecipeError(f"`messages` is {_excerpt(messages)}, not a list of {MESSAGE_SHAPE} messages")
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            raise RecipeError(f"message {number} is {_excerpt(message)}, not an object {MESSAGE_SHAPE}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise RecipeError(f"message {number} has no role: {_excerpt(message)}")
+        # An assistant's tool call may come without text; any other content must be text.
+        if content is None and not message.get("tool_calls"):  # a tool call may come without text
+            raise RecipeError(f"message {number} has no content: {_excerpt(message)}")
+        if content is not None and not isinstance(content, str):
+            fix = "join its text parts into one string" if isinstance(content, list) else "make it text"
+            raise RecipeError(f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), "
+                              f"not a string: {fix}")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise RecipeError(f"no assistant message, so nothing to train on: {_excerpt(messages)}")
 
 
 def chat_example(tokenizer, messages) -> dict:
@@ -52,17 +213,25 @@ def chat_example(tokenizer, messages) -> dict:
     it (with the generation prompt) and the rendering that includes it; tokens whose characters
     fall inside such a span keep their label.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (text.startswith(before) and text.startswith(through)):
-            raise RecipeError("the tokenizer's chat template does not render conversations incrementally, "
-                              "so prompt tokens cannot be masked; use --data_format text")
-        spans.append((len(before), len(through)))
+    from jinja2 import TemplateError
+
+    check_conversation(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = ""  # a conversation that opens with the assistant has no prompt (nor renders an empty one)
+            if i:
+                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not (text.startswith(before) and text.startswith(through)):
+                raise RecipeError("the tokenizer's chat template does not render conversations incrementally, "
+                                  "so prompt tokens cannot be masked; use --data_format text")
+            spans.append((len(before), len(through)))
+    except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first, ...
+        raise RecipeError(f"the chat template rejects the conversation ({err}): {_excerpt(messages)}") from err
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
         token if any(start <= a and b <= end for start, end in spans) else IGNORE_INDEX
@@ -85,46 +254,241 @@ def max_block_size(tokenizer, config) -> int:
     return min(limit for limit in limits if limit and limit < 1_000_000_000)
 
 
-def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None):
+def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None,
+                      sources=None):
     """Tokenize `raw` (text: `text_column` plus EOS; chat: the `messages` column, prompts
     masked) and pack into blocks. `datasets` caches each step, so a process that runs this after
-    the main one (see prepare_data_first) loads the cache instead of recomputing it."""
-    column = text_column if data_format == "text" else "messages"
-    columns = raw["train"].column_names
-    if column not in columns:
-        flag = "--text_column" if data_format == "text" else "--data_format chat needs a column named"
-        raise RecipeError(f"{flag} {column}: not in the data (columns: {', '.join(columns)})")
+    the main one (see prepare_data_first) loads the cache instead of recomputing it. `sources`
+    names each split's data in error messages (see data_sources)."""
+    from datasets import DatasetDict
 
-    def tokenize(batch):
+    sources = {split: f"the {split} split" for split in raw} | (sources or {})
+    column = text_column if data_format == "text" else "messages"
+    for split in raw:
+        columns = raw[split].column_names
+        if column not in columns:
+            if data_format == "text":
+                hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
+                message = f"--text_column {column}: not in the data (columns: {', '.join(columns)}){hint}"
+            else:
+                message = (f"--data_format chat needs a column named messages: not in the data (columns: "
+                           f"{', '.join(columns)}); pass --data_format text for plain text")
+            raise RecipeError(f"{sources[split]}: {message}")
+    if data_format == "chat" and not tokenizer.chat_template:
+        raise RecipeError(f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat "
+                          "renders conversations with; use a tokenizer that has one, or --data_format text")
+
+    def tokenize(batch, source):
         if data_format == "chat":
-            rows = [chat_example(tokenizer, messages) for messages in batch[column]]
+            try:
+                rows = [chat_example(tokenizer, messages) for messages in batch[column]]
+            except RecipeError as err:
+                raise RecipeError(f"{source}: {err}; fix or remove that row") from None
             return {key: [row[key] for row in rows] for key in ("input_ids", "labels")}
+        for text in batch[column]:
+            if not isinstance(text, str):
+                raise RecipeError(f"{source}: a row's {column} is {_excerpt(text)} ({type(text).__name__}), not text; "
+                                  f"remove or fill such rows, or pass the --text_column that holds the text")
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         ids = [tokens + eos for tokens in tokenizer(batch[column])["input_ids"]]
         return {"input_ids": ids, "labels": ids}
 
-    tokenized = raw.map(tokenize, batched=True, remove_columns=columns, num_proc=num_proc, desc="tokenizing")
-    packed = tokenized.map(pack, batched=True, fn_kwargs={"block_size": block_size}, num_proc=num_proc,
-                           desc=f"packing into blocks of {block_size}")
+    packed = DatasetDict()
+    for split, data in raw.items():
+        try:
+            tokenized = data.map(tokenize, batched=True, fn_kwargs={"source": sources[split]},
+                                 remove_columns=data.column_names, num_proc=num_proc, desc=f"tokenizing {split}")
+        except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
+            raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
+        packed[split] = tokenized.map(pack, batched=True, fn_kwargs={"block_size": block_size}, num_proc=num_proc,
+                                      desc=f"packing {split} into blocks of {block_size}")
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
-            raise RecipeError(f"the {split} split holds fewer than {block_size} tokens; lower --block_size or add data")
+            raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
     return packed.with_format("torch")
 
 
 def add_text_args(parser) -> None:
     """The data arguments of the causal-LM recipes (names from transformers' run_clm)."""
     d = parser.add_argument_group("data")
-    d.add_argument("--dataset_name", help="a hub dataset, or a local folder of data files")
-    d.add_argument("--dataset_config_name")
-    d.add_argument("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
-    d.add_argument("--validation_file")
-    d.add_argument("--validation_split_percentage", type=int, default=5, help="held out when there is no validation split")
-    d.add_argument("--text_column", default="text")
+    d.add_argument("--dataset_name", type=nonempty, help="a hub dataset, or a local folder of data files")
+    d.add_argument("--dataset_config_name", type=nonempty)
+    d.add_argument("--train_file", type=nonempty, help="local .txt, .json, .jsonl, .csv or .parquet")
+    d.add_argument("--validation_file", type=nonempty, help="in the format of --train_file")
+    d.add_argument("--validation_split_percentage", type=percentage, default=5,
+                   help="held out when there is no validation split (between 0 and 100)")
+    d.add_argument("--text_column", type=nonempty, default="text")
     d.add_argument("--data_format", choices=["text", "chat"], default="text",
                    help="chat: a `messages` column rendered with the chat template, prompts masked out of the loss")
-    d.add_argument("--block_size", type=int, help="default: min(model max length, 1024)")
-    d.add_argument("--preprocessing_num_workers", type=int)
+    d.add_argument("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
+    d.add_argument("--preprocessing_num_workers", type=positive_int)
+
+
+def check_text_args(parser, args) -> None:
+    """The data arguments' rules between each other (add_text_args' types check each alone)."""
+    if args.dataset_name and (args.train_file or args.validation_file):
+        parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
+    if not args.dataset_name and not args.train_file:
+        parser.error("no data: pass --train_file (local txt, json, jsonl, csv, parquet) or --dataset_name "
+                     "(hub or folder)")
+    if args.validation_file and not args.train_file:
+        parser.error("--validation_file needs --train_file")
+    if args.dataset_config_name and not args.dataset_name:
+        parser.error("--dataset_config_name needs --dataset_name")
+    for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
+        if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
+            parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
+
+
+# --- models and tokenizers: what from_pretrained raises about a model's files, as one line.
+
+def attn_implementation(text):
+    """An argparse type: an attention implementation transformers knows (whether its package is
+    installed is transformers' to say, when the model loads), or a hub kernel `org/repo`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
+    if text not in names and "/" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an attention implementation; "
+                                         f"choose from {', '.join(names)}")
+    return text
+
+
+def _is_local(name: str) -> bool:
+    """Whether from_pretrained reads `name` from disk rather than the hub."""
+    return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
+
+
+def _where_fix(name: str) -> str:
+    if _is_local(name):
+        return "pass the folder that save_pretrained wrote (config.json, the weights and the tokenizer files)"
+    return "check the hub id, the network (or HF_HUB_OFFLINE and the cache), or pass a local folder"
+
+
+def check_model_folder(flag: str, name: str, *, config=True) -> None:
+    """A local model (a path, or a name that exists here, as from_pretrained reads it) must be a
+    folder and, for a model, hold a readable config.json."""
+    if not _is_local(name):
+        return  # a hub id
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise RecipeError(f"{flag} {name}: is a file; pass the folder that holds it (from_pretrained reads a folder)")
+    if not path.is_dir():
+        raise RecipeError(f"{flag} {name}: no such folder; pass a saved model's folder or a hub id")
+    if config:
+        if not (path / "config.json").is_file():
+            raise RecipeError(f"{flag} {name}: no config.json in the folder; {_where_fix(name)}")
+        try:
+            json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:  # ValueError: not JSON, or not UTF-8
+            raise RecipeError(f"{flag} {name}: config.json is damaged ({err}); "
+                              "download or save the model again") from err
+
+
+def load_tokenizer(flag: str, name: str, trust_remote_code=False):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
+        if "trust_remote_code" in str(err):
+            raise model_load_error(flag, name, err) from err
+        fix = _where_fix(name) if isinstance(err, OSError) else \
+            "pass a model folder or hub id whose tokenizer files (tokenizer.json, tokenizer_config.json) load"
+        raise RecipeError(f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {_first_line(err)}); "
+                          f"{fix}") from err
+    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _first_line(err) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
+
+
+def _damaged_weights(name: str) -> list:
+    """The .safetensors files of a local model folder whose header safetensors cannot read."""
+    from safetensors import safe_open
+
+    damaged = []
+    for path in sorted(Path(name).expanduser().glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception:
+            damaged.append(path.name)
+    return damaged
+
+
+MODEL_LOAD_ERRORS = (OSError, ValueError, ImportError, RuntimeError, KeyError)
+
+
+def model_load_error(flag: str, name: str, err: BaseException, attn_implementation=None) -> RecipeError:
+    """The RecipeError for an exception from from_pretrained/from_config: damaged weights, an
+    attention implementation that is not installed, remote code, a missing or foreign file."""
+    from safetensors import SafetensorError
+
+    text = _first_line(err)
+    if isinstance(err, SafetensorError):
+        files = ", ".join(_damaged_weights(name)) or "its weights"
+        return RecipeError(f"{flag} {name}: {files} is damaged ({text}); download or save the model again")
+    if isinstance(err, ImportError) and attn_implementation not in (None, "eager", "sdpa"):
+        return RecipeError(f"--attn_implementation {attn_implementation} cannot be used here ({text}); "
+                           "install what it needs, or pass --attn_implementation sdpa")
+    if "trust_remote_code" in str(err):
+        return RecipeError(f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if "
+                           "you trust that code")
+    if "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
+        return RecipeError(f"{flag} {name}: {text}; pass a causal language model")
+    return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {_where_fix(name)}")
+
+
+def config_overrides(text):
+    """An argparse type: key=value pairs, comma-separated, as transformers' update_from_string reads them."""
+    if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
+        raise argparse.ArgumentTypeError(f"{text!r} is not key=value pairs separated by commas, such as "
+                                         "hidden_size=4096,num_hidden_layers=32")
+    return text
+
+
+def apply_config_overrides(config, overrides: str, source: str):
+    """`config` updated from 'key=value,key=value', refusing keys it does not have, values of the
+    wrong type, and values that leave no working model (an empty or unrunnable architecture)."""
+    base = copy.deepcopy(config)
+    known = list(base.to_dict())
+    for key in (pair.partition("=")[0] for pair in overrides.split(",")):
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise RecipeError(f"--config_overrides {overrides}: {source}'s config has no {key}"
+                              + (f" (did you mean {close[0]}?)" if close else "") + "; pass keys of its config.json")
+    try:
+        config.update_from_string(overrides)
+    except ValueError as err:  # a value that does not parse as the key's type
+        raise RecipeError(f"--config_overrides {overrides}: {_first_line(err)}; give each key a value of the type "
+                          f"it has in {source}'s config.json") from err
+    problem = _meta_forward_problem(config)
+    if problem and not _meta_forward_problem(base):  # the same check passes without the overrides: they broke it
+        raise RecipeError(f"--config_overrides {overrides}: the model {source} builds from them does not run "
+                          f"({problem}); give values that agree with each other and with the rest of the config")
+    return config
+
+
+def _meta_forward_problem(config):
+    """Why a causal LM of `config` fails to build or run on a short input, checked on the meta device
+    (shapes only, nothing allocated, any size), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None  # remote code, or not a causal LM: nothing to build here
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Initializing zero-element tensors is a no-op"
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+            ids = torch.zeros(1, 4, dtype=torch.long)
+            model(input_ids=ids, labels=ids)
+    except Exception as err:
+        return f"{type(err).__name__}: {_first_line(err)}"
+    return None
 
 
 def lm_dataloaders(args, accelerator, tokenizer, config):
@@ -147,7 +511,8 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
                                 train_file=args.train_file, validation_file=args.validation_file,
                                 validation_split_percentage=args.validation_split_percentage, seed=args.seed)
         data = tokenize_and_pack(raw, tokenizer, data_format=args.data_format, text_column=args.text_column,
-                                 block_size=block_size, num_proc=args.preprocessing_num_workers)
+                                 block_size=block_size, num_proc=args.preprocessing_num_workers,
+                                 sources=data_sources(args.dataset_name, args.train_file, args.validation_file))
     workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
     train = make_dataloader(data["train"], args.per_device_train_batch_size, train=True, num_workers=workers,
                             collate_fn=default_data_collator)

@@ -15,19 +15,22 @@ CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); se
 """
 
 import argparse
+import difflib
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 from PIL import Image
 from torchvision import transforms as T
 
-from accelerate import Accelerator
-from accelerate.utils import set_seed
-
 import common
 from common import RecipeError
+from common.args import fraction_below_one, nonempty, positive_int
 
 RECIPE = "cifar"  # checkpoints name the recipe that wrote them: a copy renamed to train.py still resumes them
 
@@ -39,16 +42,16 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=[*DATASETS, "imagefolder"], default="cifar10")
-    p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
-    p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
-    p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
-    p.add_argument("--image_size", type=int, default=32, help="ImageFolder images are resized to this")
+    p.add_argument("--data_dir", type=nonempty, default="data", help="where CIFAR is (or is downloaded to)")
+    p.add_argument("--train_dir", type=nonempty, help="ImageFolder training images (--dataset imagefolder)")
+    p.add_argument("--val_dir", type=nonempty, help="ImageFolder validation images (--dataset imagefolder)")
+    p.add_argument("--image_size", type=positive_int, default=32, help="ImageFolder images are resized to this")
     p.add_argument("--model", default="resnet18_cifar",
                    help="resnet18_cifar (3x3 stem, no max-pool, for 32x32) or any torchvision model name")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=fraction_below_one, default=0.9)
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--label_smoothing", type=float, default=0.0)
+    p.add_argument("--label_smoothing", type=fraction_below_one, default=0.0)
     p.add_argument("--data_on_device", action="store_true",
                    help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
                         "no host-to-device copies (images of 64 px or less)")
@@ -59,15 +62,51 @@ def parse_args(argv=None):
     p.set_defaults(output_dir="outputs/cifar", per_device_train_batch_size=128, per_device_eval_batch_size=256,
                    learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", warmup_ratio=0.05,
                    weight_decay=5e-4, max_grad_norm=0.0, num_train_epochs=30, logging_steps=20)
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    if args.dataset == "imagefolder":
+        if not (args.train_dir and args.val_dir):
+            p.error("--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images "
+                    "per class")
+    elif args.train_dir or args.val_dir:
+        p.error(f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; "
+                "add --dataset imagefolder")
+    elif args.image_size != 32:
+        p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
+    if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
+        p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
+    if args.data_on_device and args.image_size > 64:
+        p.error(f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not "
+                f"--image_size {args.image_size}")
+    problem = model_problem(args.model, args.image_size, args.per_device_train_batch_size, args.dataset)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def to_rgb(image, path):
+    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (mode I;16, as in 16-bit PNGs) keeps its
+    high byte, as PIL does for 16-bit colour: PIL's own convert would clip every value above 255."""
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L")
+    elif image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
+        raise common.DataError(f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; "
+                               "convert the images to 8 or 16 bits per channel")
+    return image.convert("RGB")
 
 
 def load_image(path):
     """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker)."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, SyntaxError) as err:  # not an image, truncated, an unsupported variant
+        with warnings.catch_warnings():
+            # above Image.MAX_IMAGE_PIXELS PIL warns, above twice that it refuses: either way a
+            # decode this large per sample per epoch is a mistake (a scan, a panorama, a bomb)
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return to_rgb(image, path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise common.DataError(f"{path}: too large to decode ({err}); shrink it first: every image is resized to "
+                               "--image_size anyway") from err
+    except (OSError, SyntaxError, ValueError) as err:  # not an image, truncated, an unsupported variant
         raise common.DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
 
 
@@ -77,13 +116,25 @@ def load_images(args):
         for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
             if not folder or not Path(folder).is_dir():
                 raise RecipeError(f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images")
-        try:
-            train = torchvision.datasets.ImageFolder(args.train_dir, loader=load_image)
-            evals = torchvision.datasets.ImageFolder(args.val_dir, loader=load_image)
-        except FileNotFoundError as err:  # no class folders, or no images in them
-            raise RecipeError(f"{err}; --dataset imagefolder needs class sub-folders holding images") from err
+        datasets = []
+        for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
+            try:
+                datasets.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
+            except FileNotFoundError as err:  # no class folders, or no images in them
+                raise RecipeError(f"{flag} {folder}: {err}; --dataset imagefolder needs class sub-folders "
+                                  "holding images") from err
+        train, evals = datasets
         if train.classes != evals.classes:
-            raise RecipeError(f"{args.train_dir} and {args.val_dir} have different class folders")
+            only_val = sorted(set(evals.classes) - set(train.classes))
+            only_train = sorted(set(train.classes) - set(evals.classes))
+            raise RecipeError(
+                f"{args.train_dir} and {args.val_dir} have different class folders ("
+                + "; ".join(f"only in {where}: {', '.join(names)}" for where, names in
+                            (("--val_dir", only_val), ("--train_dir", only_train)) if names)
+                + "); give both the same class sub-folders, so that a label means the same class in each")
+        if len(train.classes) < 2:
+            raise RecipeError(f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier "
+                              "needs two or more (one sub-folder of images per class)")
         size, mean, std, num_classes = args.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train.classes)
     else:
         try:
@@ -118,7 +169,10 @@ def as_uint8(dataset, size):
     if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
         return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
     dataset.transform = T.Compose([T.Resize((size, size)), T.PILToTensor()])
-    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    try:
+        images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    except common.DataError as err:  # every process reads every image here: the same error on each
+        raise RecipeError(str(err)) from err
     return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor(labels)
 
 
@@ -169,8 +223,10 @@ def build_model(name, num_classes):
         model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = torch.nn.Identity()
         return model
+    # Inception and GoogLeNet add auxiliary heads in training, which a plain cross-entropy cannot take.
+    extra = {"aux_logits": False, "init_weights": True} if name in ("inception_v3", "googlenet") else {}
     try:
-        return torchvision.models.get_model(name, num_classes=num_classes)
+        return torchvision.models.get_model(name, num_classes=num_classes, **extra)
     except ValueError as err:
         raise RecipeError(f"--model {name}: {err}") from err
 
@@ -190,6 +246,60 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
                     groups = max(g for g in range(1, 33) if child.num_features % g == 0)
                     setattr(parent, name, torch.nn.GroupNorm(groups, child.num_features))
     return model
+
+
+def model_problem(name, size, batch, dataset="imagefolder"):
+    """Why --model cannot train on `size`-pixel images in batches of `batch`, or None. Checked by
+    running the model on the meta device (shapes only: no memory, no compute), where too small an
+    input fails as it would in training, or reaches a layer that strides over a single pixel."""
+    models = torchvision.models.list_models(module=torchvision.models)  # the classification models
+    if name != "resnet18_cifar" and name not in models:
+        close = difflib.get_close_matches(name, models, n=3)
+        return (f"--model {name}: not a torchvision classification model"
+                + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                + "; pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)")
+    try:
+        with torch.device("meta"):
+            model = build_model(name, 10)
+    except Exception:  # a model whose construction needs real data cannot be checked this way
+        return None
+
+    def fails(size, batch=2):
+        collapsed = []
+
+        def check(module, inputs):
+            stride = module.stride if isinstance(module.stride, tuple) else (module.stride, module.stride)
+            if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
+                collapsed.append(f"a {type(module).__name__} strides over a single pixel")
+
+        hooks = [m.register_forward_pre_hook(check) for m in model.modules()
+                 if isinstance(m, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d))]
+        try:
+            model(torch.empty(batch, 3, size, size, device="meta"))
+        except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size, ...
+            return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return collapsed[0] if collapsed else None
+
+    model.train()  # batch norm's check of the values per channel is a training-mode one
+    problem = fails(size)
+    if problem:
+        sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
+        fits = next((s for s in sizes if s > size and not fails(s)), None)
+        if fits is None:
+            return None  # no size passes on the meta device: this model cannot be checked there
+        if dataset != "imagefolder":
+            return (f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: "
+                    "use --model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size "
+                    f"{fits}")
+        return (f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size "
+                "it takes), or choose another --model")
+    if batch == 1 and fails(size, batch=1):
+        return (f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
+                "--per_device_train_batch_size 1; pass 2 or more")
+    return None
 
 
 def build_optimizer(args, model, lr, fused=False):

@@ -15,53 +15,55 @@ loss from 3.0 to under 1.0 in 24 steps; DDP, ZeRO-2 and ZeRO-3 give the same los
 GPU throughput and MFU: not measured yet in this repository.
 """
 
-from pathlib import Path
-
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM
 
 import common
 from common import RecipeError
+from common.args import fraction_below_one, non_negative_int, nonempty, positive_int
+from common.text import (MODEL_LOAD_ERRORS, add_text_args, attn_implementation, check_model_folder, check_text_args,
+                         evaluate_causal_lm, flops_per_token, lm_dataloaders, load_tokenizer, model_load_error)
 
 RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
-from common.text import add_text_args, evaluate_causal_lm, flops_per_token, lm_dataloaders
 
 
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--model_name_or_path", required=True, help="a hub id or a local folder")
+    m.add_argument("--model_name_or_path", type=nonempty, required=True, help="a hub id or a local folder")
     m.add_argument("--torch_dtype", choices=["auto", "bfloat16", "float16", "float32"], default="float32",
                    help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision")
-    m.add_argument("--attn_implementation", default="sdpa", help="sdpa, flash_attention_2, eager")
+    m.add_argument("--attn_implementation", type=attn_implementation, default="sdpa",
+                   help="sdpa, flash_attention_2, eager, ...")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
-    m.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
-    m.add_argument("--lora_alpha", type=int, default=32)
-    m.add_argument("--lora_dropout", type=float, default=0.0)
-    m.add_argument("--lora_target_modules", nargs="+", default=["all-linear"])
+    m.add_argument("--lora_r", type=non_negative_int, default=0, help="LoRA rank; 0 trains all weights")
+    m.add_argument("--lora_alpha", type=positive_int, default=32)
+    m.add_argument("--lora_dropout", type=fraction_below_one, default=0.0)
+    m.add_argument("--lora_target_modules", nargs="+", default=["all-linear"],
+                   help="names of the model's linear layers (q_proj v_proj ...), or all-linear")
     add_text_args(p)
     p.set_defaults(output_dir="outputs/lm", learning_rate=2e-5, reference_batch_size=64, lr_scaling="sqrt",
                    warmup_ratio=0.03, max_grad_norm=1.0)
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    check_text_args(p, args)
+    return args
 
 
 def load_model_and_tokenizer(args):
     name = args.model_name_or_path
-    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-        raise RecipeError(f"--model_name_or_path {name}: no such folder; pass a saved model's folder or a hub id")
+    check_model_folder("--model_name_or_path", name)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
+    tokenizer = load_tokenizer("--model_name_or_path", name, trust_remote_code=args.trust_remote_code)
     try:  # after make_accelerator: under ZeRO-3 the weights load straight into their shards
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
                                                      trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as err:  # not found on the hub, no network, not a model folder
-        raise RecipeError(f"--model_name_or_path {name}: {str(err).splitlines()[0]}") from err
-    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
-        tokenizer.pad_token = tokenizer.eos_token
+    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged, attention not installed
+        raise model_load_error("--model_name_or_path", name, err, args.attn_implementation) from err
     return model, tokenizer
 
 
@@ -75,8 +77,17 @@ def build_model(args, model):
         except ImportError as err:
             raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'") from err
         targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        try:
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
+                                                     lora_dropout=args.lora_dropout, target_modules=targets,
+                                                     task_type="CAUSAL_LM"))
+        except ValueError as err:  # no module of those names, or one LoRA cannot wrap
+            found = "no module of that name" if type(err).__name__ == "NoMatchingPeftModuleError" else \
+                "not a layer LoRA can wrap"
+            raise RecipeError(f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
+                              f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
+                              "all-linear") from err
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
     if args.torch_compile:  # in place, so state-dict names, checkpoints and save_pretrained stay unchanged

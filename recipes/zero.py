@@ -19,11 +19,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DummyOptim, DummyScheduler, set_seed
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import common
 from common import RecipeError, logger
-from common.text import add_text_args, evaluate_causal_lm, lm_dataloaders
+from common.args import nonempty
+from common.text import (MODEL_LOAD_ERRORS, add_text_args, apply_config_overrides, check_model_folder, check_text_args,
+                         config_overrides, evaluate_causal_lm, lm_dataloaders, load_tokenizer, model_load_error)
 
 RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
@@ -31,10 +34,12 @@ RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy s
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
-    m.add_argument("--config_name", help="or train from scratch: the config of a hub id or local folder")
-    m.add_argument("--config_overrides", help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
-    m.add_argument("--tokenizer_name", help="default: --model_name_or_path or --config_name")
+    m.add_argument("--model_name_or_path", type=nonempty, help="pretrained weights: a hub id or a local folder")
+    m.add_argument("--config_name", type=nonempty,
+                   help="or train from scratch: the config of a hub id or local folder")
+    m.add_argument("--config_overrides", type=config_overrides,
+                   help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
+    m.add_argument("--tokenizer_name", type=nonempty, help="default: --model_name_or_path or --config_name")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     add_text_args(p)
@@ -43,29 +48,34 @@ def parse_args(argv=None):
     args = common.parse(p, argv)
     if bool(args.model_name_or_path) == bool(args.config_name):
         p.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+    if args.config_overrides and not args.config_name:
+        p.error("--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
+                "pass --config_name instead of --model_name_or_path, or drop the overrides")
+    check_text_args(p, args)
     return args
 
 
 def build_model(args):
     """Called after make_accelerator: under ZeRO-3, transformers builds each layer straight into
     its shards (DeepSpeed's zero.Init), so a model larger than one device's memory can be created."""
-    source = args.model_name_or_path or args.config_name
-    for name in (source, args.tokenizer_name):
-        if name and name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-            raise RecipeError(f"{name}: no such folder; pass a saved model's folder or a hub id")
+    flag, source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else \
+        ("--config_name", args.config_name)
+    check_model_folder(flag, source)
+    if args.tokenizer_name:
+        check_model_folder("--tokenizer_name", args.tokenizer_name, config=False)
+        tokenizer = load_tokenizer("--tokenizer_name", args.tokenizer_name)
+    else:
+        tokenizer = load_tokenizer(flag, source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source)
         if args.model_name_or_path:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
         else:
             config = AutoConfig.from_pretrained(source)
             if args.config_overrides:
-                config.update_from_string(args.config_overrides)
+                config = apply_config_overrides(config, args.config_overrides, source)
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except (OSError, ValueError) as err:  # not found, no network, an override the config does not have
-        raise RecipeError(f"{source}: {str(err).splitlines()[0]}") from err
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged weights, a foreign folder
+        raise model_load_error(flag, source, err) from err
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

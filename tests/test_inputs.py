@@ -1,0 +1,501 @@
+"""Every input checked: each argument when it is parsed, each data and model file when it loads.
+
+Parse-time checks are called in this process (a recipe's own parse_args); the loaders are called
+here too, on real broken files. A few cases are launched as users launch them, to show the whole
+path: one `error:` line, exit code 2, no output folder.
+"""
+
+import importlib.util
+import json
+import shutil
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.runtime import RecipeError
+from common.text import chat_example, data_sources, load_raw_datasets, tokenize_and_pack
+from conftest import BIN, REPO, error_lines, lm_args, load_recipe, run
+
+RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
+BASE = {  # the least each recipe's parser needs; paths are not read at parse time
+    "cifar": [],
+    "lm_finetune": ["--model_name_or_path", "m", "--train_file", "t.jsonl"],
+    "zero": ["--config_name", "m", "--train_file", "t.jsonl"],
+}
+FOLDER = ["--dataset", "imagefolder", "--train_dir", "t", "--val_dir", "v"]
+HF_TOKEN = "hf_" + "Zq7" * 10
+
+
+def parse_error(capsys, recipe, argv) -> str:
+    """The one line a recipe's parse_args prints for `argv` before exiting with code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES[recipe].parse_args([*BASE[recipe], *argv])
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2, stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and stderr.strip() == lines[0], stderr  # one line, no usage block
+    return lines[0]
+
+
+SHARED = [  # arguments of common.training_parser: every recipe checks them the same way
+    (["--learning_rate", "nan"], "--learning_rate: nan is not a finite number; pass a number greater than 0"),
+    (["--learning_rate", "inf"], "pass a number greater than 0"),
+    (["--learning_rate", "0"], "pass a number greater than 0"),
+    (["--learning_rate", "-0.1"], "pass a number greater than 0"),
+    (["--warmup_ratio", "1.5"], "--warmup_ratio: 1.5 is out of range: pass a number at least 0 and at most 1"),
+    (["--warmup_ratio", "-0.1"], "at least 0 and at most 1"),
+    (["--warmup_ratio", "nan"], "at least 0 and at most 1"),
+    (["--weight_decay", "-1"], "--weight_decay: -1 is out of range: pass a number at least 0"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm: -1 is out of range"),
+    (["--max_grad_norm", "nan"], "--max_grad_norm: nan is not a finite number"),
+    (["--per_device_train_batch_size", "0"],
+     "--per_device_train_batch_size: 0 is out of range: pass a whole number at least 1"),
+    (["--per_device_train_batch_size", "2.5"], "'2.5' is not a whole number; pass a whole number at least 1"),
+    (["--per_device_eval_batch_size", "-1"], "--per_device_eval_batch_size: -1 is out of range"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps: 0 is out of range"),
+    (["--num_train_epochs", "0"], "--num_train_epochs: 0 is out of range: pass a whole number at least 1"),
+    (["--max_train_steps", "0"], "--max_train_steps: 0 is out of range: pass a whole number at least 1"),
+    (["--logging_steps", "0"], "--logging_steps: 0 is out of range"),
+    (["--save_total_limit", "0"], "--save_total_limit: 0 is out of range"),
+    (["--reference_batch_size", "0"], "--reference_batch_size: 0 is out of range"),
+    (["--ddp_timeout", "0"], "--ddp_timeout: 0 is out of range"),
+    (["--dataloader_num_workers", "-1"],
+     "--dataloader_num_workers: -1 is out of range: pass a whole number at least 0"),
+    (["--warmup_steps", "-1"], "--warmup_steps: -1 is out of range"),
+    (["--warmup_steps", "10", "--max_train_steps", "10"], "--warmup_steps 10 leaves no step after the warmup"),
+    (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
+    (["--seed", str(2**32)], "below 4294967296"),
+    (["--seed", "abc"], "'abc' is not a whole number"),
+    (["--checkpointing_steps", "0"], "to save no checkpoints, omit --checkpointing_steps"),
+    (["--checkpointing_steps", "often"], "'often' is neither a number of steps nor 'epoch'"),
+    (["--lr_scheduler_type", "reduce_lr_on_plateau"],
+     "not a schedule this recipe can drive; choose from linear, cosine, cosine_with_restarts, polynomial, constant"),
+    (["--lr_scheduler_type", "cosine_with_min_lr"], "not a schedule this recipe can drive"),
+    (["--lr_scheduler_type", "warmup_stable_decay"], "not a schedule this recipe can drive"),
+    (["--lr_scaling", "cubic"], "--lr_scaling: invalid choice: 'cubic'"),
+    (["--report_to", "neptune"], "'neptune' is not a tracker accelerate knows; choose from none, all, "),
+    (["--output_dir", ""], "--output_dir: must not be empty"),
+    (["--per_device_batch_size", "8"],
+     "unrecognized arguments: --per_device_batch_size 8 (did you mean --per_device_eval_batch_size or "
+     "--per_device_train_batch_size?)"),
+]
+
+RECIPE_ONLY = [
+    ("cifar", ["--momentum", "1"], "--momentum: 1 is out of range: pass a number at least 0 and below 1"),
+    ("cifar", ["--momentum", "-0.5"], "--momentum: -0.5 is out of range"),
+    ("cifar", ["--label_smoothing", "1"], "--label_smoothing: 1 is out of range"),
+    ("cifar", ["--label_smoothing", "nan"], "--label_smoothing: nan is not a finite number"),
+    ("cifar", ["--momentum", "0"], "--nesterov needs --momentum above 0; pass --no-nesterov"),
+    ("cifar", ["--dataset", "cifar1000"], "--dataset: invalid choice: 'cifar1000'"),
+    ("cifar", ["--dataset", "imagefolder", "--train_dir", "t"],
+     "--dataset imagefolder needs --train_dir and --val_dir"),
+    ("cifar", ["--train_dir", "t", "--val_dir", "v"],
+     "read with --dataset imagefolder, not cifar10; add --dataset imagefolder"),
+    ("cifar", ["--image_size", "64"], "--image_size applies to --dataset imagefolder; cifar10 images are 32 px"),
+    ("cifar", [*FOLDER, "--image_size", "0"], "--image_size: 0 is out of range"),
+    ("cifar", [*FOLDER, "--image_size", "128", "--data_on_device"],
+     "for images of 64 px or less, not --image_size 128"),
+    ("cifar", ["--model", "resnt18"],
+     "--model resnt18: not a torchvision classification model (did you mean resnet18"),
+    ("cifar", ["--model", "fasterrcnn_resnet50_fpn"], "not a torchvision classification model"),
+    ("cifar", ["--model", "vit_b_16"], "--model vit_b_16 cannot take cifar10's 32x32 images"),
+    ("cifar", [*FOLDER, "--model", "vit_b_16", "--image_size", "64"], "pass --image_size 224"),
+    ("cifar", [*FOLDER, "--model", "resnet18", "--image_size", "8"],
+     "--model resnet18 cannot take 8x8 images (a Conv2d strides over a single pixel); pass --image_size 32"),
+    ("cifar", [*FOLDER, "--model", "resnet18_cifar", "--image_size", "4"], "pass --image_size 8"),
+    ("cifar", [*FOLDER, "--model", "resnet18", "--per_device_train_batch_size", "1"],
+     "leaves batch norm one value per channel with --per_device_train_batch_size 1; pass 2 or more"),
+    ("lm_finetune", ["--validation_split_percentage", "0"], "--validation_split_percentage: 0 is out of range: pass a "
+     "number greater than 0 and below 100"),
+    ("lm_finetune", ["--validation_split_percentage", "100"], "greater than 0 and below 100"),
+    ("lm_finetune", ["--block_size", "1"], "--block_size: 1 is out of range: pass a whole number at least 2"),
+    ("lm_finetune", ["--lora_r", "-1"], "--lora_r: -1 is out of range"),
+    ("lm_finetune", ["--lora_alpha", "0"], "--lora_alpha: 0 is out of range"),
+    ("lm_finetune", ["--lora_dropout", "1"],
+     "--lora_dropout: 1 is out of range: pass a number at least 0 and below 1"),
+    ("lm_finetune", ["--preprocessing_num_workers", "0"], "--preprocessing_num_workers: 0 is out of range"),
+    ("lm_finetune", ["--attn_implementation", "flash"],
+     "'flash' is not an attention implementation; choose from eager"),
+    ("lm_finetune", ["--torch_dtype", "float8"], "--torch_dtype: invalid choice"),
+    ("lm_finetune", ["--text_column", " "], "--text_column: must not be empty"),
+    ("lm_finetune", ["--dataset_name", "wikitext"],
+     "pass --dataset_name or --train_file (with --validation_file), not both"),
+    ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name needs --dataset_name"),
+    ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
+    ("zero", ["--model_name_or_path", "m"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
+    ("zero", ["--config_overrides", "hidden_size"], "'hidden_size' is not key=value pairs separated by commas"),
+    ("zero", ["--config_overrides", "hidden_size=64,"], "is not key=value pairs"),
+    ("zero", ["--block_size", "0"], "--block_size: 0 is out of range"),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("argv, message", SHARED, ids=[" ".join(a) for a, _ in SHARED])
+def test_shared_argument_out_of_range_is_one_error_line(capsys, recipe, argv, message):
+    assert message in parse_error(capsys, recipe, argv)
+
+
+@pytest.mark.parametrize("recipe, argv, message", RECIPE_ONLY, ids=[f"{r} {' '.join(a)}" for r, a, _ in RECIPE_ONLY])
+def test_recipe_argument_out_of_range_is_one_error_line(capsys, recipe, argv, message):
+    assert message in parse_error(capsys, recipe, argv)
+
+
+def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
+    with pytest.raises(SystemExit):
+        RECIPES["lm_finetune"].parse_args(["--model_name_or_path", "m"])
+    assert "error: no data: pass --train_file" in capsys.readouterr().err
+    line = parse_error(capsys, "zero", ["--config_name", "", "--model_name_or_path", "m"])
+    assert "--config_name: must not be empty" in line
+    with pytest.raises(SystemExit):
+        RECIPES["zero"].parse_args(["--model_name_or_path", "m", "--train_file", "t.jsonl",
+                                    "--config_overrides", "a=1"])
+    assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
+
+
+def test_a_tracker_that_is_not_installed_is_refused():
+    from accelerate.tracking import get_available_trackers
+
+    missing = next(t for t in ("wandb", "mlflow", "aim", "clearml", "dvclive", "swanlab", "trackio", "comet_ml")
+                   if t not in {x.value for x in get_available_trackers()})
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES["cifar"].parse_args(["--report_to", missing])
+    assert exit_.value.code == 2
+
+
+def test_valid_arguments_still_parse():
+    cifar = RECIPES["cifar"].parse_args(["--checkpointing_steps", "epoch", "--lr_scheduler_type",
+                                         "constant_with_warmup", "--report_to", "tensorboard",
+                                         "--seed", str(2**32 - 1), "--warmup_ratio", "1"])
+    assert cifar.checkpointing_steps == "epoch" and cifar.seed == 2**32 - 1
+    assert RECIPES["cifar"].parse_args(["--checkpointing_steps", "500"]).checkpointing_steps == "500"
+    assert RECIPES["cifar"].parse_args([*FOLDER, "--model", "resnet50", "--image_size", "64"]).model == "resnet50"
+    lm = RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"], "--validation_split_percentage", "0.5",
+                                            "--attn_implementation", "flash_attention_2"])
+    assert lm.validation_split_percentage == 0.5
+    zero = RECIPES["zero"].parse_args([*BASE["zero"], "--config_overrides", "hidden_size=64,num_hidden_layers=1"])
+    assert zero.config_overrides == "hidden_size=64,num_hidden_layers=1"
+
+
+@pytest.mark.parametrize("argv, secret", [
+    (["--hub_token", HF_TOKEN], HF_TOKEN),
+    (["--hub_token", "plain-secret-value"], "plain-secret-value"),
+    (["--api_key=k3y-v4lue"], "k3y-v4lue"),
+    (["--password", "pw"], "pw"),  # short: masked as a whole argument, not wherever "pw" occurs
+    (["--learning_rate", HF_TOKEN], HF_TOKEN),  # a token pasted into the wrong flag
+    (["--unknown", "https://user:pa55word@example.com/x"], "pa55word"),
+])
+def test_parse_errors_never_print_a_credential(capsys, argv, secret):
+    line = parse_error(capsys, "cifar", argv)
+    assert secret not in line and "***" in line, line
+
+
+def test_only_the_first_process_prints_a_parse_error(capsys, monkeypatch):
+    """Every process of a launch parses the same command line: one of them says what is wrong."""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES["cifar"].parse_args(["--num_train_epochs", "0"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+
+
+# --- data files ---------------------------------------------------------------------------------
+
+def write(path, content):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+def jsonl(rows):
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+COUNTS = [{"text": "one two three four five six"} for _ in range(20)]
+CHAT = {"messages": [{"role": "user", "content": "count from one"}, {"role": "assistant", "content": "two three"}]}
+
+TEXT_FILES = [  # (file name, content, the error line's text)
+    ("empty.jsonl", "", "the file is empty"),
+    ("blank.jsonl", "\n\n  \n", "the file is empty"),
+    ("bad.jsonl", jsonl(COUNTS) + '{"text": "one two"\n', "cannot be read as json (ArrowInvalid: JSON parse error"),
+    ("null.jsonl", jsonl([*COUNTS, {"text": None}]), "text is None (NoneType), not text; remove or fill such rows"),
+    ("number.jsonl", jsonl([{"text": i} for i in range(20)]), "(int), not text"),
+    ("mixed.jsonl", jsonl([*COUNTS, {"text": 5}]), "a row's text is 5 (int), not text"),
+    ("latin1.txt", "one two caf\xe9 three\n".encode("latin-1") * 20, "not UTF-8 text (byte 0xe9"),
+    ("latin1.jsonl", '{"text": "caf\xe9 one two"}\n'.encode("latin-1") * 20, "not UTF-8 text (byte 0xe9"),
+    ("latin1.csv", "text\ncaf\xe9 one\n".encode("latin-1"), "not UTF-8 text (byte 0xe9"),
+    ("one.json", '{"text": "one two three"}', "1 row(s) are too few to hold out 5% for validation"),
+    ("header.csv", "text\n", "holds no rows"),
+    ("nocolumn.csv", "body\n" + "one two three\n" * 20, "--text_column text: not in the data (columns: body)"),
+    ("chat.jsonl", jsonl([CHAT] * 20), "(columns: messages); it looks like chat data: pass --data_format chat"),
+    ("fake.parquet", "not parquet at all", "not a parquet file (Parquet magic bytes not found"),
+    ("few.txt", "one\n" * 20, "holds fewer than 32 tokens; lower --block_size or add data"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_lm):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_lm["model"])
+
+
+def load_error(tokenizer, data_format="text", **files) -> str:
+    with pytest.raises(RecipeError) as err:
+        raw = load_raw_datasets(**files)
+        tokenize_and_pack(raw, tokenizer, data_format=data_format, text_column="text", block_size=32,
+                          sources=data_sources(files.get("dataset_name"), files.get("train_file"),
+                                               files.get("validation_file")))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name, content, message", TEXT_FILES, ids=[n for n, _, _ in TEXT_FILES])
+def test_a_broken_data_file_is_one_error_naming_it(tmp_path, tokenizer, name, content, message):
+    path = write(tmp_path / name, content)
+    error = load_error(tokenizer, train_file=path)
+    assert str(path) in error and message in error, error
+
+
+def test_data_files_that_are_not_files(tmp_path, tokenizer):
+    (tmp_path / "folder.jsonl").mkdir()
+    assert "is a folder; pass a data file, or the folder as --dataset_name" in load_error(
+        tokenizer, train_file=tmp_path / "folder.jsonl")
+    assert "--dataset_name ./no/such: no such folder" in load_error(tokenizer, dataset_name="./no/such")
+    (tmp_path / "nodata").mkdir()
+    error = load_error(tokenizer, dataset_name=str(tmp_path / "nodata"))
+    assert f"--dataset_name {tmp_path / 'nodata'}: EmptyDatasetError" in error and "or --train_file" in error
+    train = write(tmp_path / "train.jsonl", jsonl(COUNTS))
+    valid = write(tmp_path / "valid.csv", "text\none two\n")
+    assert f"--validation_file {valid} is csv but --train_file {train} is json; pass both in one format" in load_error(
+        tokenizer, train_file=train, validation_file=valid)
+    assert "--validation_split_percentage 0 leaves a split empty" in load_error(
+        tokenizer, train_file=train, validation_split_percentage=0)
+
+
+CONVERSATIONS = [  # (messages, the error's text)
+    ("hello", "`messages` is 'hello', not a list of"),
+    ([], "`messages` is [], not a list of"),
+    ({"role": "user", "content": "x"}, "not a list of"),
+    (["hello", "there"], "message 1 is 'hello', not an object"),
+    ([{"content": "count from one"}, {"role": "assistant", "content": "two"}], "message 1 has no role"),
+    ([{"role": "user", "content": "count from one"}], "no assistant message, so nothing to train on"),
+    ([{"role": "user", "content": 5}, {"role": "assistant", "content": "two"}],
+     "message 1's content is 5 (int), not a string"),
+    ([{"role": "user", "content": [{"type": "text", "text": "one"}]}, {"role": "assistant", "content": "two"}],
+     "(list), not a string: join its text parts into one string"),
+    ([{"role": "user"}, {"role": "assistant", "content": "two"}], "message 1 has no content"),
+]
+
+
+@pytest.mark.parametrize("messages, message", CONVERSATIONS, ids=[m for _, m in CONVERSATIONS])
+def test_a_malformed_conversation_is_refused(tokenizer, messages, message):
+    with pytest.raises(RecipeError, match=None) as err:
+        chat_example(tokenizer, messages)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("messages, message", CONVERSATIONS[:6:5], ids=["not a list", "no assistant"])
+def test_a_malformed_chat_file_names_the_file(tmp_path, tokenizer, messages, message):
+    path = write(tmp_path / "chat.jsonl", jsonl([CHAT] * 20 + [{"messages": messages}]))
+    error = load_error(tokenizer, data_format="chat", train_file=path, validation_file=path)
+    assert error.startswith(f"--train_file {path}: ") and message in error and "fix or remove that row" in error
+
+
+def test_chat_data_needs_a_tokenizer_with_a_chat_template_that_accepts_it(tmp_path, tokenizer):
+    path = write(tmp_path / "chat.jsonl", jsonl([CHAT] * 20))
+    plain = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = None
+    raw = load_raw_datasets(train_file=path, validation_file=path)
+    with pytest.raises(RecipeError, match="has no chat template, which --data_format chat renders"):
+        tokenize_and_pack(raw, plain, data_format="chat", text_column="text", block_size=8)
+    strict = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(RecipeError, match="the chat template rejects the conversation .Conversation roles must"):
+        chat_example(strict, CHAT["messages"])
+    with pytest.raises(RecipeError, match="--data_format chat needs a column named messages"):
+        text = load_raw_datasets(train_file=write(tmp_path / "t.jsonl", jsonl(COUNTS)), validation_split_percentage=50)
+        tokenize_and_pack(text, tokenizer, data_format="chat", text_column="text", block_size=8)
+
+
+# --- model files --------------------------------------------------------------------------------
+
+@pytest.fixture
+def broken_model(tiny_lm, tmp_path):
+    """broken_model(how) -> a copy of the tiny model's folder, damaged `how`."""
+    def make(how):
+        folder = tmp_path / how
+        shutil.copytree(tiny_lm["model"], folder)
+        weights = folder / "model.safetensors"
+        if how == "truncated":
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        elif how == "garbage":
+            weights.write_bytes(np.random.default_rng(0).bytes(4096))
+        elif how == "no_config":
+            (folder / "config.json").unlink()
+        elif how == "bad_config":
+            (folder / "config.json").write_text("{not json")
+        elif how == "no_weights":
+            weights.unlink()
+        elif how == "bad_tokenizer":
+            (folder / "tokenizer.json").write_text("{not json")
+        return folder
+    return make
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated", "model.safetensors is damaged (Error while deserializing header"),
+    ("garbage", "model.safetensors is damaged"),
+    ("no_config", "no config.json in the folder; pass the folder that save_pretrained wrote"),
+    ("bad_config", "config.json is damaged"),
+    ("no_weights", "OSError: Error no file named model.safetensors"),
+    ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
+])
+@pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
+def test_a_damaged_model_folder_is_one_error_naming_it(broken_model, tmp_path, recipe, how, message):
+    folder = broken_model(how)
+    module = RECIPES[recipe]
+    args = module.parse_args(["--model_name_or_path", str(folder), "--train_file", "t.jsonl"])
+    with pytest.raises(RecipeError) as err:
+        module.load_model_and_tokenizer(args) if recipe == "lm_finetune" else module.build_model(args)
+    assert str(err.value).startswith(f"--model_name_or_path {folder}: ") and message in str(err.value), str(err.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed here")
+def test_an_attention_implementation_that_is_not_installed(tiny_lm):
+    lm = RECIPES["lm_finetune"]
+    args = lm.parse_args(["--model_name_or_path", str(tiny_lm["model"]), "--train_file", "t.jsonl",
+                          "--attn_implementation", "flash_attention_2"])
+    with pytest.raises(RecipeError, match="--attn_implementation flash_attention_2 cannot be used here .* pass "
+                                          "--attn_implementation sdpa"):
+        lm.load_model_and_tokenizer(args)
+
+
+def test_lora_targets_that_the_model_lacks(tiny_lm):
+    lm = RECIPES["lm_finetune"]
+    for targets, found in ((["qproj", "vproj"], "no module of that name"), (["model"], "not a layer LoRA can wrap")):
+        args = lm.parse_args(["--model_name_or_path", str(tiny_lm["model"]), "--train_file", "t.jsonl",
+                              "--lora_r", "4", "--lora_target_modules", *targets])
+        model, _ = lm.load_model_and_tokenizer(args)
+        with pytest.raises(RecipeError) as err:
+            lm.build_model(args, model)
+        assert f"--lora_target_modules {' '.join(targets)}: {found}" in str(err.value)
+        layers = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+        assert f"name its linear layers ({layers}) or pass all-linear" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("num_hiden_layers=3", "config has no num_hiden_layers (did you mean num_hidden_layers?)"),
+    ("hidden_size=abc", "invalid literal for int()"),
+    ("num_attention_heads=3", "does not run (RuntimeError: The size of tensor a (3) must match"),
+    ("hidden_size=-1", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
+    ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
+])
+def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
+    zero = RECIPES["zero"]
+    args = zero.parse_args(["--config_name", str(tiny_lm["model"]), "--config_overrides", overrides,
+                            "--train_file", "t.jsonl"])
+    with pytest.raises(RecipeError) as err:
+        zero.build_model(args)
+    assert str(err.value).startswith(f"--config_overrides {overrides}: ") and message in str(err.value), str(err.value)
+
+
+def test_config_overrides_that_work_build_the_model(tiny_lm):
+    zero = RECIPES["zero"]
+    args = zero.parse_args(["--config_name", str(tiny_lm["model"]), "--config_overrides",
+                            "hidden_size=32,num_hidden_layers=1", "--train_file", "t.jsonl"])
+    model, _ = zero.build_model(args)
+    assert model.config.hidden_size == 32 and len(model.model.layers) == 1
+
+
+# --- images -------------------------------------------------------------------------------------
+
+def test_16_bit_images_are_scaled_not_clipped(digits, tmp_path):
+    """PIL's convert("RGB") clips 16-bit greyscale at 255: the digits would become 2 grey levels."""
+    cifar = RECIPES["cifar"]
+    originals = sorted(digits["train"].rglob("*.png"))[:20]
+    for original in originals:
+        pixels = np.asarray(Image.open(original).convert("L"))
+        deep = tmp_path / original.name
+        Image.fromarray(pixels.astype(np.uint16) * 257).save(deep)  # the 16-bit copy a scanner would write
+        assert Image.open(deep).mode == "I;16"
+        assert len(np.unique(np.asarray(Image.open(deep).convert("RGB")))) <= 2 < len(np.unique(pixels))
+        np.testing.assert_array_equal(np.asarray(cifar.load_image(deep)), np.asarray(cifar.load_image(original)))
+
+
+def png_claiming(tmp_path, width, height):
+    """A tiny PNG whose header claims width x height pixels: PIL checks the size before decoding."""
+    Image.new("L", (1, 1)).save(tmp_path / "one.png")
+    data = bytearray((tmp_path / "one.png").read_bytes())
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return write(tmp_path / f"{width}x{height}.png", bytes(data))
+
+
+@pytest.mark.parametrize("side", [10_000, 20_000])  # above PIL's warning, and above its refusal
+def test_an_image_too_large_to_decode(tmp_path, side):
+    path = png_claiming(tmp_path, side, side)
+    with pytest.raises(RecipeError) as err:
+        RECIPES["cifar"].load_image(path)
+    assert str(err.value).startswith(f"{path}: too large to decode (Image size ({side * side} pixels) exceeds limit")
+    assert "shrink it first" in str(err.value)
+
+
+def test_32_bit_images_are_refused(tmp_path):
+    path = tmp_path / "deep.tif"
+    Image.fromarray(np.arange(64, dtype=np.int32).reshape(8, 8) * 1000).save(path)
+    with pytest.raises(RecipeError, match=r"32-bit pixels \(PIL mode I\) have no single 8-bit scale"):
+        RECIPES["cifar"].load_image(path)
+
+
+def image_folder(root, classes, images=2):
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(images):
+            Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("train, val, message", [
+    (["a", "b"], ["a", "b", "c"], "have different class folders (only in --val_dir: c); give both the same class"),
+    (["a", "b", "c"], ["a", "b"], "(only in --train_dir: c)"),
+    (["a"], ["a"], "has 1 class folder; a classifier needs two or more"),
+])
+def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
+    cifar = RECIPES["cifar"]
+    args = cifar.parse_args(["--dataset", "imagefolder", "--train_dir", str(image_folder(tmp_path / "train", train)),
+                             "--val_dir", str(image_folder(tmp_path / "val", val))])
+    with pytest.raises(RecipeError) as err:
+        cifar.load_images(args)
+    assert message in str(err.value)
+
+
+# --- the whole path, as users launch it ---------------------------------------------------------
+
+def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tiny_lm, tmp_path):
+    """A malformed JSON line through launch.sh (2 processes: still one line, and the process that
+    waits for the first one's data does not crash), a truncated safetensors and an out-of-range
+    argument through python."""
+    bad = write(tmp_path / "bad.jsonl", tiny_lm["train"].read_text() + '{"text": "one two"\n')
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm["model"], model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    recipe = REPO / "recipes" / "lm_finetune.py"
+    cases = [
+        ([REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, tmp_path / "a", "--train_file", bad)],
+         f"--train_file {bad}: cannot be read as json (ArrowInvalid: JSON parse error"),
+        ([BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "b", "--model_name_or_path", model)],
+         f"--model_name_or_path {model}: model.safetensors is damaged"),
+        ([BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "c", "--num_train_epochs", "0")],
+         "--num_train_epochs: 0 is out of range"),
+    ]
+    for (cmd, message), out in zip(cases, "abc"):
+        proc = run(cmd, check=False, timeout=300)
+        lines = error_lines(proc.stderr)
+        assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+        assert proc.returncode == 2 or cmd[0] != BIN / "python", proc.returncode
+        assert proc.returncode != 0, proc.returncode
+        # no process of the recipe printed a traceback (the launcher's own report of the exit is launch.sh's)
+        frames = [f'File "{REPO}/recipes', f'File "{REPO}/common']
+        assert not any(frame in proc.stderr for frame in frames), proc.stderr[-3000:]
+        assert not (tmp_path / out).exists()
