@@ -54,6 +54,11 @@ class DataError(RecipeError):
         super().__init__(message, same_on_every_rank)
 
 
+class RunFinished(Exception):
+    """The run in --output_dir has finished already (a requeued job, `latest` on a finished run):
+    nothing to do. Printed as one `done:` line; the process exits with code 0."""
+
+
 def one_line(err: BaseException) -> str:
     """An exception's message as one line: the original message of an exception re-raised from a
     DataLoader worker, the first line of a multi-line one."""
@@ -66,7 +71,8 @@ def one_line(err: BaseException) -> str:
 
 def run(main):
     """Decorator for a recipe's entry point: RecipeError becomes one line on stderr and exit 2; a
-    stop on SIGTERM/SIGUSR1 (its checkpoint saved) one line and exit PREEMPTED_EXIT_CODE."""
+    stop on SIGTERM/SIGUSR1 (its checkpoint saved) one line and exit PREEMPTED_EXIT_CODE; a run
+    that had finished already one `done:` line and exit 0."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -79,6 +85,10 @@ def run(main):
             if not err.same_on_every_rank or first:
                 tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
             code = 2
+        except RunFinished as done:
+            if first:
+                tqdm.write(f"done: {done}", file=sys.stderr)
+            code = 0
         except Preempted as stop:
             if first:
                 tqdm.write(f"preempted: {stop}", file=sys.stderr)
