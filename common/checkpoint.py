@@ -281,9 +281,7 @@ class _Settle:
         if not failures:
             return [p for _, p in everyone]
         if self.accelerator.is_main_process and self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if self.tmp.is_file():
-                self.tmp.unlink()
+            shutil.rmtree(self.tmp, ignore_errors=True)  # no half-written folder stays behind
         if self.failure and self.failure[0] == "bug":
             raise self.error  # not a write failure: a bug, with its traceback
         raise self._message(failures)

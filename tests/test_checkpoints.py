@@ -113,7 +113,7 @@ def test_the_limit_counts_only_intact_checkpoints_and_never_deletes_the_newest_i
     damage(out / "checkpoint-6", "truncated")
     damage(out / "checkpoint-8", "truncated")
     save(acc, out, 7, limit=2)  # resumed from 4 (the newest intact), saving before the damaged ones
-    # kept: the 2 newest intact (4, 7); 2 is deleted; the damaged 8 is newer than this save: left alone
+    # kept: the 2 newest intact (4, 7); 2 and the damaged 6 go; the damaged 8, newer than this save, stays
     assert steps(out) == [4, 7, 8]
     save(acc, out, 9, limit=1)
     assert steps(out) == [9]  # 9 is the newest intact: everything older goes
