@@ -659,6 +659,9 @@ class _RunLock:
         for _ in range(50):
             try:
                 self._make_dirs()
+            except OSError as err:
+                raise RecipeError(_unwritable(self.output_dir, one_line(err))) from err
+            try:
                 fd, created = self._open()
             except FileNotFoundError:  # the folder or file vanished in between (a refused run's cleanup)
                 continue
