@@ -262,7 +262,8 @@ class _Settle:
     any other exception is re-raised where it happened."""
 
     def __init__(self, accelerator, output_dir: Path, what: str, tmp: Path | None, needed):
-        self.accelerator, self.output_dir, self.what, self.tmp, self.needed = accelerator, output_dir, what, tmp, needed
+        self.accelerator, self.output_dir, self.what, self.tmp = accelerator, output_dir, what, tmp
+        self.needed = needed
         self.failure = self.error = None
 
     @contextlib.contextmanager
@@ -295,7 +296,8 @@ class _Settle:
             needed = self.needed()
         except Exception:  # an estimate must not hide the error it explains
             needed = None
-        if any(k == "space" for _, (k, _) in failures) or (kind == "io" and needed and free is not None and free < needed):
+        short = kind == "io" and needed and free is not None and free < needed
+        if short or any(k == "space" for _, (k, _) in failures):
             need = f"it needs about {_human(needed)}" if needed else "more space is needed"
             have = f", {_human(free)} free" if free is not None else ""
             return RecipeError(f"no space left on the filesystem of {self.output_dir} to save the {self.what}: "
@@ -365,7 +367,8 @@ def _checkpoint_bytes(accelerator, output_dir: Path) -> int:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, oldest first."""
     output_dir = Path(output_dir)
-    found = [p for p in output_dir.glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file()]
+    found = [p for p in output_dir.glob("checkpoint-*")
+             if CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file()]
     return sorted(found, key=_step)
 
 
@@ -452,10 +455,11 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
         raise RecipeError(_not_a_checkpoint(spec))
     inside = path is not None and _inside(path, output_dir)
     if overwrite and spec == "latest":
-        raise RecipeError("--overwrite_output_dir starts over and --resume_from_checkpoint latest continues the run in "
-                          f"{output_dir}: pass one of them")
+        raise RecipeError("--overwrite_output_dir starts over and --resume_from_checkpoint latest continues the run "
+                          f"in {output_dir}: pass one of them")
     if overwrite and inside:
-        raise RecipeError(f"--overwrite_output_dir would delete {spec}, the checkpoint to resume from: pass one of them")
+        raise RecipeError(f"--overwrite_output_dir would delete {spec}, the checkpoint to resume from: "
+                          "pass one of them")
     held = _key(output_dir) in _RunLock.held
     lock = _RunLock.acquire(output_dir)
     try:
@@ -525,8 +529,9 @@ def _finished(output_dir: Path) -> str | None:
         return None
     further = (f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
                if checkpoints else "")
-    return (f"{output_dir} holds a finished run ({RESULTS_FILE}" + (f", {steps} steps" if isinstance(steps, int) else "") +
-            f"): nothing left to train{further}; to start over, pass --overwrite_output_dir instead of --resume_from_checkpoint")
+    counted = f", {steps} steps" if isinstance(steps, int) else ""
+    return (f"{output_dir} holds a finished run ({RESULTS_FILE}{counted}): nothing left to train{further}; "
+            "to start over, pass --overwrite_output_dir instead of --resume_from_checkpoint")
 
 
 def _finish_interrupted_saves(output_dir: Path) -> None:
@@ -598,7 +603,8 @@ def _check_writable(accelerator, output_dir: Path) -> None:
             probe.unlink()
         except OSError as err:
             problem = one_line(err)
-    failed = accelerator.reduce(torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32), reduction="sum")
+    flag = torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32)
+    failed = accelerator.reduce(flag, reduction="sum")
     if int(failed.item()):
         detail = problem or f"{int(failed.item())} process(es) on other nodes cannot"
         raise RecipeError(_unwritable(output_dir, detail))
@@ -672,21 +678,22 @@ class _RunLock:
                     raise OSError(errno.ENOSYS, "no fcntl on this platform")
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() if err.errno in (errno.EACCES, errno.EAGAIN) else ""
+                held = err.errno in (errno.EACCES, errno.EAGAIN)
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() if held else ""
                 os.close(fd)
-                if created and err.errno not in (errno.EACCES, errno.EAGAIN):
+                if created and not held:
                     self.path.unlink(missing_ok=True)
-                if err.errno in (errno.EACCES, errno.EAGAIN):
+                if held:
                     raise RecipeError(
-                        f"--output_dir {self.output_dir} is in use by another run ({holder or 'it has not said who'}); "
-                        "wait for it to end, or pass another --output_dir"
+                        f"--output_dir {self.output_dir} is in use by another run "
+                        f"({holder or 'it has not said who'}); wait for it to end, or pass another --output_dir"
                     ) from err
                 if err.errno == errno.ESTALE:  # NFS: the file was removed on another node
                     continue
                 if err.errno in UNSUPPORTED_LOCK:
                     if not _RunLock.warned:
-                        logger.warning(f"cannot lock --output_dir {self.output_dir} on this filesystem ({one_line(err)}): "
-                                       "a second run started into it would not be stopped")
+                        logger.warning(f"cannot lock --output_dir {self.output_dir} on this filesystem "
+                                       f"({one_line(err)}): a second run started into it would not be stopped")
                         _RunLock.warned = True
                     return
                 raise RecipeError(f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); "

@@ -68,7 +68,8 @@ def steps(out):
 
 
 def options(out, **kw):
-    return argparse.Namespace(**{"output_dir": str(out), "resume_from_checkpoint": None, "overwrite_output_dir": False, **kw})
+    given = {"output_dir": str(out), "resume_from_checkpoint": None, "overwrite_output_dir": False, **kw}
+    return argparse.Namespace(**given)
 
 
 def damage(path, how):
@@ -85,7 +86,8 @@ def damage(path, how):
 
 
 @pytest.mark.parametrize("how", ["truncated", "bytes altered", "no marker"])
-def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_the_intact_ones(acc, tmp_path, how, caplog):
+def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(acc, tmp_path, how,
+                                                                                                      caplog):
     out = tmp_path / "run"
     for step in (2, 4, 6):
         save(acc, out, step, limit=2)
@@ -98,7 +100,8 @@ def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit
     change_weights(acc)  # ...and reaches step 6 again, with other weights than the damaged folder's
     save(acc, out, 6, limit=2)
     assert steps(out) == [4, 6]
-    assert common.checkpoint_damage(out / "checkpoint-4") is None and common.checkpoint_damage(out / "checkpoint-6") is None
+    assert common.checkpoint_damage(out / "checkpoint-4") is None
+    assert common.checkpoint_damage(out / "checkpoint-6") is None
     saved = load_file(out / "checkpoint-6" / "model.safetensors")
     for name, value in acc[0].get_state_dict(acc[1]).items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
@@ -145,7 +148,8 @@ def crashing(monkeypatch, at):
 
 
 @pytest.mark.parametrize("before", ["an intact checkpoint-6 alone", "checkpoint-4 and a damaged checkpoint-6"])
-def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(acc, tmp_path, monkeypatch, before):
+def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(acc, tmp_path, monkeypatch,
+                                                                                        before):
     def setup(out):
         if before.startswith("an intact"):
             save(acc, out, 6, limit=1)
@@ -186,8 +190,10 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
     assert common.checkpoint_damage(out / "checkpoint-4", checksums=False) is None  # sizes alone cannot tell
     with caplog.at_level(logging.WARNING, logger="recipes"):
         assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-2"
-    assert "ignoring damaged checkpoint" in caplog.text and "model.safetensors does not match the sha256" in caplog.text
-    with pytest.raises(RecipeError, match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"):
+    assert "ignoring damaged checkpoint" in caplog.text
+    assert "model.safetensors does not match the sha256" in caplog.text
+    with pytest.raises(RecipeError,
+                       match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"):
         common.resolve_checkpoint(out, str(out / "checkpoint-4"))
 
 
@@ -197,7 +203,8 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     common.save_model(acc[0], acc[1], out)
     common.write_json(out / "results.json", {"steps": 4})
     before = snapshot(out)
-    with pytest.raises(RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"):
+    with pytest.raises(RunFinished,
+                       match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"):
         common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert snapshot(out) == before and not (out / ckpt.LOCK_FILE).exists()
 
@@ -264,12 +271,14 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     save(acc, second, 4)
     common.write_json(second / "results.json", {"steps": 4})
     before = snapshot(tmp_path)
-    with pytest.raises(RecipeError, match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. and "
-                                          f"--resume_from_checkpoint {first / 'checkpoint-2'} is another folder's checkpoint; "
-                                          "pass --overwrite_output_dir to start over there from it, or another --output_dir"):
+    with pytest.raises(RecipeError, match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. "
+                                          f"and --resume_from_checkpoint {first / 'checkpoint-2'} is another folder's "
+                                          "checkpoint; pass --overwrite_output_dir to start over there from it, or "
+                                          "another --output_dir"):
         common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
     assert snapshot(tmp_path) == before
-    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):  # the folder itself
+    # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
+    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
         common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
     assert common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4"))) == \
@@ -347,8 +356,8 @@ def refused(cmd, folder, message):
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(acc, tiny_lm, tmp_path):
     out = tmp_path / "run"
     with tempfile.TemporaryFile("w+") as log:
-        first = subprocess.Popen([str(c) for c in lm(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "3")],
-                                 cwd=REPO, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
+        cmd = lm(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "3")
+        first = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             while not (out / "checkpoint-3" / ckpt.STATE_FILE).exists():
@@ -356,7 +365,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
                 time.sleep(0.05)
             first.send_signal(signal.SIGSTOP)  # frozen while it holds the lock: nothing changes under the test
             line = refused(lm(tiny_lm, out, "--resume_from_checkpoint", "latest"), out,
-                           f"--output_dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, started ")
+                           f"--output_dir {out} is in use by another run "
+                           f"(pid {first.pid} on {socket.gethostname()}, started ")
             assert line.endswith("wait for it to end, or pass another --output_dir")
         finally:
             first.kill()  # like the OOM killer: no exit handler runs
@@ -383,7 +393,8 @@ def small_disk(tmp_path):
             pytest.skip("mounting a tmpfs in this process needs root")
         folder = tmp_path / f"disk{len(mounted)}"
         folder.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True, text=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True,
+                              text=True)
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(folder)
@@ -415,13 +426,16 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
     save(acc, out, 4)
     before = snapshot(out)
     with pytest.raises(RecipeError, match=f"^no space left on the filesystem of {out} to save the checkpoint "
-                                          f"{out / 'checkpoint-6'}: it needs about .* kB, .* kB free; free space there "
-                                          "or pass another --output_dir .the checkpoints already saved are intact.$"):
+                                          f"{out / 'checkpoint-6'}: it needs about .* kB, .* kB free; free space "
+                                          "there or pass another --output_dir .the checkpoints already saved are "
+                                          "intact.$"):
         save(acc, out, 6)
-    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
-    with pytest.raises(RecipeError, match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"):
+    kept = [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
+    with pytest.raises(RecipeError,
+                       match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"):
         common.save_model(acc[0], acc[1], out)
-    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
     assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
 
 
@@ -438,8 +452,8 @@ def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line
     for rank in (0, 1):
         env = (f"ACCELERATE_USE_CPU=true RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
                f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
-        cmd = " ".join(shlex.quote(str(c)) for c in lm(tiny_lm, out, "--max_train_steps", "20", "--checkpointing_steps", "2",
-                                                         "--ddp_timeout", "60"))
+        args = lm(tiny_lm, out, "--max_train_steps", "20", "--checkpointing_steps", "2", "--ddp_timeout", "60")
+        cmd = " ".join(shlex.quote(str(c)) for c in args)
         ranks.append(f"env {env} timeout 240 {cmd} 2> {tmp_path}/rank{rank}.err & pid{rank}=$!")
     # 2.5 MB: two checkpoints of the tiny model (0.95 MB each) fit, not three.
     script = (f"mount -t tmpfs -o size=2500k tmpfs {folder} || exit 99\n" + "\n".join(ranks) +
@@ -459,7 +473,8 @@ def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line
     assert len(lines) == 1, stderr[0][-3000:] + stderr[1][-3000:]
     assert not any("Traceback" in text for text in stderr)
     failed = int(lines[0].split(f"to save the checkpoint {out}/checkpoint-")[1].split(":")[0])
-    assert lines[0].startswith(f"error: no space left on the filesystem of {out} to save the checkpoint {out}/checkpoint-")
+    assert lines[0].startswith(f"error: no space left on the filesystem of {out} to save the checkpoint "
+                               f"{out}/checkpoint-")
     assert "it needs about " in lines[0] and "free; free space there or pass another --output_dir" in lines[0]
     saved = sorted(p.name for p in (after / "run").iterdir())
     assert failed >= 4 and saved == [f"checkpoint-{step}" for step in range(2, failed, 2)]  # no .tmp-, no results.json
