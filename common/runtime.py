@@ -57,6 +57,11 @@ class DataError(RecipeError):
         super().__init__(message, same_on_every_rank)
 
 
+class RunFinished(Exception):
+    """The run in --output_dir has finished already (a requeued job, `latest` on a finished run):
+    nothing to do. Printed as one `done:` line; the process exits with code 0."""
+
+
 def one_line(err: BaseException) -> str:
     """An exception's message as one line: the original message of an exception re-raised from a
     DataLoader worker, the first line of a multi-line one."""
@@ -70,9 +75,10 @@ def one_line(err: BaseException) -> str:
 @contextlib.contextmanager
 def exit_codes():
     """Around a recipe's main(): a user's mistake (RecipeError) becomes one `error:` line and exit 2; a
-    stop on a signal, its checkpoint saved (Preempted), one line and exit PREEMPTED_EXIT_CODE; a
-    second Ctrl-C one line and exit 130; a bug its traceback and exit 1. launch.sh learns how the
-    run ended from RECIPE_STATUS_FILE."""
+    run that had finished already (RunFinished) one `done:` line and exit 0; a stop on a signal, its
+    checkpoint saved (Preempted), one line and exit PREEMPTED_EXIT_CODE; a second Ctrl-C one line and
+    exit 130; a bug its traceback and exit 1. launch.sh learns how the run ended from
+    RECIPE_STATUS_FILE."""
     # The launcher's RANK, not Accelerate's: when the group did not form, every process believes
     # it is process 0.
     first = os.environ.get("RANK", "0") == "0"
@@ -85,6 +91,11 @@ def exit_codes():
             tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
         write_status("error")
         code = 2
+    except RunFinished as done:
+        if first:
+            tqdm.write(f"done: {done}", file=sys.stderr)
+            write_status("finished")
+        code = 0
     except Preempted as stop:
         if first:
             tqdm.write(f"preempted: {stop}", file=sys.stderr)

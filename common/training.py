@@ -221,8 +221,8 @@ class TrainLog:
         self.train_loss = self._mean_loss(progress.step)
         # train_seconds: this run's training time so far, read after the loss reached the host (a device
         # sync), so consecutive logs time the steps between them (benchmarks/)
-        self.history.append({"step": progress.step, "train_loss": self.train_loss, "lr": lr,
-                             "train_seconds": round(self.train_seconds, 4)})
+        self.history.append({"step": progress.step, "samples_seen": progress.samples_seen, "train_loss": self.train_loss,
+                             "lr": lr, "train_seconds": round(self.train_seconds, 4)})
         self.accelerator.log(self.history[-1], step=progress.step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 

@@ -14,6 +14,7 @@ from common.preemption import PREEMPTED_EXIT_CODE
 
 from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, interrupt, load_recipe,
                       results, run, user_env)
+from test_fault import snapshot
 
 RECIPE = REPO / "recipes" / "cifar.py"
 
@@ -63,14 +64,20 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{2 * per_epoch}", resumed / f"checkpoint-{2 * per_epoch}")
     run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
-    # ...and resuming the finished run picks its last checkpoint and trains no further step.
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
-    for again in (resumed, out):
-        assert results(again)["steps"] == 3 * per_epoch
-        weights = load_file(again / "model.safetensors")
-        for name in final:
-            torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
-        assert results(again)["eval_accuracy"] == pytest.approx(res["eval_accuracy"], abs=1e-9)
+    assert results(resumed)["steps"] == 3 * per_epoch
+    weights = load_file(resumed / "model.safetensors")
+    for name in final:
+        torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert results(resumed)["eval_accuracy"] == pytest.approx(res["eval_accuracy"], abs=1e-9)
+    # ...and `latest` on the finished run (a requeued job that had finished) ends at once, exit 0,
+    # saying so, and changes nothing: no step trained again, its weights and results.json kept.
+    before = snapshot(out)
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1",
+                *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
+    (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
+    assert done.startswith(f"done: {out} holds a finished run (results.json, {3 * per_epoch} steps): nothing left to train")
+    assert not error_lines(proc.stderr) and "resumed from" not in proc.stderr
+    assert snapshot(out) == before
 
 
 def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):

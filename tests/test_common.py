@@ -180,3 +180,38 @@ def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulat
     assert progress.samples_seen == summary["samples_seen"] == 28 and progress.samples_in_epoch == 14
     assert summary["samples_per_second"] * log.train_seconds == pytest.approx(28)
     assert summary["steady_samples_per_second"] > 0 and summary["epochs"] == 2
+
+
+@pytest.mark.parametrize("first, then", [((2, 8), (1, 16)), ((1, 16), (2, 8)), ((2, 8), (3, 5)), ((4, 3), (1, 7))])
+def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first, then):
+    """The job's samples, in the order Accelerate deals batches to processes (one batch per process a
+    round, explicit ranks here), for a run stopped after some rounds in one layout (processes, batch)
+    and resumed in another: together they are the epoch's order, each sample once, less a tail too
+    short for a round of the second layout."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from common.data import EpochSampler
+
+    def job_order(layout, sampler):
+        world, batch = layout
+        shards = [BatchSamplerShard(BatchSampler(sampler, batch, drop_last=True), world, rank, even_batches=True)
+                  for rank in range(world)]
+        rounds = zip(*(iter(shard) for shard in shards))  # round r: every process's r-th batch
+        return [sample for batches in rounds for batch in batches for sample in batch]
+
+    n, epoch = 101, 3
+    sampler = EpochSampler(n, seed=7)
+    sampler.set_epoch(epoch)
+    order = sampler.order(epoch).tolist()
+    assert sorted(order) == list(range(n)) and order != sorted(order)
+    assert job_order(first, sampler) == order[:len(job_order(first, sampler))]  # the job trains a prefix
+
+    stop = 4 * first[0] * first[1]  # after 4 rounds
+    sampler.resume_at(epoch, stop)
+    resumed = job_order(then, sampler)
+    trained = order[:stop] + resumed
+    assert trained == order[:len(trained)] and len(set(trained)) == len(trained)
+    assert n - len(trained) < then[0] * then[1]  # only a tail shorter than a round is left
+    sampler.set_epoch(epoch + 1)  # the next epoch starts at its beginning
+    assert job_order(then, sampler) == sampler.order(epoch + 1).tolist()[:len(job_order(then, sampler))]

@@ -150,10 +150,12 @@ def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zer
     assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
 
 
-def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted, tmp_path):
-    """SIGTERM to every process of an `accelerate launch` job, as Slurm and Ctrl-C's neighbours send
-    it: each process finishes the step, they save one checkpoint and exit 75. Resumed with
-    `latest`, the loss curve and the weights are the uninterrupted run's."""
+def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted,
+                                                                                       tmp_path):
+    """SIGTERM to every process of a 2-process `accelerate launch` job, as Slurm and Ctrl-C's neighbours
+    send it: each process finishes the step, they save one checkpoint and exit 75. Resumed with
+    `latest` in ONE process with the per-device batch doubled (a requeue that got fewer GPUs), the
+    loss curve and the weights are the uninterrupted 2-process run's."""
     args, straight, resumed = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "resumed"
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
     proc, _ = interrupt(cmd, env, resumed, after_step=4)
@@ -162,19 +164,46 @@ def test_sigterm_mid_epoch_then_resume_gives_the_same_loss_and_weights(tiny_lm, 
     assert 4 < stop < 14 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr
     files = json.loads((resumed / f"checkpoint-{stop}" / "trainer_state.json").read_text())["files"]
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)  # both processes stopped at this step
-    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--resume_from_checkpoint", "latest"))
-    run(cmd, env=env)
+    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16",
+                                                 "--resume_from_checkpoint", "latest")])
+    assert "2 x 8 x 2 -> 1 x 16 x 2, effective batch 32 -> 32" in proc.stderr
     a, b = results(straight), results(resumed)
     assert a["steps"] == b["steps"] == 14 and a["epochs"] > 2  # the resumed part crossed epoch boundaries
-    assert b["log_history"][0]["step"] == stop + 1
+    assert b["world_size"] == 1 and b["log_history"][0]["step"] == stop + 1
     for after, before in zip(b["log_history"], a["log_history"][stop:], strict=True):  # the same curve after the stop
-        assert after["step"] == before["step"] and after["lr"] == pytest.approx(before["lr"])
-        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
+        assert after["step"] == before["step"] and after["samples_seen"] == before["samples_seen"]
+        assert after["lr"] == pytest.approx(before["lr"]) and after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
-    wa = AutoModelForCausalLM.from_pretrained(straight).state_dict()
-    wb = AutoModelForCausalLM.from_pretrained(resumed).state_dict()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
+
+
+def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_epoch_where_they_were(
+        tiny_lm, lm_uninterrupted, tmp_path):
+    """2 processes x 8 x accumulation 2 (32 a step), stopped by SIGTERM, resumed in 1 process x 8 x 2
+    (16 a step) under --lr_scaling linear: one line says what changed; the run trains the samples
+    --max_train_steps meant (in twice the steps), the learning rate is halved, and the schedule
+    continues from the samples already seen: at every sample count both runs log, the resumed
+    run's learning rate is half the uninterrupted run's (no warmup or decay replayed)."""
+    args, straight, resumed = (*LM_INTERRUPTED_ARGS, "--lr_scaling", "linear"), tmp_path / "straight", tmp_path / "resumed"
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args))
+    run(cmd, env=env)
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
+    proc, _ = interrupt(cmd, env, resumed, after_step=4)
+    stop = max(int(p.name.split("-")[1]) for p in resumed.glob("checkpoint-*"))
+    assert 4 < stop < 14 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr
+    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, resumed, *args, "--resume_from_checkpoint", "latest")])
+    (line,) = [l for l in proc.stderr.splitlines() if "with another layout" in l]
+    a, b = results(straight), results(resumed)
+    assert "2 x 8 x 2 -> 1 x 8 x 2, effective batch 32 -> 16" in line
+    assert f"learning rate {a['learning_rate']:.4g} -> {a['learning_rate'] / 2:.4g} (linear)" in line
+    assert b["learning_rate"] == pytest.approx(a["learning_rate"] / 2) and b["effective_batch_size"] == 16
+    assert b["samples_seen"] == a["samples_seen"] and b["steps"] == stop + 2 * (14 - stop)
+    lr_at = {h["samples_seen"]: h["lr"] for h in a["log_history"]}
+    shared = [h for h in b["log_history"] if h["samples_seen"] in lr_at]
+    assert len(shared) >= 14 - stop - 1
+    for h in shared:
+        assert h["lr"] == pytest.approx(lr_at[h["samples_seen"]] / 2, rel=1e-6), h
+    assert b["log_history"][-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine ends where the data ends
 
 
 def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):

@@ -1,0 +1,482 @@
+"""What a run may do to --output_dir, and what it must never lose: checkpoints that replace a
+damaged one of their step, --save_total_limit, crashes inside a save, checksums, a finished run
+resumed, two runs into one folder, --overwrite_output_dir, a full disk.
+
+The rules of checkpoint.py are tested in this process with a real Accelerator and real saves;
+what a user sees (exit codes, the one error line, a lock held by a running recipe, a full
+filesystem) with real launches of lm_finetune.py."""
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+import common
+from common import RecipeError
+from common import checkpoint as ckpt
+from common.runtime import RunFinished
+
+from conftest import BIN, REPO, error_lines, free_port, lm_args, run, user_env
+from test_fault import snapshot
+
+LM = REPO / "recipes" / "lm_finetune.py"
+
+
+# In this process ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def acc():
+    """A prepared model and optimizer, as a recipe holds them when it saves."""
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))  # a checkpoint of 0.8 MB
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model(torch.ones(2, 256)).sum().backward()
+    optimizer.step()  # Adam's moments exist: the optimizer file has its real size
+    yield accelerator, model
+    ckpt._RunLock.release_all()
+
+
+def save(acc, out, step, limit=None):
+    accelerator, _ = acc
+    return common.save_checkpoint(accelerator, out, step, {"epoch": 0, "batches_in_epoch": step}, total_limit=limit)
+
+
+def change_weights(acc):
+    with torch.no_grad():
+        for p in acc[1].parameters():
+            p.add_(1.0)
+
+
+def steps(out):
+    return sorted(int(p.name.split("-")[1]) for p in Path(out).iterdir() if ckpt.CHECKPOINT_RE.fullmatch(p.name))
+
+
+def options(out, **kw):
+    given = {"output_dir": str(out), "resume_from_checkpoint": None, "overwrite_output_dir": False, **kw}
+    return argparse.Namespace(**given)
+
+
+def damage(path, how):
+    if how == "truncated":
+        file = path / "optimizer.bin"
+        file.write_bytes(file.read_bytes()[:100])
+    elif how == "bytes altered":  # same size: only the checksum tells
+        file = path / "model.safetensors"
+        data = bytearray(file.read_bytes())
+        data[-7] ^= 0xFF
+        file.write_bytes(bytes(data))
+    else:  # a folder without its marker (an old copy cut short)
+        (path / ckpt.STATE_FILE).unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "bytes altered", "no marker"])
+def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(acc, tmp_path, how,
+                                                                                                      caplog):
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        save(acc, out, step, limit=2)
+    assert steps(out) == [4, 6]
+    damage(out / "checkpoint-6", how)
+    with caplog.at_level(logging.WARNING, logger="recipes"):
+        assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-4"  # the run resumes there...
+    assert "ignoring damaged checkpoint" in caplog.text or "ignoring incomplete checkpoint" in caplog.text
+
+    change_weights(acc)  # ...and reaches step 6 again, with other weights than the damaged folder's
+    save(acc, out, 6, limit=2)
+    assert steps(out) == [4, 6]
+    assert common.checkpoint_damage(out / "checkpoint-4") is None
+    assert common.checkpoint_damage(out / "checkpoint-6") is None
+    saved = load_file(out / "checkpoint-6" / "model.safetensors")
+    for name, value in acc[0].get_state_dict(acc[1]).items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-6"
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no .tmp- or .old- folder left
+
+
+def test_the_limit_counts_only_intact_checkpoints_and_never_deletes_the_newest_intact_one(acc, tmp_path):
+    out = tmp_path / "run"
+    for step in (2, 4, 6, 8):
+        save(acc, out, step)
+    damage(out / "checkpoint-6", "truncated")
+    damage(out / "checkpoint-8", "truncated")
+    save(acc, out, 7, limit=2)  # resumed from 4 (the newest intact), saving before the damaged ones
+    # kept: the 2 newest intact (4, 7); 2 and the damaged 6 go; the damaged 8, newer than this save, stays
+    assert steps(out) == [4, 7, 8]
+    save(acc, out, 9, limit=1)
+    assert steps(out) == [9]  # 9 is the newest intact: everything older goes
+    save(acc, out, 3, limit=1)  # a run resumed by path from an older step: what is newer stays
+    assert steps(out) == [3, 9]
+    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-9"
+
+
+class Crash(BaseException):
+    """The process dies here (BaseException: nothing in checkpoint.py catches it)."""
+
+
+def crashing(monkeypatch, at):
+    """os.replace and shutil.rmtree, the steps that change what `latest` sees, fail from call
+    number `at` on, as if the process had died there. Returns the call counter."""
+    calls = {"n": 0}
+
+    def counted(real):
+        def call(*args, **kwargs):
+            if at is not None and calls["n"] >= at:
+                raise Crash
+            calls["n"] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "replace", counted(os.replace))
+    monkeypatch.setattr(shutil, "rmtree", counted(shutil.rmtree))
+    return calls
+
+
+@pytest.mark.parametrize("before", ["an intact checkpoint-6 alone", "checkpoint-4 and a damaged checkpoint-6"])
+def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(acc, tmp_path, monkeypatch,
+                                                                                        before):
+    def setup(out):
+        if before.startswith("an intact"):
+            save(acc, out, 6, limit=1)
+        else:
+            save(acc, out, 4)
+            save(acc, out, 6)
+            damage(out / "checkpoint-6", "bytes altered")
+
+    probe = tmp_path / "probe"
+    setup(probe)
+    with monkeypatch.context() as m:
+        calls = crashing(m, None)
+        save(acc, probe, 6, limit=1)
+    assert calls["n"] >= 4  # the old folder out of the way, the new one in, the old one deleted, ...
+    for at in range(calls["n"]):
+        out = tmp_path / f"crash-{at}"
+        setup(out)
+        with monkeypatch.context() as m:
+            crashing(m, at)
+            with pytest.raises(Crash):
+                save(acc, out, 6, limit=1)
+        # The next run (a requeue, --max_restarts) resumes with `latest`.
+        found = common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        ckpt._RunLock.release_all()
+        assert found is not None and common.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
+        assert found.name in ("checkpoint-6", "checkpoint-4"), found
+        assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog):
+    out = tmp_path / "run"
+    save(acc, out, 2)
+    save(acc, out, 4)
+    state = json.loads((out / "checkpoint-4" / ckpt.STATE_FILE).read_text())
+    assert set(state["sha256"]) == set(state["files"]) >= {"model.safetensors", "optimizer.bin"}
+    damage(out / "checkpoint-4", "bytes altered")
+    assert (out / "checkpoint-4" / "model.safetensors").stat().st_size == state["files"]["model.safetensors"]
+    assert common.checkpoint_damage(out / "checkpoint-4", checksums=False) is None  # sizes alone cannot tell
+    with caplog.at_level(logging.WARNING, logger="recipes"):
+        assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-2"
+    assert "ignoring damaged checkpoint" in caplog.text
+    assert "model.safetensors does not match the sha256" in caplog.text
+    with pytest.raises(RecipeError,
+                       match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"):
+        common.resolve_checkpoint(out, str(out / "checkpoint-4"))
+
+
+def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys):
+    out = tmp_path / "run"
+    save(acc, out, 4)
+    common.save_model(acc[0], acc[1], out)
+    common.write_json(out / "results.json", {"steps": 4})
+    before = snapshot(out)
+    with pytest.raises(RunFinished,
+                       match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"):
+        common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+    assert snapshot(out) == before and not (out / ckpt.LOCK_FILE).exists()
+
+    # The entry point turns it into one `done:` line and exit 0 (a requeued job that had finished).
+    with pytest.raises(SystemExit) as exit_:
+        common.run(lambda: common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")))()
+    assert exit_.value.code == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
+        f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
+        f"--resume_from_checkpoint {out / 'checkpoint-4'} with a larger --max_train_steps; to start over, pass "
+        "--overwrite_output_dir instead of --resume_from_checkpoint"]
+
+    # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
+    save(acc, out, 6)
+    assert common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-6"
+
+
+def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    for step in (2, 4):
+        save(acc, out, step)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
+    common.save_model(acc[0], lm, out, AutoTokenizer.from_pretrained(tiny_lm["model"]))
+    written = json.loads((out / ckpt.MODEL_FILES).read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written)
+    common.write_json(out / "results.json", {"steps": 4})
+    (out / ".tmp-checkpoint-6").mkdir()  # a save that crashed
+    # The user's own things, some named like ours but not as we name them.
+    for folder in ("best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune"):
+        (out / folder).mkdir()
+        (out / folder / "weights.bin").write_bytes(os.urandom(64))
+    (out / "notes.txt").write_text("lr 3e-3 was too high")
+    (out / "checkpoint-9.tar").write_bytes(b"an archive")
+    users = {k: v for k, v in snapshot(out).items() if not k.startswith(("checkpoint-2", "checkpoint-4"))
+             and Path(k).name not in written and k not in ("results.json", ckpt.MODEL_FILES)}
+
+    # Starting over and resuming at once contradict each other: refused before anything changes.
+    before = snapshot(out)
+    for spec in ("latest", str(out / "checkpoint-4")):
+        with pytest.raises(RecipeError, match="pass one of them"):
+            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint=spec, overwrite_output_dir=True))
+        assert snapshot(out) == before
+
+    assert common.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True)) is None
+    assert {k: v for k, v in snapshot(out).items() if k != ckpt.LOCK_FILE} == users
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune", "notes.txt", "checkpoint-9.tar",
+         ckpt.LOCK_FILE])  # the lock: this run holds it until it exits
+
+    # A later save replaces a save of other files entirely: no old shard or config stays beside it.
+    common.save_model(acc[0], lm, out)
+    common.save_model(acc[0], acc[1], out)
+    assert json.loads((out / ckpt.MODEL_FILES).read_text())["files"] == ["model.safetensors"]
+    assert not (out / "config.json").exists() and not (out / "generation_config.json").exists()
+
+
+def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tmp_path):
+    """Continuing this folder's run by path is fine; another folder's checkpoint is a new run here,
+    refused where a run is already, unless --overwrite_output_dir starts that folder over."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    save(acc, first, 2)
+    save(acc, second, 4)
+    common.write_json(second / "results.json", {"steps": 4})
+    before = snapshot(tmp_path)
+    with pytest.raises(RecipeError, match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. "
+                                          f"and --resume_from_checkpoint {first / 'checkpoint-2'} is another folder's "
+                                          "checkpoint; pass --overwrite_output_dir to start over there from it, or "
+                                          "another --output_dir"):
+        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
+    assert snapshot(tmp_path) == before
+    # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
+    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
+        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
+    # A checkpoint of its own, given by path, continues the run (to train it further, say).
+    assert common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4"))) == \
+        second / "checkpoint-4"
+    ckpt._RunLock.release_all()
+    assert snapshot(tmp_path) == before
+    # Started over from the other folder's checkpoint: this folder's run is gone, the other one untouched.
+    assert common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2"),
+                                                     overwrite_output_dir=True)) == first / "checkpoint-2"
+    assert sorted(p.name for p in second.iterdir()) == [ckpt.LOCK_FILE]
+    assert snapshot(first) == {k.removeprefix("first/"): v for k, v in before.items() if k.startswith("first/")}
+
+
+def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
+    """A lock file left by a killed run (content, no lock) is no obstacle, and a run refused for
+    another reason puts its content back; a lock held by a live process refuses the run."""
+    out = tmp_path / "run"
+    save(acc, out, 2)
+    (out / ckpt.LOCK_FILE).write_text("pid 1 on a node that was rebooted\n")
+    before = snapshot(out)
+    with pytest.raises(RecipeError, match="already holds a run"):
+        common.prepare_output_dir(acc[0], options(out))
+    ckpt._RunLock.release_all()
+    assert snapshot(out) == before
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(out / ckpt.LOCK_FILE)!r}, os.O_RDWR)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RecipeError, match=r"is in use by another run \(pid 1 on a node that was rebooted\); wait"):
+            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        assert snapshot(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: its lock with it.
+    assert common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-2"
+    lock_text = (out / ckpt.LOCK_FILE).read_text()
+    assert lock_text.startswith(f"pid {os.getpid()} on {socket.gethostname()}, started ")
+    ckpt._RunLock.release_all()
+    assert not (out / ckpt.LOCK_FILE).exists()  # a run that went on removes the lock file at exit
+
+
+def test_a_filesystem_without_locks_is_used_with_one_warning(acc, tmp_path, monkeypatch, caplog):
+    def refuse(fd, operation):
+        raise OSError(38, "Function not implemented")  # ENOSYS: Lustre mounted without -o flock
+
+    monkeypatch.setattr(ckpt.fcntl, "lockf", refuse)
+    monkeypatch.setattr(ckpt._RunLock, "warned", False)
+    with caplog.at_level(logging.WARNING, logger="recipes"):
+        assert common.prepare_output_dir(acc[0], options(tmp_path / "run")) is None
+    assert caplog.text.count("cannot lock --output_dir") == 1 and "would not be stopped" in caplog.text
+    assert not (tmp_path / "run" / ckpt.LOCK_FILE).exists()
+
+
+# Real launches ------------------------------------------------------------------------------------
+
+def lm(tiny_lm, out, *extra):
+    return [BIN / "python", LM, *lm_args(tiny_lm, out, "--dataloader_num_workers", "0", *extra)]
+
+
+def refused(cmd, folder, message):
+    before = snapshot(folder)
+    proc = run(cmd, check=False, timeout=180)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert snapshot(folder) == before, "existing output changed"
+    return lines[0]
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(acc, tiny_lm, tmp_path):
+    out = tmp_path / "run"
+    with tempfile.TemporaryFile("w+") as log:
+        cmd = lm(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "3")
+        first = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not (out / "checkpoint-3" / ckpt.STATE_FILE).exists():
+                assert first.poll() is None and time.monotonic() < deadline, "the first run did not reach checkpoint-3"
+                time.sleep(0.05)
+            first.send_signal(signal.SIGSTOP)  # frozen while it holds the lock: nothing changes under the test
+            line = refused(lm(tiny_lm, out, "--resume_from_checkpoint", "latest"), out,
+                           f"--output_dir {out} is in use by another run "
+                           f"(pid {first.pid} on {socket.gethostname()}, started ")
+            assert line.endswith("wait for it to end, or pass another --output_dir")
+        finally:
+            first.kill()  # like the OOM killer: no exit handler runs
+            first.wait()
+    assert (out / ckpt.LOCK_FILE).exists()  # the file stays; the lock died with the process
+    resumed = common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+    assert resumed is not None and resumed.name.startswith("checkpoint-")
+    assert (out / ckpt.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
+
+
+# A full disk --------------------------------------------------------------------------------------
+
+def checkpoint_bytes(path):
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a tmpfs of `size` bytes mounted in this process (as root, as CI runs)."""
+    mounted = []
+
+    def mount(size):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs in this process needs root")
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True,
+                              text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    ckpt._RunLock.release_all()
+    for folder in mounted:
+        subprocess.run(["umount", "-l", folder], check=True)
+
+
+def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc, tmp_path, small_disk):
+    probe = tmp_path / "probe"
+    save(acc, probe, 2)
+    size = checkpoint_bytes(probe / "checkpoint-2")
+
+    # No checkpoint yet: the space needed is estimated from the model and optimizer state.
+    out = small_disk(size // 4) / "run"
+    with pytest.raises(RecipeError) as failed:
+        save(acc, out, 2)
+    needed = float(str(failed.value).split("it needs about ")[1].split(" kB")[0]) * 1e3
+    assert 0.8 * size < needed < 1.2 * size, (needed, size)
+    assert not out.exists() or not list(out.iterdir())
+
+    # Two checkpoints fit, a third and the final weights do not.
+    out = small_disk(int(2.2 * size)) / "run"
+    common.prepare_output_dir(acc[0], options(out))
+    save(acc, out, 2)
+    save(acc, out, 4)
+    before = snapshot(out)
+    with pytest.raises(RecipeError, match=f"^no space left on the filesystem of {out} to save the checkpoint "
+                                          f"{out / 'checkpoint-6'}: it needs about .* kB, .* kB free; free space "
+                                          "there or pass another --output_dir .the checkpoints already saved are "
+                                          "intact.$"):
+        save(acc, out, 6)
+    kept = [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
+    with pytest.raises(RecipeError,
+                       match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"):
+        common.save_model(acc[0], acc[1], out)
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
+    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
+
+
+def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line(tiny_lm, tmp_path):
+    """Two processes formed into one group the way srun starts them (no launcher in between, so
+    each one's exit code is seen): the main process fails to write a checkpoint (it writes the
+    weights and the optimizer state), the other may not. Both exit 2, at once, one error line says
+    how much a checkpoint needs, the checkpoints saved before stay intact and no half-written
+    folder is left. In a mount namespace of its own (`unshare -rm`: no root needed)."""
+    folder, after = tmp_path / "disk", tmp_path / "after"
+    out = folder / "run"
+    port = free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = (f"ACCELERATE_USE_CPU=true RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+               f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
+        args = lm(tiny_lm, out, "--max_train_steps", "20", "--checkpointing_steps", "2", "--ddp_timeout", "60")
+        cmd = " ".join(shlex.quote(str(c)) for c in args)
+        ranks.append(f"env {env} timeout 240 {cmd} 2> {tmp_path}/rank{rank}.err & pid{rank}=$!")
+    # 2.5 MB: two checkpoints of the tiny model (0.95 MB each) fit, not three.
+    script = (f"mount -t tmpfs -o size=2500k tmpfs {folder} || exit 99\n" + "\n".join(ranks) +
+              f"\nwait $pid0; rc0=$?; wait $pid1; rc1=$?; echo \"exit codes $rc0 $rc1\"; cp -a {folder}/. {after}/")
+    folder.mkdir()
+    after.mkdir()
+    try:
+        proc = subprocess.run(["unshare", "-rm", "bash", "-c", script], cwd=REPO, env=user_env(), capture_output=True,
+                              text=True, timeout=300)
+    except FileNotFoundError:
+        pytest.skip("no unshare here: cannot mount a small filesystem")
+    if proc.returncode == 99 or proc.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {proc.stderr[:300]}")
+    assert "exit codes 2 2" in proc.stdout, proc.stdout + proc.stderr
+    stderr = [(tmp_path / f"rank{rank}.err").read_text() for rank in (0, 1)]
+    lines = error_lines(stderr[0]) + error_lines(stderr[1])
+    assert len(lines) == 1, stderr[0][-3000:] + stderr[1][-3000:]
+    assert not any("Traceback" in text for text in stderr)
+    failed = int(lines[0].split(f"to save the checkpoint {out}/checkpoint-")[1].split(":")[0])
+    assert lines[0].startswith(f"error: no space left on the filesystem of {out} to save the checkpoint "
+                               f"{out}/checkpoint-")
+    assert "it needs about " in lines[0] and "free; free space there or pass another --output_dir" in lines[0]
+    saved = sorted(p.name for p in (after / "run").iterdir())
+    assert failed >= 4 and saved == [f"checkpoint-{step}" for step in range(2, failed, 2)]  # no .tmp-, no results.json
+    for name in saved:
+        assert common.checkpoint_damage(after / "run" / name) is None
