@@ -54,7 +54,7 @@ def acc():
 
 def save(acc, out, step, limit=None):
     accelerator, _ = acc
-    return common.save_checkpoint(accelerator, out, step, {"epoch": 0, "batches_in_epoch": step}, total_limit=limit)
+    return ckpt.save_checkpoint(accelerator, out, step, {"epoch": 0, "batches_in_epoch": step}, total_limit=limit)
 
 
 def change_weights(acc):
@@ -94,18 +94,18 @@ def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit
     assert steps(out) == [4, 6]
     damage(out / "checkpoint-6", how)
     with caplog.at_level(logging.WARNING, logger="recipes"):
-        assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-4"  # the run resumes there...
+        assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"  # the run resumes there...
     assert "ignoring damaged checkpoint" in caplog.text or "ignoring incomplete checkpoint" in caplog.text
 
     change_weights(acc)  # ...and reaches step 6 again, with other weights than the damaged folder's
     save(acc, out, 6, limit=2)
     assert steps(out) == [4, 6]
-    assert common.checkpoint_damage(out / "checkpoint-4") is None
-    assert common.checkpoint_damage(out / "checkpoint-6") is None
+    assert ckpt.checkpoint_damage(out / "checkpoint-4") is None
+    assert ckpt.checkpoint_damage(out / "checkpoint-6") is None
     saved = load_file(out / "checkpoint-6" / "model.safetensors")
     for name, value in acc[0].get_state_dict(acc[1]).items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
-    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-6"
+    assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-6"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no .tmp- or .old- folder left
 
 
@@ -122,7 +122,7 @@ def test_the_limit_counts_only_intact_checkpoints_and_never_deletes_the_newest_i
     assert steps(out) == [9]  # 9 is the newest intact: everything older goes
     save(acc, out, 3, limit=1)  # a run resumed by path from an older step: what is newer stays
     assert steps(out) == [3, 9]
-    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-9"
+    assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-9"
 
 
 class Crash(BaseException):
@@ -174,7 +174,7 @@ def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest
         # The next run (a requeue, --max_restarts) resumes with `latest`.
         found = common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
         ckpt._RunLock.release_all()
-        assert found is not None and common.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
+        assert found is not None and ckpt.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
         assert found.name in ("checkpoint-6", "checkpoint-4"), found
         assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
 
@@ -187,21 +187,21 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
     assert set(state["sha256"]) == set(state["files"]) >= {"model.safetensors", "optimizer.bin"}
     damage(out / "checkpoint-4", "bytes altered")
     assert (out / "checkpoint-4" / "model.safetensors").stat().st_size == state["files"]["model.safetensors"]
-    assert common.checkpoint_damage(out / "checkpoint-4", checksums=False) is None  # sizes alone cannot tell
+    assert ckpt.checkpoint_damage(out / "checkpoint-4", checksums=False) is None  # sizes alone cannot tell
     with caplog.at_level(logging.WARNING, logger="recipes"):
-        assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-2"
+        assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-2"
     assert "ignoring damaged checkpoint" in caplog.text
     assert "model.safetensors does not match the sha256" in caplog.text
     with pytest.raises(RecipeError,
                        match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"):
-        common.resolve_checkpoint(out, str(out / "checkpoint-4"))
+        ckpt.resolve_checkpoint(out, str(out / "checkpoint-4"))
 
 
 def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys):
     out = tmp_path / "run"
     save(acc, out, 4)
     common.save_model(acc[0], acc[1], out)
-    common.write_json(out / "results.json", {"steps": 4})
+    ckpt.write_json(out / "results.json", {"steps": 4})
     before = snapshot(out)
     with pytest.raises(RunFinished,
                        match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"):
@@ -210,7 +210,8 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
 
     # The entry point turns it into one `done:` line and exit 0 (a requeued job that had finished).
     with pytest.raises(SystemExit) as exit_:
-        common.run(lambda: common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")))()
+        with common.exit_codes():
+            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert exit_.value.code == 0
     assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
         f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
@@ -232,7 +233,7 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     common.save_model(acc[0], lm, out, AutoTokenizer.from_pretrained(tiny_lm["model"]))
     written = json.loads((out / ckpt.MODEL_FILES).read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written)
-    common.write_json(out / "results.json", {"steps": 4})
+    ckpt.write_json(out / "results.json", {"steps": 4})
     (out / ".tmp-checkpoint-6").mkdir()  # a save that crashed
     # The user's own things, some named like ours but not as we name them.
     for folder in ("best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune"):
@@ -269,7 +270,7 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     first, second = tmp_path / "first", tmp_path / "second"
     save(acc, first, 2)
     save(acc, second, 4)
-    common.write_json(second / "results.json", {"steps": 4})
+    ckpt.write_json(second / "results.json", {"steps": 4})
     before = snapshot(tmp_path)
     with pytest.raises(RecipeError, match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. "
                                           f"and --resume_from_checkpoint {first / 'checkpoint-2'} is another folder's "
@@ -436,7 +437,7 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
                        match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"):
         common.save_model(acc[0], acc[1], out)
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
-    assert common.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
+    assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
 
 
 def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line(tiny_lm, tmp_path):
@@ -479,4 +480,4 @@ def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line
     saved = sorted(p.name for p in (after / "run").iterdir())
     assert failed >= 4 and saved == [f"checkpoint-{step}" for step in range(2, failed, 2)]  # no .tmp-, no results.json
     for name in saved:
-        assert common.checkpoint_damage(after / "run" / name) is None
+        assert ckpt.checkpoint_damage(after / "run" / name) is None
