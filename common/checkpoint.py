@@ -811,12 +811,65 @@ def load_checkpoint(accelerator, path: Path, must_match: dict, identity: dict | 
                 f"resume with {key}={state[key]} (the saved data position depends on it)"
             )
     try:
-        accelerator.load_state(str(path))
+        if accelerator.state.deepspeed_plugin is not None and state.get("world_size", 1) != accelerator.num_processes:
+            _load_resharded_deepspeed(accelerator, Path(path), state["world_size"])
+        else:
+            accelerator.load_state(str(path))
     except Exception as err:  # a truncated file, another model's weights, a missing shard
         raise RecipeError(f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> "
                           "folder, or `latest` to pick the newest intact one", same_on_every_rank=False) from err
     logger.info(f"resumed from {path} at step {state['step']}")
     return state
+
+
+def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
+    """Load a ZeRO checkpoint written by another number of processes. DeepSpeed partitions the
+    optimizer state (and under ZeRO-3 the weights) by process and refuses another count, so the main
+    process converts each engine's folder with DeepSpeed's own ds_to_universal (every parameter's fp32
+    weights and optimizer moments, whole) into `.universal-checkpoint-<step>/` beside it, and every
+    process loads that with DeepSpeed's `load_universal`, which partitions it for this run. The
+    checkpoint itself is not touched; the conversion is deleted once loaded."""
+    import contextlib
+    import io
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    view = path.parent / f".universal-{path.name}"
+    tags = sorted(d.name for d in path.iterdir() if d.is_dir() and any(d.glob("*model_states.pt")))
+    if accelerator.is_main_process:
+        shutil.rmtree(view, ignore_errors=True)
+        view.mkdir()
+        for item in path.iterdir():  # the rest (scheduler, RNG states, ...) as it is
+            if item.name not in tags:
+                (view / item.name).symlink_to(item.resolve())
+        logger.warning(f"{path.name} was written by {written_by} processes, this run has {accelerator.num_processes}: "
+                       f"converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it")
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+            for tag in tags:
+                ds_to_universal(Namespace(input_folder=str(path / tag), output_folder=str(view / tag),
+                                          num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                          strict=True, inject_missing_state=True))  # ZeRO-1/2 lack its metadata
+    accelerator.wait_for_everyone()
+    engines = [model for model in accelerator._models if hasattr(model, "load_universal_checkpoint")]
+    try:
+        for engine in engines:
+            engine._config.load_universal_checkpoint = True
+        accelerator.load_state(str(view))
+        for engine in engines:
+            # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same
+            # `step` tensor, which torch's Adam increments in place: with two groups (decay, no decay)
+            # it would count two steps per step and get the bias correction wrong. One each.
+            base = getattr(engine.optimizer, "optimizer", None)
+            for state in getattr(base, "state", {}).values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+    finally:
+        for engine in engines:
+            engine._config.load_universal_checkpoint = False
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(view, ignore_errors=True)
 
 
 def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
