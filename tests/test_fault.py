@@ -4,6 +4,7 @@ changed). Stop signals and resume equivalence are tested per recipe in test_cifa
 and test_zero."""
 
 import hashlib
+import json
 import shutil
 import signal
 from pathlib import Path
@@ -188,3 +189,76 @@ def test_public_args_masks_credentials():
                      "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
                      "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials
                      "wandb_api_key": "***", "HF_TOKEN": "***", "client_secret": "***"}
+
+
+# Signals outside the step loop, a diverging loss, and resuming with other settings -------------------
+
+def short_epochs(tmp_path, lm, eval_lines=6000):
+    """Training text of 16 blocks of 32 tokens (2 steps an epoch at batch 8) and a validation set of
+    about 1,700 blocks, which at batch 1 takes seconds to evaluate: time for a signal to arrive."""
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    for path, lines in ((train, 64), (validation, eval_lines)):
+        with open(path, "w") as f:
+            for i in range(lines):  # 7 words and EOS: 4 lines a block
+                f.write(json.dumps({"text": " ".join(NUMBERS[(i + j) % 10] for j in range(7))}) + "\n")
+    return {**lm, "train": train, "validation": validation}
+
+
+def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_the_final_one_lets_it_finish(
+        tiny_lm, tmp_path):
+    """A signal while a mid-run evaluation runs: every process leaves the evaluation at the same batch,
+    the state of the step just trained is saved, exit 75 (a long evaluation must not turn a clean
+    preemption into a job killed after the launcher's grace period). The resumed run ends the job.
+    During the final evaluation the run completes its outputs instead and exits 0."""
+    lm = short_epochs(tmp_path, tiny_lm)
+    out = tmp_path / "run"
+    args = lm_args(lm, out, "--per_device_eval_batch_size", "1", "--num_train_epochs", "2", "--checkpointing_steps", "2")
+    proc, _ = interrupt([BIN / "python", LM, *args], user_env(), out, after_step=2)  # epoch 0's last step
+    assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
+    assert f"preempted: stopped by SIGTERM during evaluation after step 2; saved {out / 'checkpoint-2'}" in proc.stderr
+    assert "epoch 0:" not in proc.stderr and not (out / "results.json").exists()  # the evaluation did not finish
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["samples_in_epoch"]) == (1, 0)
+    run([BIN / "python", LM, *args, "--resume_from_checkpoint", "latest"])
+    assert results(out)["steps"] == 4
+
+    final = tmp_path / "final"
+    args = lm_args(lm, final, "--per_device_eval_batch_size", "1", "--num_train_epochs", "1", "--checkpointing_steps", "2")
+    proc, _ = interrupt([REPO / "launch.sh", "lm_finetune", "--num_processes", "1", *args], user_env(), final, after_step=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 0:" in proc.stderr and "preempted" not in proc.stderr
+    assert results(final)["steps"] == 2 and results(final)["eval_tokens"] > 10_000
+    assert (final / "model.safetensors").is_file()
+
+
+def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_checkpoint_of_it(tiny_lm, tmp_path):
+    out = tmp_path / "run"
+    cmd = [BIN / "python", LM, *lm_args(tiny_lm, out, "--learning_rate", "1e30", "--max_grad_norm", "0",
+                                        "--max_train_steps", "20", "--checkpointing_steps", "1", "--logging_steps", "5")]
+    proc = run(cmd, check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "the training loss became nan" in lines[0] or "became inf" in lines[0] or "weights hold NaN" in lines[0]
+    assert "Traceback" not in proc.stderr and not (out / "results.json").exists()
+    assert not (out / "model.safetensors").exists()
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) < 20  # it stopped
+    from safetensors.torch import load_file
+    for checkpoint in saved:  # every checkpoint that was written holds finite weights
+        assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values()), checkpoint
+
+
+def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_lm, lm_checkpoint, tmp_path):
+    """The checkpoint's optimizer state holds the learning rate, weight decay and momentum it was
+    written with; this run's command line is what trains from here on, and the log says what changed.
+    Another --seed would reorder the data not trained yet: refused."""
+    out = tmp_path / "run"
+    shutil.copytree(lm_checkpoint, out / lm_checkpoint.name)
+    base = ["--max_train_steps", "4", "--lr_scheduler_type", "constant", "--logging_steps", "1"]
+    refused([BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--seed", "7", "--resume_from_checkpoint", "latest")],
+            out, "was written with --seed 42, which fixes the order of the data it has not trained yet; resume with --seed 42")
+    proc = run([BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--learning_rate", "1e-3", "--weight_decay", "0.1",
+                                             "--resume_from_checkpoint", "latest")])
+    assert "with this run's optimizer settings: learning rate 0.003 -> 0.001, weight_decay 0.0 -> 0.1" in proc.stderr
+    res = results(out)
+    assert res["learning_rate"] == 1e-3 and [h["lr"] for h in res["log_history"]] == [1e-3, 1e-3]
