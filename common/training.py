@@ -237,21 +237,23 @@ class TrainLog:
                 bad += 1
                 break
         sums = self.accelerator.reduce(torch.cat([self._sums, bad.double()]), reduction="sum")
-        if not torch.isfinite(sums[:2]).all() or sums[2] > 0:
-            loss = float(sums[0] / sums[1].clamp(min=1))
-            raise self._diverged(step, loss if not math.isfinite(loss) else "finite, but the weights hold NaN or inf")
+        loss = float(sums[0] / sums[1].clamp(min=1))
+        if not math.isfinite(loss):
+            raise self._diverged(step, f"the training loss became {loss}")
+        if sums[2] > 0:
+            raise self._diverged(step, "the weights hold NaN or inf")
 
     def _mean_loss(self, step: int) -> float:
         sums = self.accelerator.reduce(self._sums.clone(), reduction="sum")  # one all-reduce per log
         self._sums.zero_()
         loss = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if not math.isfinite(loss):
-            raise self._diverged(step, loss)
+            raise self._diverged(step, f"the training loss became {loss}")
         return loss
 
-    def _diverged(self, step: int, loss) -> RecipeError:
-        return RecipeError(f"the training loss became {loss} by step {step}; nothing was saved after it: lower "
-                           "--learning_rate, raise --warmup_steps, set --max_grad_norm, or check the data for bad values")
+    def _diverged(self, step: int, what: str) -> RecipeError:
+        return RecipeError(f"{what} by step {step}; nothing was saved after it: lower --learning_rate, raise "
+                           "--warmup_steps, set --max_grad_norm, or check the data for bad values")
 
     def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
         """The epoch's evaluation in the trackers and the log; the training clock restarts after it."""
