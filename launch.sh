@@ -60,9 +60,6 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 # A value as an error message shows it: in quotes, or as bash would quote it when it holds odd characters.
 quoted() { if [[ "$1" =~ ^[A-Za-z0-9_./:=+-]*$ ]]; then echo "'$1'"; else printf '%q' "$1"; fi; }
 
-# `key: value` from a flat accelerate YAML (comments and quotes stripped).
-yaml_get() { sed -n "s/^$1:[[:space:]]*//p" "$2" | sed "s/[[:space:]]*#.*//; s/['\"]//g" | head -n 1; }
-
 # GPUs this process may use: nvidia-smi's count, narrowed by CUDA_VISIBLE_DEVICES when it is set
 # and by the GPUs Slurm gave this node.
 count_gpus() {
@@ -290,11 +287,11 @@ set -m  # the launcher gets its own process group
 child=$!
 set +m
 stop_signal=""
-stop() {
+stop() {  # ends with status 0: a trap's failure would end this shell (set -e) before the launcher
   if [[ -n "$stop_signal" ]]; then
     echo "launch.sh: stopping: waiting for the processes to save a checkpoint" \
       "(at most TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT s)" >&2
-    return
+    return 0
   fi
   stop_signal=$1
   kill -s TERM -- -"$child" 2>/dev/null || true

@@ -190,7 +190,7 @@ class _QuietElastic(logging.Filter):
                           "and will be ignored)")
             record.args = ()
             return True
-        record.msg = f"launcher: {record.levelname.lower()}: {record.getMessage()}"
+        record.msg = f"launcher: {record.levelname.lower()}: {SECRET_VALUES.sub('***', record.getMessage())}"
         record.args = ()
         return True
 
@@ -227,6 +227,24 @@ def _record_exit_codes() -> None:
             _exit_codes.update({rank: h.proc.poll() for rank, h in handlers.items()})
 
     PContext.close = close_and_record
+
+
+def _stop_once() -> None:
+    """torch's agent raises SignalException on every SIGTERM, SIGINT or SIGHUP; one that arrives
+    while it waits for the processes to save their checkpoint cuts that wait short (two or three
+    do: scancel signals every process of the step, launch.sh passes its own on). The first one
+    stops the run; the others are let go."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler
+    received = []
+
+    def first_only(signum, frame):
+        if not received:
+            received.append(signum)
+            raise_signal(signum, frame)
+
+    api._terminate_process_handler = first_only
 
 
 def _stopped_code(signum: int) -> int:
@@ -286,6 +304,7 @@ def run(argv: list[str]) -> int:
 
     _quiet_logging()
     _record_exit_codes()
+    _stop_once()
     args = accelerate_launch.launch_command_parser().parse_args(argv)
     if not args.module and not args.no_python:  # every training process starts through `worker`
         args.training_script_args = ["worker", args.training_script, *args.training_script_args]

@@ -187,6 +187,17 @@ def test_a_stopped_launch_ends_with_what_its_processes_did(monkeypatch, codes, e
     assert launcher._stopped_code(signal.SIGTERM) == expected
 
 
+def test_only_the_first_stop_signal_interrupts_the_agent(monkeypatch):
+    from torch.distributed.elastic.multiprocessing import SignalException, api
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # restored afterwards
+    launcher._stop_once()
+    with pytest.raises(SignalException):
+        api._terminate_process_handler(signal.SIGTERM, None)
+    assert api._terminate_process_handler(signal.SIGTERM, None) is None
+    assert api._terminate_process_handler(signal.SIGINT, None) is None
+
+
 def test_quiet_elastic_log():
     import logging
 
@@ -201,5 +212,5 @@ def test_quiet_elastic_log():
     assert quiet.filter(killed)
     assert re.fullmatch(r"launch\.sh: process 12 did not exit within TORCH_ELASTIC_SHUTDOWN_TIMEOUT=\d+ s of SIGTERM: "
                         r"killed it \(.*\)", killed.getMessage())
-    other = record("something %s", "new")
-    assert quiet.filter(other) and other.getMessage() == "launcher: warning: something new"
+    other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
+    assert quiet.filter(other) and other.getMessage() == "launcher: warning: something new in https://***@host/"
