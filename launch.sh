@@ -121,7 +121,7 @@ else
 fi
 
 # launch.sh's own options; everything else goes to the recipe.
-config="" num_processes="" max_restarts="" dry_run=0 recipe_args=()
+config="" num_processes="" max_restarts="" dry_run=0 help=0 recipe_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config|--num_processes|--max_restarts)
@@ -132,6 +132,7 @@ while [[ $# -gt 0 ]]; do
       [[ -n "${1#*=}" ]] || die "${1%%=*} needs a value (see ./launch.sh --help)"
       name=${1%%=*}; declare "${name#--}=${1#*=}"; shift ;;
     --dry_run) dry_run=1; shift ;;
+    -h|--help) help=1; shift ;;  # the recipe's options, from one process (every process would print them)
     *) recipe_args+=("$1"); shift ;;
   esac
 done
@@ -153,8 +154,8 @@ if [[ -n "$max_restarts" ]]; then
 fi
 [[ -z "${MASTER_PORT:-}" ]] || check_number MASTER_PORT "$MASTER_PORT" 1 65535 "a TCP port number from 1 to 65535"
 [[ -z "${RDZV_TIMEOUT:-}" ]] || check_number RDZV_TIMEOUT "$RDZV_TIMEOUT" 1 999999 "a positive number of seconds"
-[[ -z "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}" ]] ||
-  check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" 0 999999 "a number of seconds (0 or more)"
+[[ -z "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}" ]] || check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT \
+  "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" 1 999999 "a positive number of seconds"
 if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[][A-Za-z0-9._:%-]+$ ]]; then
   die "MASTER_ADDR must be a host name or an IP address, got $(quoted "$MASTER_ADDR")"
 fi
@@ -170,6 +171,7 @@ fi
 python_bin="$(dirname "$accelerate_bin")/python"  # the environment accelerate is installed in
 [[ -x "$python_bin" ]] || python_bin=$(command -v python3) || die "python3 not found"
 LAUNCHER="$ROOT/scripts/launcher.py"
+(( help )) && exec "$python_bin" "$script" --help
 
 # Under Slurm, nodes of this srun step (the batch script itself runs on the first node only).
 nodes=1 machine_rank=0
@@ -177,7 +179,9 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   nodes=${SLURM_STEP_NUM_NODES:-${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}}
   [[ "$nodes" =~ ^[1-9][0-9]{0,5}$ ]] || die "cannot read the node count from SLURM_NNODES ('$nodes')"
   # Every node computes the same port, and two jobs sharing a node get different ones.
-  [[ -z "${MASTER_PORT:-}" && "$SLURM_JOB_ID" =~ ^[0-9]{1,12}$ ]] && MASTER_PORT=$(( 20000 + 10#$SLURM_JOB_ID % 10000 ))
+  if [[ -z "${MASTER_PORT:-}" && "$SLURM_JOB_ID" =~ ^[0-9]{1,12}$ ]]; then
+    MASTER_PORT=$(( 20000 + 10#$SLURM_JOB_ID % 10000 ))
+  fi
 fi
 
 gpus=$(count_gpus)
@@ -208,7 +212,8 @@ elif (( gpus == 0 )) && [[ "$distributed_type" == DEEPSPEED ]]; then
   # DeepSpeed runs on CPU (its CPU accelerator, gloo), in fp32: try ZeRO on a laptop, same entry point.
   deepspeed_on_cpu=1 per_node=${num_processes:-2}
   (( nodes > 1 )) || num_processes=$per_node
-  echo "launch.sh: no GPU visible: DeepSpeed runs on CPU, $per_node process(es) on this node, fp32 (--mixed_precision no)" >&2
+  echo "launch.sh: no GPU visible: DeepSpeed runs on CPU, $per_node process(es) on this node," \
+    "fp32 (--mixed_precision no)" >&2
 elif (( gpus == 0 )) && [[ "$distributed_type" == FSDP ]]; then
   die "config '$config' is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3 shards the model" \
     "with DeepSpeed instead, and --config cpu trains with plain data parallelism"
@@ -283,7 +288,8 @@ status_file=$(mktemp "${TMPDIR:-/tmp}/launch-status.XXXXXX")
 trap 'rm -f "$status_file"' EXIT
 export RECIPE_STATUS_FILE="$status_file" TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 set -m  # the launcher gets its own process group
-( trap '' USR1; exec env LAUNCH_SH_PID=$$ ${env_prefix[@]+"${env_prefix[@]}"} "$python_bin" "$LAUNCHER" run "${cmd[@]:2}" ) &
+( trap '' USR1
+  exec env LAUNCH_SH_PID=$$ ${env_prefix[@]+"${env_prefix[@]}"} "$python_bin" "$LAUNCHER" run "${cmd[@]:2}" ) &
 child=$!
 set +m
 stop_signal=""

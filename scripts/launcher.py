@@ -185,9 +185,9 @@ class _QuietElastic(logging.Filter):
         if record.msg == "Unable to shutdown process %s via %s, forcefully exiting via %s" and len(record.args) == 3:
             pid, sig, _ = record.args
             timeout = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "30")
-            record.msg = (f"launch.sh: process {pid} did not exit within {SHUTDOWN_TIMEOUT_ENV}={timeout} s of "
-                          f"{getattr(sig, 'name', sig)}: killed it (a checkpoint it was writing is incomplete "
-                          "and will be ignored)")
+            record.msg = (f"launch.sh: process {pid} had not exited {timeout} s after {getattr(sig, 'name', sig)} "
+                          f"({SHUTDOWN_TIMEOUT_ENV}): killed it; a checkpoint it had not finished is not used "
+                          "by --resume_from_checkpoint latest")
             record.args = ()
             return True
         record.msg = f"launcher: {record.levelname.lower()}: {SECRET_VALUES.sub('***', record.getMessage())}"
@@ -236,7 +236,9 @@ def _stop_once() -> None:
     stops the run; the others are let go."""
     from torch.distributed.elastic.multiprocessing import api
 
-    raise_signal = api._terminate_process_handler
+    raise_signal = getattr(api, "_terminate_process_handler", None)
+    if raise_signal is None:  # another torch: its own handling stands
+        return
     received = []
 
     def first_only(signum, frame):
@@ -261,9 +263,9 @@ def _stopped_code(signum: int) -> int:
 
 def _first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the process that failed first. torch stamps failures in whole seconds,
-    and a process that fails because a peer left (a collective cut off) fails within the same
-    one: among those, the one that said why (2: a user mistake, 75: stopped at a checkpoint) is
-    the cause."""
+    and a process whose peer left (cutting a collective short) often fails in the same second as
+    that peer: among those, the one that said why (2: a user mistake, 75: stopped at a
+    checkpoint) is the cause."""
     first = min(f.timestamp for f in failures.values())
     tied = sorted((rank, f) for rank, f in failures.items() if f.timestamp == first)
     return min(tied, key=lambda rf: (rf[1].exitcode not in (2, 75), rf[1].exitcode < 0, rf[0]))
@@ -326,8 +328,10 @@ def run(argv: list[str]) -> int:
         head = f"{args.main_process_ip}:{args.main_process_port}" if args.main_process_ip else "the head node"
         timeout = re.search(r"join_timeout=(\d+)", args.rdzv_conf or "")
         detail = str(err).splitlines()[0] if str(err) else ""
-        what = (f"not every node joined within RDZV_TIMEOUT={timeout.group(1)} s" if timeout and "Timeout" in type(err).__name__
-                else f"the nodes did not meet ({type(err).__name__}{': ' + detail if detail else ''})")
+        if timeout and "Timeout" in type(err).__name__:
+            what = f"not every node joined within RDZV_TIMEOUT={timeout.group(1)} s"
+        else:
+            what = f"the nodes did not meet ({type(err).__name__}{': ' + detail if detail else ''})"
         return _error(f"{what}; check that launch.sh started on every node of the job and that each reaches {head} "
                       "(see ./launch.sh doctor)")
     except (ConnectionError, DistNetworkError) as err:  # accelerate's check of the port, or the store's bind
