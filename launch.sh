@@ -159,8 +159,11 @@ fi
 if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[][A-Za-z0-9._:%-]+$ ]]; then
   die "MASTER_ADDR must be a host name or an IP address, got $(quoted "$MASTER_ADDR")"
 fi
-if [[ -n "$config" && ! ( "$config" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ && "$config" != *..* ) ]]; then
-  die "unknown config $(quoted "$config"): a name from accelerate_configs/ (available: $(available_configs))"
+if [[ -n "$config" ]]; then
+  name="${config#accelerate_configs/}"; name="${name%.yaml}"  # accelerate_configs/zero3.yaml works as well as zero3
+  [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ && "$name" != *..* ]] ||
+    die "unknown config $(quoted "$config"): a name from accelerate_configs/ (available: $(available_configs))"
+  config=$name
 fi
 
 accelerate_bin=$(command -v accelerate || true)

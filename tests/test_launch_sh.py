@@ -82,6 +82,10 @@ def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
 def test_overrides_and_master_port(gpus):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
+    # the file's path works as well as its name, for the config and for the recipe
+    proc = run([LAUNCH, "recipes/cifar.py", "--dry_run", "--config", "accelerate_configs/4gpu.yaml"], env=gpus(8))
+    assert f"--config_file {REPO}/accelerate_configs/4gpu.yaml " in proc.stderr
+    assert proc.stderr.rstrip().endswith(f" {REPO}/recipes/cifar.py")
 
 
 def one_error(proc, text):
@@ -150,6 +154,7 @@ INVALID = [
     (["cifar", "--config", "../accelerate_configs/cpu"], {},
      f"unknown config '../accelerate_configs/cpu': a name from accelerate_configs/ (available: {CONFIG_NAMES})"),
     (["cifar", "--config", "cpu yaml"], {}, r"unknown config cpu\ yaml: a name from accelerate_configs/"),
+    (["cifar", "--config", ".yaml"], {}, "unknown config '.yaml': a name from accelerate_configs/"),
     (["cifar", "--config", "broken"], {},
      "accelerate_configs/broken.yaml: num_processes must be a whole number from 1, got 'two'"),
     (["cifar", "--config", "fsdp"], {},
