@@ -1,4 +1,4 @@
-"""The doctor (common/doctor.py, ./launch.sh doctor): its reading of nvidia-smi's output, checked on
+"""The doctor (scripts/doctor.py, ./launch.sh doctor): its reading of nvidia-smi's output, checked on
 captured samples; the nccl-tests bandwidth formula; a real gloo all-reduce on CPU; and a group that
 cannot form ending with the likely causes instead of hanging."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common import doctor
+import doctor
 from conftest import BIN, REPO, free_port, run, user_env
 
 # A two-socket PCIe server: GPU0-1 hang off CPU 0, GPU2-3 off CPU 1, so pairs across the sockets
@@ -128,7 +128,7 @@ esac
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     env = user_env()
     env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
-    out = run([BIN / "python", REPO / "common/doctor.py", "--report", "--num_processes", "8"], env=env).stdout
+    out = run([BIN / "python", REPO / "scripts/doctor.py", "--report", "--num_processes", "8"], env=env).stdout
     assert re.search(r"GPUs visible: +4 of 4 \(2 x NVIDIA A100-PCIE-40GB, 2 x NVIDIA A100-SXM4-80GB; "
                      r"40.0 GiB / 80.0 GiB each; CUDA_VISIBLE_DEVICES unset\)", out), out
     assert "driver 535.129.03 (up to CUDA 12.2), CUDA " in out
@@ -141,13 +141,13 @@ esac
     assert "NCCL_P2P_DISABLE=1" in warnings[3]
 
     env["CUDA_VISIBLE_DEVICES"] = "2,3"
-    out = run([BIN / "python", REPO / "common/doctor.py", "--report"], env=env).stdout
+    out = run([BIN / "python", REPO / "scripts/doctor.py", "--report"], env=env).stdout
     assert "2 of 4 (2 x NVIDIA A100-PCIE-40GB" in out and "mixed" not in out and "NCCL_P2P_DISABLE" not in out
 
 
 def test_doctor_on_cpu_times_a_gloo_allreduce():
     proc = run([REPO / "launch.sh", "doctor", "--iters", "3"], env=user_env())
-    assert proc.stderr.startswith("+ ACCELERATE_USE_CPU=true ") and "common/doctor.py --iters 3" in proc.stderr
+    assert proc.stderr.startswith("+ ACCELERATE_USE_CPU=true ") and "scripts/doctor.py --iters 3" in proc.stderr
     out = proc.stdout
     assert "GPUs visible:  none" in out and "processes:     2 on this node (on CPU)" in out
     assert "all_reduce, float32 sum, gloo, 2 processes (1 node(s) x 2)" in out
@@ -164,7 +164,7 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
     env = user_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
     tic = time.monotonic()
-    proc = run([BIN / "python", REPO / "common/doctor.py", "--timeout", "5"], env=env, check=False, timeout=60)
+    proc = run([BIN / "python", REPO / "scripts/doctor.py", "--timeout", "5"], env=env, check=False, timeout=60)
     assert proc.returncode == 1 and time.monotonic() - tic < 30
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: the all-reduce across 2 processes (2 node(s) x 1) did not complete within 5 s")
@@ -173,6 +173,6 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
 
 
 def test_bad_arguments_are_one_error_line():
-    proc = run([BIN / "python", REPO / "common/doctor.py", "--sizes_mib", "big"], check=False)
+    proc = run([BIN / "python", REPO / "scripts/doctor.py", "--sizes_mib", "big"], check=False)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].endswith("error: --sizes_mib takes numbers separated by commas, got 'big'")

@@ -1,12 +1,21 @@
-"""launch.sh: config choice from the GPUs present, overrides, and its errors. GPUs are faked with
-an nvidia-smi on PATH that lists them, the way the real one does."""
+"""launch.sh: config choice from the GPUs present (faked with an nvidia-smi on PATH that lists them,
+the way the real one does), overrides, and every check of its own input; then real launches: a
+recipe's error is its one line and exit code, killing the launcher outright leaves nothing
+training, Ctrl-C before and during training, ZeRO on CPU."""
 
 import os
+import re
+import shutil
+import signal
 import stat
+import subprocess
+import tempfile
+import time
 
+import psutil
 import pytest
 
-from conftest import REPO, run, user_env
+from conftest import REPO, digits_args, lm_args, results, run, user_env
 
 LAUNCH = REPO / "launch.sh"
 
@@ -36,6 +45,10 @@ def dry_run(env, *args):
 def test_help():
     proc = run([LAUNCH, "--help"])
     assert proc.stdout.startswith("Usage: ./launch.sh RECIPE")
+    # the recipe's options, once: from one process, not from each of those a launch starts
+    proc = run([LAUNCH, "cifar", "--learning_rate", "0.2", "--help"])
+    assert proc.stdout.startswith("usage: cifar.py ") and proc.stdout.count("usage:") == 1
+    assert "--per_device_train_batch_size" in proc.stdout
 
 
 @pytest.mark.parametrize("n, config, extra", [
@@ -69,6 +82,10 @@ def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
 def test_overrides_and_master_port(gpus):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
+    # the file's path works as well as its name, for the config and for the recipe
+    proc = run([LAUNCH, "recipes/cifar.py", "--dry_run", "--config", "accelerate_configs/4gpu.yaml"], env=gpus(8))
+    assert f"--config_file {REPO}/accelerate_configs/4gpu.yaml " in proc.stderr
+    assert proc.stderr.rstrip().endswith(f" {REPO}/recipes/cifar.py")
 
 
 def one_error(proc, text):
@@ -93,3 +110,261 @@ def test_unknown_config_and_recipe():
     assert "available: 1gpu 2gpu 4gpu 8gpu cpu" in line
     one_error(run([LAUNCH, "imagenet"], check=False), "unknown recipe 'imagenet' (available: cifar")
     one_error(run([LAUNCH, "cifar", "--num_processes", "two"], check=False), "positive integer")
+
+
+# ---------------------------------------------------------------- launch.sh's own input
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """launch.sh with its scripts, recipes and configs in a folder of its own, plus a broken config."""
+    root = tmp_path_factory.mktemp("tree")
+    shutil.copy2(LAUNCH, root / "launch.sh")
+    for name in ("scripts", "recipes", "accelerate_configs"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "accelerate_configs/broken.yaml").write_text("num_processes: two\n")
+    return root
+
+
+CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp multi_node zero2 zero3 zero3_offload"
+
+PROCESSES = "--num_processes must be a positive integer (the processes on this node),"
+SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,"
+
+# (arguments, environment, the error line's text). Each must stop before anything starts.
+INVALID = [
+    (["--config", "cpu"], {}, "the first argument is the recipe name (see --help)"),
+    (["imagenet"], {}, "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor)"),
+    (["../recipes/cifar"], {}, "unknown recipe '../recipes/cifar'"),
+    (["cifar", "--num_processes"], {}, "--num_processes needs a value (see ./launch.sh --help)"),
+    (["cifar", "--num_processes", "--dry_run"], {}, "--num_processes needs a value"),
+    (["cifar", "--num_processes="], {}, "--num_processes needs a value"),
+    (["cifar", "--num_processes", "0"], {}, f"{PROCESSES} got '0'"),
+    (["cifar", "--num_processes", "-2"], {}, f"{PROCESSES} got '-2'"),
+    (["cifar", "--num_processes", "two"], {}, "got 'two'"),
+    (["cifar", "--num_processes", "1.5"], {}, "got '1.5'"),
+    (["cifar", "--num_processes", "99999999999999999999"], {}, "got '99999999999999999999'"),
+    (["cifar", "--num_processes=2 "], {}, r"got 2\ "),
+    (["cifar", "--max_restarts"], {}, "--max_restarts needs a value"),
+    (["cifar", "--max_restarts", "-1"], {}, "--max_restarts must be a number of restarts (0 or more), got '-1'"),
+    (["cifar", "--max_restarts", "many"], {}, "--max_restarts must be a number of restarts (0 or more), got 'many'"),
+    (["cifar", "--config"], {}, "--config needs a value"),
+    (["cifar", "--config", "--num_processes", "2"], {}, "--config needs a value"),
+    (["cifar", "--config="], {}, "--config needs a value"),
+    (["cifar", "--config", "16gpu"], {}, f"unknown config '16gpu' (available: {CONFIG_NAMES})"),
+    (["cifar", "--config", "../accelerate_configs/cpu"], {},
+     f"unknown config '../accelerate_configs/cpu': a name from accelerate_configs/ (available: {CONFIG_NAMES})"),
+    (["cifar", "--config", "cpu yaml"], {}, r"unknown config cpu\ yaml: a name from accelerate_configs/"),
+    (["cifar", "--config", ".yaml"], {}, "unknown config '.yaml': a name from accelerate_configs/"),
+    (["cifar", "--config", "broken"], {},
+     "accelerate_configs/broken.yaml: num_processes must be a whole number from 1, got 'two'"),
+    (["cifar", "--config", "fsdp"], {},
+     "config 'fsdp' is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3"),
+    (["cifar", "--config", "4gpu"], {},
+     "config '4gpu' needs 4 GPU(s) on this node but none is visible; use --config cpu"),
+    (["cifar"], {"MASTER_PORT": "0"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '0'"),
+    (["cifar"], {"MASTER_PORT": "65536"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '65536'"),
+    (["cifar"], {"MASTER_PORT": "29500x"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '29500x'"),
+    (["cifar"], {"RDZV_TIMEOUT": "0"}, "RDZV_TIMEOUT must be a positive number of seconds, got '0'"),
+    (["cifar"], {"RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT must be a positive number of seconds, got 'soon'"),
+    (["cifar"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "-1"}, f"{SHUTDOWN} got '-1'"),
+    (["cifar"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}, f"{SHUTDOWN} got '0'"),  # no time to save at all
+    (["cifar"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2m"}, f"{SHUTDOWN} got '2m'"),
+    (["cifar"], {"MASTER_ADDR": "node 1"}, r"MASTER_ADDR must be a host name or an IP address, got node\ 1"),
+]
+
+
+def test_every_bad_input_of_launch_sh_is_one_error_line(tree, gpus):
+    """Checked before anything starts, in --dry_run too: one `launch.sh: error:` line, exit 2."""
+    for args, env, message in INVALID:
+        for dry in ([], ["--dry_run"]):
+            proc = run([tree / "launch.sh", *args, *dry], env=gpus(0, **env), check=False, timeout=60)
+            assert (proc.returncode, proc.stdout) == (2, ""), (args, env, proc.stderr[-2000:])
+            (line,) = proc.stderr.splitlines()
+            assert line.startswith("launch.sh: error: ") and message in line, (args, env, line)
+
+
+# ---------------------------------------------------------------- real launches
+
+TOKEN, PASSWORD = "hf_" + "Qw3rty" * 5, "pa55w0rd-in-a-url"
+
+
+def cpu_env(**extra) -> dict:
+    """A GPU-less user's environment, also on a machine with GPUs."""
+    return user_env(CUDA_VISIBLE_DEVICES="", **extra)
+
+
+def no_noise(text: str):
+    """Nothing of a launcher's own failure report: no traceback, no torch.distributed.elastic log."""
+    assert "Traceback" not in text and "ChildFailedError" not in text and "elastic" not in text, text[-3000:]
+    assert not re.search(r"^[EW]\d{4} ", text, flags=re.M), text[-3000:]  # torch's log format
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, nproc):
+    """A user mistake met by every process: exit 2 and the recipe's one `error:` line, without
+    torch's ChildFailedError report. Credentials in the arguments or the environment reach
+    neither the printed command nor any message."""
+    not_a_checkpoint = tmp_path / "checkpoint-7"
+    not_a_checkpoint.mkdir()
+    out = tmp_path / "run"
+    secrets = {"HF_TOKEN": TOKEN, "WANDB_API_KEY": "0123456789abcdef" * 2}
+    args = digits_args(digits, out, "--resume_from_checkpoint", not_a_checkpoint,
+                       "--data_dir", f"https://user:{PASSWORD}@example.org/{TOKEN}")
+    proc = run([LAUNCH, "cifar", "--num_processes", nproc, *args], env=cpu_env(**secrets), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [l for l in proc.stderr.splitlines() if "error" in l.lower() and not l.startswith("+ ")]
+    assert line.startswith(f"error: --resume_from_checkpoint {not_a_checkpoint}: ")
+    no_noise(proc.stdout + proc.stderr)
+    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    assert command.endswith(" --data_dir 'https://***@example.org/***'")
+    for secret in (TOKEN, PASSWORD, *secrets.values()):
+        assert secret not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
+def start(args, env):
+    """launch.sh in a session of its own, as a terminal or a Slurm step runs it; its output in files."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([str(a) for a in [LAUNCH, *args]], cwd=REPO, env=env, stdout=out, stderr=err, text=True,
+                            start_new_session=True)
+    return proc, out, err
+
+
+def read(file) -> str:
+    file.seek(0)
+    return file.read()
+
+
+def processes_of(output_dir) -> list:
+    """The launcher and the training processes (and their loader workers) of the run writing `output_dir`."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(output_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_until(condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} after {seconds} s"
+        time.sleep(0.05)
+
+
+def training(proc, output_dir, step=3, timeout=300):
+    """Wait until checkpoint-<step> of the run is complete."""
+    marker = output_dir / f"checkpoint-{step}" / "trainer_state.json"
+    wait_until(lambda: marker.exists() or proc.poll() is not None, timeout, f"no checkpoint-{step}")
+    assert proc.poll() is None, f"launch.sh ended (exit {proc.returncode}) before checkpoint-{step}"
+
+
+# A run that cannot end by itself while a test waits for it to stop.
+LONG_RUN = ("--max_train_steps", "100000", "--checkpointing_steps", "3", "--save_total_limit", "2")
+
+
+def newest_checkpoint(output_dir):
+    from common.checkpoint import checkpoint_damage
+
+    newest = max(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert checkpoint_damage(newest) is None, checkpoint_damage(newest)
+    assert not list(output_dir.glob(".tmp-checkpoint-*")), "a half-written checkpoint was left"
+    return newest
+
+
+@pytest.mark.parametrize("target, nproc", [("process group", 1), ("launcher", 2)])
+def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_path, target, nproc):
+    """SIGKILL, which no process can catch, of launch.sh's process group (as `kill -9 -- -PGID`
+    does; the launcher has a group of its own) or of the launcher alone: Linux's parent-death
+    signal reaches the launcher, or the training processes, as SIGTERM, and they stop as on any
+    stop signal: at a step, with a complete checkpoint. Nothing keeps training."""
+    out = tmp_path / "run"
+    proc, _, err = start(["lm_finetune", "--num_processes", nproc, *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
+    try:
+        training(proc, out)
+        ours = processes_of(out)
+        (launcher,) = [p for p in ours if "scripts/launcher.py" in " ".join(p.cmdline())]
+        assert len([p for p in launcher.children() if "recipes/lm_finetune.py" in " ".join(p.cmdline())]) == nproc
+        if target == "process group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            launcher.kill()
+        wait_until(lambda: not processes_of(out), 120, f"processes still running: {processes_of(out)}")
+    finally:
+        for p in processes_of(out):
+            p.kill()
+        proc.wait()
+    text = read(err)
+    assert re.search(r"^preempted: stopped by SIGTERM after step \d+; saved ", text, flags=re.M), text[-3000:]
+    newest_checkpoint(out)
+    assert not (out / "results.json").exists()
+
+
+def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tmp_path):
+    out = tmp_path / "run"
+    proc, stdout, err = start(["lm_finetune", *lm_args(tiny_lm, out)], cpu_env())
+    try:  # the training processes exist and are still starting (importing torch takes seconds)
+        wait_until(lambda: any("recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3]) for p in processes_of(out)), 120,
+                   "no training process")
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        wait_until(lambda: not processes_of(out), 30, "processes still running")
+    finally:
+        for p in processes_of(out):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    text = read(err)
+    lines = [l for l in text.splitlines() if not l.startswith("+ ")]
+    assert lines == ["launch.sh: stopped by Ctrl-C; the processes ended without saving a checkpoint (exit 130)"], text
+    assert not out.exists()
+
+
+def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
+    """Ctrl-C reaches launch.sh alone (the launcher's process group is not the terminal's); it
+    passes SIGTERM on, and the processes stop as on a preemption. Signals that follow (Ctrl-C
+    pressed again, scancel's SIGTERM to every process) do not cut the launcher's wait for the
+    checkpoint short."""
+    out = tmp_path / "run"
+    proc, _, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
+    try:
+        training(proc, out)
+        (launcher,) = [p for p in processes_of(out) if "scripts/launcher.py" in " ".join(p.cmdline())]
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)  # handled apart from the first (two pending ones would be one); the stop takes longer
+        os.kill(proc.pid, signal.SIGINT)
+        for _ in range(3):
+            launcher.send_signal(signal.SIGTERM)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = read(err)
+    assert proc.returncode == 75, text[-3000:]
+    no_noise(text)
+    checkpoint = newest_checkpoint(out)
+    said = [l for l in text.splitlines() if l.startswith("launch.sh:")]
+    assert said[-1] == (f"launch.sh: stopped by Ctrl-C after saving {checkpoint}; run the same command with "
+                        "--resume_from_checkpoint latest to continue (exit 75)"), text[-3000:]
+    assert said[:-1] in ([], ["launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
+                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 s)"]), said
+    assert f"after step {checkpoint.name.split('-')[1]}; saved {checkpoint}. " in text
+    assert not processes_of(out)
+
+
+def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
+    """--config zero2 on a host without GPUs: DeepSpeed on CPU, 2 processes, fp32, as the tests of
+    ZeRO launch it by hand."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "zero2"
+    proc = run([LAUNCH, "lm_finetune", "--config", "zero2", *lm_args(tiny_lm, out, "--max_train_steps", "3")],
+               env=cpu_env())
+    assert "launch.sh: no GPU visible: DeepSpeed runs on CPU, 2 process(es) on this node, fp32" in proc.stderr
+    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    assert "accelerate_configs/zero2.yaml --mixed_precision no --num_processes 2 " in command
+    res = results(out)
+    assert (res["distributed_type"], res["world_size"], res["mixed_precision"]) == ("DEEPSPEED", 2, "no")
+    assert res["steps"] == 3

@@ -2,6 +2,7 @@
 (SLURM_NODEID 0 and 1), one process per node, meeting at 127.0.0.1 on one port through c10d. And a
 node whose head cannot be reached fails in bounded time with one clear line, instead of hanging."""
 
+import socket
 import subprocess
 import time
 
@@ -66,3 +67,28 @@ def test_unreachable_head_fails_in_bounded_time_with_one_line():
     assert line.startswith("launch.sh: error: node 1 cannot reach the head node 127.0.0.1:") and "after 10 s" in line
     for cause in ("launcher started", "firewall", "MASTER_ADDR", "./launch.sh doctor"):
         assert cause in line
+
+
+def test_a_head_left_alone_or_on_a_taken_port_fails_with_one_line():
+    """The head node of 2 whose other node never comes: it waits RDZV_TIMEOUT seconds, then one
+    line instead of torch's RendezvousTimeoutError traceback. And the job's port already taken on
+    the head (another job): one line at once."""
+    tic = time.monotonic()
+    proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"], cwd=REPO,
+                          env=node_env(0, free_port(), RDZV_TIMEOUT="5"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and time.monotonic() - tic > 4, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert line.startswith("launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s; check that launch.sh "
+                           "started on every node of the job and that each reaches 127.0.0.1:"), line
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"], cwd=REPO,
+                              env=node_env(0, port), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert line == (f"launch.sh: error: port {port} on this node is in use by another process; set MASTER_PORT to a "
+                    "free port (the same on every node)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common import doctor
+import doctor
 from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
 from test_slurm import sbatch, sbatch_line
 

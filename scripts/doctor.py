@@ -2,7 +2,7 @@
 
     ./launch.sh doctor                        # this node: the report, then an all-reduce over its GPUs
     sbatch slurm/multi_node.sbatch doctor     # every node of a Slurm job, then one all-reduce over all
-    python common/doctor.py --report          # the report alone, no launch
+    python scripts/doctor.py --report          # the report alone, no launch
 
 The report, per node: the GPUs visible (count, model, memory; mixed models are a warning), the
 driver, CUDA, NCCL, torch, accelerate and deepspeed versions, CUDA_VISIBLE_DEVICES against the
@@ -295,4 +295,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the user knows why it stopped
+        sys.exit(130)
