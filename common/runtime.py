@@ -129,7 +129,7 @@ def process_group_kwargs(ddp_timeout: int = 600) -> InitProcessGroupKwargs:
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _check_visible_gpus()
     if _started_by_a_launcher():
-        _die_with_parent(signal.SIGTERM)
+        _die_with_parent(signal.SIGTERM, _PARENT)
     kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
     if expected > 1 and not torch.cuda.is_available():
         kwargs["backend"] = "gloo"
@@ -163,18 +163,22 @@ def _started_by_a_launcher() -> bool:
     return any(Path(os.fsdecode(arg)).name == "accelerate" for arg in parent[:2]) and b"launch" in parent
 
 
-def _die_with_parent(sig: int) -> None:
+_PARENT = os.getppid()  # as early as this process can tell: the launcher that started it
+
+
+def _die_with_parent(sig: int, parent: int) -> None:
     """Ask Linux to send `sig` when the process that started this one exits (prctl PR_SET_PDEATHSIG;
     elsewhere nothing). torchrun starts its workers in sessions of their own, so killing the
-    launcher's process group would otherwise leave them training."""
+    launcher, or its process group, would otherwise leave them training. If `parent` is gone
+    already (this process was reparented), `sig` is sent now."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent or parent == 1:  # the launcher died before the signal was armed
+    if os.getppid() != parent:
         os.kill(os.getpid(), sig)
 
 

@@ -4,7 +4,6 @@ launcher, however it is done, stops the training processes.
     launcher.py config FILE        the values of an accelerate config that launch.sh needs, as shell words
     launcher.py show WORD...       a command as launch.sh prints it, with credentials masked
     launcher.py run ARGS...        `accelerate launch ARGS...`, run in this process (launch.sh does)
-    launcher.py worker SCRIPT ...  how `run` starts each training process (not for users)
 
 `run` calls accelerate's own launch entry point, not the `accelerate` command, because that command
 ends a failed run with torch's ChildFailedError traceback (15 to 40 lines, after the recipe's one
@@ -16,14 +15,14 @@ process that crashes with a real bug still prints its own traceback: that is a b
 
 Processes that outlive their launcher keep training and writing checkpoints into a folder that a
 relaunch then shares. torch's elastic agent starts each process in a session of its own, so
-killing launch.sh's process groups does not reach them. Linux's parent-death signal does: launch.sh
-starts `run` with it set (SIGTERM when launch.sh dies), and `run` starts every training process
-through `worker`, which sets it (SIGTERM when the launcher dies) and then becomes the recipe with
-execv, which keeps it. SIGTERM is the signal the recipes stop on: every process finishes its step
-and saves a checkpoint. Elsewhere than Linux this does nothing.
+killing launch.sh's process groups does not reach them. Linux's parent-death signal does: `run`
+sets it for itself (SIGTERM when launch.sh dies), and each training process sets it for itself
+(SIGTERM when the launcher dies; common.runtime.process_group_kwargs). SIGTERM is the signal the
+recipes stop on: every process finishes its step and saves a checkpoint. Elsewhere than Linux
+this does nothing.
 
-Only the standard library is imported at the top: `config`, `show` and `worker` start in a few
-tens of milliseconds; `run` imports accelerate.
+Only the standard library is imported at the top: `config` and `show` start in a few tens of
+milliseconds; `run` imports accelerate.
 """
 
 from __future__ import annotations
@@ -119,18 +118,6 @@ def read_config(path: str) -> list[str]:
         values[key] = value
     return [str(values["num_machines"]), str(values["num_processes"]), values["distributed_type"],
             str(values["use_cpu"]).lower()]
-
-
-# ---------------------------------------------------------------- worker
-
-def worker(argv: list[str]) -> None:
-    """Become `python [the same options] SCRIPT ARGS...`, set to receive SIGTERM when the launcher
-    (this process's parent) dies. The launcher's pid comes in LAUNCHER_PID."""
-    parent = os.environ.pop("LAUNCHER_PID", None)
-    die_with_parent(signal.SIGTERM, int(parent) if parent and parent.isdigit() else None)
-    # sys.orig_argv is [python, *interpreter options, this file, "worker", SCRIPT, *ARGS]
-    options = sys.orig_argv[:len(sys.orig_argv) - len(sys.argv)]
-    os.execv(sys.executable, [*options, *argv])
 
 
 # ---------------------------------------------------------------- run
@@ -308,10 +295,6 @@ def run(argv: list[str]) -> int:
     _record_exit_codes()
     _stop_once()
     args = accelerate_launch.launch_command_parser().parse_args(argv)
-    if not args.module and not args.no_python:  # every training process starts through `worker`
-        args.training_script_args = ["worker", args.training_script, *args.training_script_args]
-        args.training_script = os.path.abspath(__file__)
-        os.environ["LAUNCHER_PID"] = str(os.getpid())
     accelerate_launch.simple_launcher = _simple_launcher
     try:
         accelerate_launch.launch_command(args)
@@ -349,8 +332,6 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
-    if command == "worker":
-        worker(rest)
     if command == "run":
         return run(rest)
     if command == "show":

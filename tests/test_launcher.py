@@ -1,10 +1,8 @@
 """scripts/launcher.py, in-process and with plain Python processes (no training): credentials masked
 by the same rules as results.json, accelerate configs read and checked, the parent-death signal,
-the `worker` trampoline, and which exit code a failed or stopped launch ends with. launch.sh
+and which exit code a failed or stopped launch ends with. launch.sh
 through real launches: tests/test_launch_sh.py."""
 
-import json
-import os
 import re
 import signal
 import subprocess
@@ -140,23 +138,6 @@ def test_a_parent_already_gone_sends_the_signal_at_once(tmp_path):
     child = CHILD.format(scripts=str(REPO / "scripts"), done=str(done), ready=str(ready), parent=gone.pid)
     proc = subprocess.run([sys.executable, "-c", child], timeout=30)
     assert proc.returncode == 0 and done.read_text() == "SIGTERM" and not ready.exists()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
-def test_worker_becomes_the_script_with_the_signal_set(tmp_path):
-    """`launcher.py worker SCRIPT ARGS` is SCRIPT, in the same process with the interpreter's
-    options, set to get SIGTERM when its parent dies; the launcher's pid is not passed on."""
-    probe = tmp_path / "probe.py"
-    probe.write_text("import ctypes, json, os, sys\n"
-                     "sig = ctypes.c_int()\n"
-                     "ctypes.CDLL(None).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG\n"
-                     "print(json.dumps({'argv': sys.argv, 'pid': os.getpid(), 'orig_argv': sys.orig_argv,\n"
-                     "                  'pdeathsig': sig.value, 'env': 'LAUNCHER_PID' in os.environ}))\n")
-    proc = subprocess.Popen([sys.executable, "-u", LAUNCHER, "worker", probe, "--a", "b c"], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "LAUNCHER_PID": str(os.getpid())})
-    seen = json.loads(proc.communicate(timeout=30)[0])
-    assert seen == {"argv": [str(probe), "--a", "b c"], "pid": proc.pid, "pdeathsig": signal.SIGTERM, "env": False,
-                    "orig_argv": [sys.executable, "-u", str(probe), "--a", "b c"]}
 
 
 # ---------------------------------------------------------------- exit codes
