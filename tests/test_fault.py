@@ -206,25 +206,29 @@ def short_epochs(tmp_path, lm, eval_lines=6000):
 
 def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_the_final_one_lets_it_finish(
         tiny_lm, tmp_path):
-    """A signal while a mid-run evaluation runs: every process leaves the evaluation at the same batch,
-    the state of the step just trained is saved, exit 75 (a long evaluation must not turn a clean
-    preemption into a job killed after the launcher's grace period). The resumed run ends the job.
-    During the final evaluation the run completes its outputs instead and exits 0."""
+    """Through launch.sh, 2 processes. A signal while a mid-run evaluation runs: every process leaves
+    the evaluation at the same batch, the state of the step just trained is saved, exit 75 (a long
+    evaluation must not turn a clean preemption into a job killed after the launcher's grace
+    period). The resumed run ends the job. During the final evaluation the run completes its
+    outputs instead, and launch.sh exits 0."""
     lm = short_epochs(tmp_path, tiny_lm)
     out = tmp_path / "run"
-    args = lm_args(lm, out, "--per_device_eval_batch_size", "1", "--num_train_epochs", "2", "--checkpointing_steps", "2")
-    proc, _ = interrupt([BIN / "python", LM, *args], user_env(), out, after_step=2)  # epoch 0's last step
+    args = lm_args(lm, out, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
+                   "--num_train_epochs", "2", "--checkpointing_steps", "2")
+    launch = [REPO / "launch.sh", "lm_finetune"]
+    proc, _ = interrupt([*launch, *args], user_env(), out, after_step=2)  # epoch 0's last step
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
     assert f"preempted: stopped by SIGTERM during evaluation after step 2; saved {out / 'checkpoint-2'}" in proc.stderr
     assert "epoch 0:" not in proc.stderr and not (out / "results.json").exists()  # the evaluation did not finish
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-    assert (state["epoch"], state["samples_in_epoch"]) == (1, 0)
-    run([BIN / "python", LM, *args, "--resume_from_checkpoint", "latest"])
+    assert (state["epoch"], state["samples_in_epoch"], state["world_size"]) == (1, 0, 2)
+    run([*launch, *args, "--resume_from_checkpoint", "latest"])
     assert results(out)["steps"] == 4
 
     final = tmp_path / "final"
-    args = lm_args(lm, final, "--per_device_eval_batch_size", "1", "--num_train_epochs", "1", "--checkpointing_steps", "2")
-    proc, _ = interrupt([REPO / "launch.sh", "lm_finetune", "--num_processes", "1", *args], user_env(), final, after_step=2)
+    args = lm_args(lm, final, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
+                   "--num_train_epochs", "1", "--checkpointing_steps", "2")
+    proc, _ = interrupt([*launch, *args], user_env(), final, after_step=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 0:" in proc.stderr and "preempted" not in proc.stderr
     assert results(final)["steps"] == 2 and results(final)["eval_tokens"] > 10_000
