@@ -5,7 +5,7 @@ recipe-specific. This is what the recipes import; tests import what they test fr
 from .args import parse, training_parser
 from .checkpoint import prepare_output_dir, save_model
 from .data import DeviceTensorDataset, SeededTransform, make_dataloader, prepare_data_first
-from .metrics import count_parameters, mfu, parameters_per_process, run_record, tracker_config, write_results, zero_memory_estimates
+from .metrics import count_parameters, mfu, parameters_per_process, tracker_config, write_results
 from .preemption import Preempted, StopOnSignal
 from .runtime import DataError, RecipeError, check_launch, exit_codes, logger, process_group_kwargs, setup_logging
 from .scaling import decay_groups, make_scheduler
@@ -37,7 +37,6 @@ __all__ = [
     "prepare_data_first",
     "prepare_output_dir",
     "process_group_kwargs",
-    "run_record",
     "save_model",
     "setup_logging",
     "target_tokens",
@@ -45,5 +44,4 @@ __all__ = [
     "training_parser",
     "window_tokens",
     "write_results",
-    "zero_memory_estimates",
 ]

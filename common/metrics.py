@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import math
 import re
 import resource
 import sys
@@ -23,29 +23,6 @@ def parameters_per_process(accelerator, model) -> list:
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(p, "to_local")
                 else p.numel() for p in model.parameters())
     return accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
-
-
-def zero_memory_estimates(model, num_processes: int) -> dict:
-    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
-    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
-    for `num_processes` spread over nodes as the launcher placed them."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
-    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, num_processes // per_node)}
-    total = count_parameters(model)
-    largest_layer = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
-    estimates = {
-        "zero2": estimate_zero2_model_states_mem_needs(total, cpu_offload=False, **where),
-        "zero2_offload_optimizer": estimate_zero2_model_states_mem_needs(total, cpu_offload=True, **where),
-        "zero3": estimate_zero3_model_states_mem_needs(total, largest_layer, cpu_offload=False, **where)[:2],
-        "zero3_offload_optimizer": estimate_zero3_model_states_mem_needs(
-            total, largest_layer, cpu_offload=True, cpu_offload_params=False, **where)[:2],
-        "zero3_offload_all": estimate_zero3_model_states_mem_needs(total, largest_layer, cpu_offload=True, **where)[:2],
-    }
-    return {**where, "parameters": total, "largest_layer_parameters": largest_layer,
-            **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in estimates.items()}}
 
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), for MFU.
@@ -80,24 +57,6 @@ def peak_memory_gb(accelerator) -> dict:
     }
 
 
-def run_record(accelerator, args, plan, **metrics) -> dict:
-    """The fields every results.json has, plus the recipe's own `metrics`."""
-    dist = torch.distributed
-    return {
-        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
-        "num_processes": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
-        "mixed_precision": accelerator.mixed_precision,
-        "effective_batch_size": plan.effective_batch_size,
-        "learning_rate": plan.learning_rate,
-        "max_train_steps": plan.max_train_steps,
-        **metrics,
-        **peak_memory_gb(accelerator),
-        "versions": library_versions(),
-        "args": public_args(args),
-    }
-
-
 # Whole words of an argument's name: hub_token and api_key are masked, tokenizer_name and
 # max_tokens are not.
 SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
@@ -125,11 +84,38 @@ def tracker_config(args) -> dict:
     return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_args(args).items()}
 
 
-def write_results(accelerator, output_dir, record: dict) -> Path:
-    """results.json in output_dir, from the main process, written atomically."""
-    path = Path(output_dir) / "results.json"
+def write_results(accelerator, args, plan, **metrics) -> Path:
+    """results.json in --output_dir, from the main process, written atomically: what every run
+    reports (processes, distributed type, precision, effective batch, learning rate, peak memory of
+    every process, library versions, the arguments) and the recipe's own `metrics`. A number that is
+    not finite is written as null: JSON has no NaN."""
+    dist = torch.distributed
+    record = {
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "mixed_precision": accelerator.mixed_precision,
+        "effective_batch_size": plan.effective_batch_size,
+        "learning_rate": plan.learning_rate,
+        "max_train_steps": plan.max_train_steps,
+        **metrics,
+        **peak_memory_gb(accelerator),  # a gather: every process takes part
+        "versions": library_versions(),
+        "args": public_args(args),
+    }
+    path = Path(args.output_dir) / "results.json"
     if accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, record)
+        write_json(path, _finite(record))
     accelerator.wait_for_everyone()
     return path
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -403,8 +403,7 @@ def main(argv=None):
 
     log.check_finite(progress.step, model)
     common.save_model(accelerator, model, args.output_dir)
-    record = common.run_record(accelerator, args, plan, **log.summary(progress), **metrics, num_classes=num_classes)
-    common.write_results(accelerator, args.output_dir, record)
+    common.write_results(accelerator, args, plan, **log.summary(progress), **metrics, num_classes=num_classes)
     accelerator.end_training()
 
 

@@ -166,11 +166,10 @@ def main(argv=None):
     log.check_finite(progress.step, model)
     common.save_model(accelerator, model, args.output_dir, tokenizer)
     summary = log.summary(progress, tokens_per_sample=block_size)
-    record = common.run_record(
+    common.write_results(
         accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
         parameters_per_process=common.parameters_per_process(accelerator, model),
         mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops) if summary["steady_tokens_per_second"] else None)
-    common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 
 

@@ -13,6 +13,7 @@ model is saved gathered in 16-bit (loads with from_pretrained); --save_fp32 adds
 through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a plain LM trainer.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -81,8 +82,26 @@ def build_model(args):
     return model, tokenizer
 
 
-def log_memory_estimates(accelerator, model) -> dict:
-    estimates = common.zero_memory_estimates(model, accelerator.num_processes)
+def memory_estimates(accelerator, model) -> dict:
+    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
+    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
+    for this run's processes spread over nodes as the launcher placed them; logged and returned."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, accelerator.num_processes // per_node)}
+    total = common.count_parameters(model)
+    largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
+    cases = {
+        "zero2": zero2(total, cpu_offload=False, **where),
+        "zero2_offload_optimizer": zero2(total, cpu_offload=True, **where),
+        "zero3": zero3(total, largest, cpu_offload=False, **where)[:2],
+        "zero3_offload_optimizer": zero3(total, largest, cpu_offload=True, cpu_offload_params=False, **where)[:2],
+        "zero3_offload_all": zero3(total, largest, cpu_offload=True, **where)[:2],
+    }
+    estimates = {**where, "parameters": total, "largest_layer_parameters": largest,
+                 **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()}}
     logger.info(f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
                 f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
                 + "\n".join(f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
@@ -136,7 +155,7 @@ def main(argv=None):
     resume_from = common.prepare_output_dir(accelerator, args)
 
     model, tokenizer = build_model(args)
-    estimates = log_memory_estimates(accelerator, model)
+    estimates = memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
     plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
     parameters = common.count_parameters(model)
@@ -190,11 +209,10 @@ def main(argv=None):
     common.save_model(accelerator, model, args.output_dir, tokenizer)
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
-    record = common.run_record(
+    common.write_results(
         accelerator, args, plan, **log.summary(progress, tokens_per_sample=block_size), **metrics, block_size=block_size,
         parameters=parameters, parameters_per_process=common.parameters_per_process(accelerator, model),
         memory_estimate=estimates)
-    common.write_results(accelerator, args.output_dir, record)
     accelerator.end_training()
 
 

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2/3 on CPU: 2 processes, DeepSpeed's CPU accelerator and gloo (DESIGN.md)."""
+"""DeepSpeed ZeRO-2/3 on CPU: 2 processes, DeepSpeed's CPU accelerator and gloo (the Accelerator gets an explicit gloo
+backend on hosts without GPUs; see common.runtime.process_group_kwargs)."""
 
 import json
 
