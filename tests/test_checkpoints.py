@@ -54,7 +54,7 @@ def acc():
 
 def save(acc, out, step, limit=None):
     accelerator, _ = acc
-    return ckpt.save_checkpoint(accelerator, out, step, {"epoch": 0, "batches_in_epoch": step}, total_limit=limit)
+    return ckpt.save_checkpoint(accelerator, out, step, {"epoch": 0, "samples_in_epoch": step}, total_limit=limit)
 
 
 def change_weights(acc):

@@ -57,7 +57,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
 
     # Epoch checkpoints resume at the start of the next epoch...
     state = json.loads((out / f"checkpoint-{2 * per_epoch}" / "trainer_state.json").read_text())
-    assert (state["epoch"], state["batches_in_epoch"]) == (2, 0)
+    assert (state["epoch"], state["samples_in_epoch"], state["samples_seen"]) == (2, 0, 2 * per_epoch * 32)
     assert state["effective_batch_size"] == 32 and "torch" in state["versions"] and state["args"]["seed"] == 42
     final = load_file(out / "model.safetensors")
     resumed = tmp_path / "resumed"
@@ -152,7 +152,7 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     another split sums gradients in another order, and ReLU and max-pool ties on these upscaled
     digits grow that tenfold a step (measured: 2e-6 of the update after 1 step, 6% after 10). A
     replayed or skipped batch would be a whole step apart, about 8% of the update here."""
-    common_args = ["--model", "resnet18", "--image_size", "16", "--norm_layer", "group", "--gradient_accumulation_steps",
+    common_args = ["--model", "resnet18", "--image_size", "24", "--norm_layer", "group", "--gradient_accumulation_steps",
                    "2", "--dataloader_num_workers", "1", "--max_train_steps", "13", "--learning_rate", "0.01"]
     two, one = ["--per_device_train_batch_size", "32"], ["--per_device_train_batch_size", "64"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
