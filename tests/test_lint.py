@@ -9,6 +9,13 @@ import sys
 from conftest import REPO
 
 
+def test_ruff_finds_nothing_and_the_tree_is_formatted():
+    """ruff's lint and format checks, with the settings in pyproject.toml (line length 119)."""
+    for check in (["check"], ["format", "--check"]):
+        proc = subprocess.run([sys.executable, "-m", "ruff", *check, "."], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
 def test_pyflakes_finds_nothing():
     proc = subprocess.run([sys.executable, "-m", "pyflakes", "recipes", "common", "tests", "scripts", "benchmarks"],
                           cwd=REPO, capture_output=True, text=True)
