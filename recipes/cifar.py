@@ -66,9 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=fraction_below_one, default=0.9)
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--label_smoothing", type=fraction_below_one, default=0.0)
-    p.add_argument("--hflip", type=probability, default=0.5, help="probability of a horizontal flip in training, "
-                   "also for ImageFolder, as in torchvision's and timm's recipes: a mirrored photo shows the same "
-                   "class; 0 where it does not (digits, text)")
+    p.add_argument("--hflip", type=probability, default=0.5, help="probability of a horizontal flip in training: "
+                   "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
+                   "shows the same class; 0 where it does not (digits, text)")
     p.add_argument("--random_crop", action=argparse.BooleanOptionalAction, default=True,
                    help="pad-and-crop in training (scale-and-crop above 64 px)")
     p.add_argument("--data_on_device", action="store_true",
