@@ -390,13 +390,19 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
     if kind == "sync_batch":
         if not on_gpu:
             raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
+        if hasattr(model, "get_classifier"):  # timm's converter keeps the activation of its BatchNormAct2d
+            import timm
+
+            return timm.layers.convert_sync_batchnorm(model)
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if kind == "group":
         for parent in list(model.modules()):
             for name, child in parent.named_children():
                 if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                     groups = max(g for g in range(1, 33) if child.num_features % g == 0)
-                    setattr(parent, name, torch.nn.GroupNorm(groups, child.num_features))
+                    norm = torch.nn.GroupNorm(groups, child.num_features)  # timm's BatchNormAct2d also activates:
+                    setattr(parent, name, torch.nn.Sequential(norm, child.drop, child.act) if hasattr(child, "act")
+                            else norm)
     return model
 
 

@@ -368,6 +368,12 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     scratch = cifar.load_model(cifar.parse_args(["--model", "timm/resnet18"]), 10)
     assert isinstance(scratch, timm.models.ResNet) and cifar.head_names(scratch) == ["fc"]
     assert scratch(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
+    activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
+    efficientnet = cifar.build_model("timm/efficientnet_b0", 10)
+    grouped = cifar.set_norm_layer(cifar.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    assert activations(grouped) == activations(efficientnet) > 40 and not any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules())
 
     args = cifar.parse_args(["--model", "timm/resnet18.a1_in1k", "--pretrained", "--freeze_backbone"])
     with pytest.raises(RecipeError) as err:
