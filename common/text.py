@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .args import at_least, nonempty, percentage, positive_int
 from .data import make_dataloader, prepare_data_first
-from .runtime import RecipeError
+from .runtime import RecipeError, logger
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -342,6 +342,66 @@ def check_text_args(parser, args) -> None:
 
 # --- models and tokenizers: what from_pretrained raises about a model's files, as one line.
 
+def add_model_args(group) -> None:
+    """Where the causal-LM recipes' model and tokenizer come from (names from transformers' run_clm)."""
+    group.add_argument("--model_name_or_path", type=nonempty, help="pretrained weights: a hub id or a local folder")
+    group.add_argument("--config_name", type=nonempty,
+                       help="or a new model, randomly initialized: the config of a hub id or local folder")
+    group.add_argument("--config_overrides", type=config_overrides,
+                       help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
+    group.add_argument("--tokenizer_name", type=nonempty, help="default: --model_name_or_path or --config_name")
+    group.add_argument("--resize_token_embeddings", action="store_true",
+                       help="grow the model's embeddings to a tokenizer larger than its vocabulary (new rows start at "
+                            "the others' mean, as transformers' resize_token_embeddings does)")
+    group.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
+
+
+def check_model_args(parser, args) -> None:
+    if bool(args.model_name_or_path) == bool(args.config_name):
+        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+    if args.config_overrides and not args.config_name:
+        parser.error("--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
+                     "pass --config_name instead of --model_name_or_path, or drop the overrides")
+
+
+def load_causal_lm(args, **model_kwargs):
+    """(model, tokenizer) as add_model_args' arguments say: pretrained weights, or a new model from a config
+    (and its overrides); the tokenizer of --tokenizer_name or of the model; the embeddings grown to the
+    tokenizer with --resize_token_embeddings. Call it once the Accelerator exists: under ZeRO-3,
+    transformers then creates or loads the weights straight into their shards."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    flag, source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else \
+        ("--config_name", args.config_name)
+    check_model_folder(flag, source)
+    trust = args.trust_remote_code
+    if args.tokenizer_name:
+        check_model_folder("--tokenizer_name", args.tokenizer_name, config=False)
+        tokenizer = load_tokenizer("--tokenizer_name", args.tokenizer_name, trust_remote_code=trust)
+    else:
+        tokenizer = load_tokenizer(flag, source, trust_remote_code=trust)
+    try:
+        if args.model_name_or_path:
+            model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
+        else:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+            if args.config_overrides:
+                config = apply_config_overrides(config, args.config_overrides, source)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
+    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged, attention not installed
+        raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
+    vocab = getattr(model.config, "vocab_size", None)
+    if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
+        logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the mean of "
+                    "the others")
+        model.resize_token_embeddings(len(tokenizer))
+    elif args.resize_token_embeddings:
+        logger.info(f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} "
+                    "tokens; nothing to resize")
+    return model, tokenizer
+
+
 def attn_implementation(text):
     """An argparse type: an attention implementation transformers knows (whether its package is
     installed is transformers' to say, when the model loads), or a hub kernel `org/repo`."""
@@ -500,7 +560,8 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
         raise RecipeError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
-            "use the tokenizer saved with the model (--tokenizer_name), or resize the model's embeddings to it first"
+            "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the tokenizer the "
+            "model was trained with"
         )
     limit = max_block_size(tokenizer, config)
     block_size = args.block_size or min(limit, 1024)

@@ -18,14 +18,12 @@ GPU throughput and MFU: not measured yet in this repository.
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM
 
 import common
 from common import RecipeError
-from common.args import fraction_below_one, non_negative_int, nonempty, positive_int
-from common.text import (MODEL_LOAD_ERRORS, add_text_args, attn_implementation, check_model_folder, check_text_args,
-                         evaluate_causal_lm, flops_per_token, lm_dataloaders, load_tokenizer, model_load_error)
+from common.args import fraction_below_one, non_negative_int, positive_int
+from common.text import (add_model_args, add_text_args, attn_implementation, check_model_args, check_text_args,
+                         evaluate_causal_lm, flops_per_token, lm_dataloaders, load_causal_lm)
 
 RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
@@ -33,14 +31,13 @@ RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--model_name_or_path", type=nonempty, required=True, help="a hub id or a local folder")
+    add_model_args(m)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
     m.add_argument("--torch_dtype", choices=["auto", "bfloat16", "float16", "float32"], default="float32",
                    help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision")
     m.add_argument("--attn_implementation", type=attn_implementation, default="sdpa",
                    help="sdpa, flash_attention_2, eager, ...")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
-    m.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
     m.add_argument("--lora_r", type=non_negative_int, default=0, help="LoRA rank; 0 trains all weights")
     m.add_argument("--lora_alpha", type=positive_int, default=32)
     m.add_argument("--lora_dropout", type=fraction_below_one, default=0.0)
@@ -50,21 +47,23 @@ def parse_args(argv=None):
     p.set_defaults(output_dir="outputs/lm", learning_rate=2e-5, reference_batch_size=64, lr_scaling="sqrt",
                    warmup_ratio=0.03, max_grad_norm=1.0)
     args = common.parse(p, argv)
+    check_model_args(p, args)
+    if args.torch_dtype == "auto" and args.config_name:
+        p.error("--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
+                "a bf16 accelerate config for mixed precision), bfloat16 or float16")
+    if args.lora_r and args.config_name:
+        p.error("--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
+                "--model_name_or_path, or drop --lora_r")
+    if args.lora_r and args.resize_token_embeddings:
+        p.error("--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
+                "--lora_r, or use the model's own tokenizer without --resize_token_embeddings")
     check_text_args(p, args)
     return args
 
 
 def load_model_and_tokenizer(args):
-    name = args.model_name_or_path
-    check_model_folder("--model_name_or_path", name)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
-    tokenizer = load_tokenizer("--model_name_or_path", name, trust_remote_code=args.trust_remote_code)
-    try:  # after make_accelerator: under ZeRO-3 the weights load straight into their shards
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
-                                                     trust_remote_code=args.trust_remote_code)
-    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged, attention not installed
-        raise model_load_error("--model_name_or_path", name, err, args.attn_implementation) from err
-    return model, tokenizer
+    return load_causal_lm(args, dtype=dtype, attn_implementation=args.attn_implementation)
 
 
 def build_model(args, model):

@@ -20,14 +20,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DummyOptim, DummyScheduler, set_seed
-from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import common
 from common import RecipeError, logger
-from common.args import nonempty
-from common.text import (MODEL_LOAD_ERRORS, add_text_args, apply_config_overrides, check_model_folder, check_text_args,
-                         config_overrides, evaluate_causal_lm, lm_dataloaders, load_tokenizer, model_load_error)
+from common.text import (add_model_args, add_text_args, check_model_args, check_text_args, evaluate_causal_lm,
+                         lm_dataloaders, load_causal_lm)
 
 RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
@@ -35,23 +32,14 @@ RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy s
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--model_name_or_path", type=nonempty, help="pretrained weights: a hub id or a local folder")
-    m.add_argument("--config_name", type=nonempty,
-                   help="or train from scratch: the config of a hub id or local folder")
-    m.add_argument("--config_overrides", type=config_overrides,
-                   help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
-    m.add_argument("--tokenizer_name", type=nonempty, help="default: --model_name_or_path or --config_name")
+    add_model_args(m)
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     add_text_args(p)
     p.set_defaults(output_dir="outputs/zero", learning_rate=1e-4, reference_batch_size=64, lr_scaling="sqrt",
                    warmup_ratio=0.03, max_grad_norm=1.0)
     args = common.parse(p, argv)
-    if bool(args.model_name_or_path) == bool(args.config_name):
-        p.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
-    if args.config_overrides and not args.config_name:
-        p.error("--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
-                "pass --config_name instead of --model_name_or_path, or drop the overrides")
+    check_model_args(p, args)
     check_text_args(p, args)
     return args
 
@@ -59,24 +47,7 @@ def parse_args(argv=None):
 def build_model(args):
     """Called after make_accelerator: under ZeRO-3, transformers builds each layer straight into
     its shards (DeepSpeed's zero.Init), so a model larger than one device's memory can be created."""
-    flag, source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else \
-        ("--config_name", args.config_name)
-    check_model_folder(flag, source)
-    if args.tokenizer_name:
-        check_model_folder("--tokenizer_name", args.tokenizer_name, config=False)
-        tokenizer = load_tokenizer("--tokenizer_name", args.tokenizer_name)
-    else:
-        tokenizer = load_tokenizer(flag, source)
-    try:
-        if args.model_name_or_path:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
-        else:
-            config = AutoConfig.from_pretrained(source)
-            if args.config_overrides:
-                config = apply_config_overrides(config, args.config_overrides, source)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged weights, a foreign folder
-        raise model_load_error(flag, source, err) from err
+    model, tokenizer = load_causal_lm(args, dtype=torch.float32, attn_implementation="sdpa")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

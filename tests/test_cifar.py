@@ -6,10 +6,13 @@ import signal
 
 import pytest
 import torch
+import torchvision
+from accelerate import PartialState
 from accelerate.utils import set_seed
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.data import seeded_uniform
+from common.runtime import RecipeError
 from common.preemption import PREEMPTED_EXIT_CODE
 
 from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, interrupt, load_recipe,
@@ -293,3 +296,193 @@ def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digit
         assert not set(rank0) & set(rank1) and len(set(rank0)) == len(rank0)
     assert probe["train"][0][0] != probe["train"][1][0], "the shuffle did not change between epochs"
     assert sorted(probe["eval"]) == list(range(digits["n_val"])), "eval missed or double-counted samples"
+
+
+# --- fine-tuning: pretrained weights, a frozen backbone, the head's learning rate; augmentation switches ---
+
+TORCHVISION_RESNET18 = "hub/checkpoints/resnet18-f37072fd.pth"  # the file torchvision's ResNet18_Weights.DEFAULT names
+NO_NETWORK = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}  # a download fails at once
+
+
+def imagenet_resnet18(seed=0):
+    """A state dict of torchvision's ResNet-18 with ImageNet's 1000 classes: seeded random weights, standing in
+    for the published ones (whose download the tests cannot make)."""
+    torch.manual_seed(seed)
+    return torchvision.models.resnet18().state_dict()
+
+
+def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_where_the_file_goes(monkeypatch,
+                                                                                                    tmp_path):
+    cifar = load_recipe()
+    PartialState()
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    for key, value in NO_NETWORK.items():
+        monkeypatch.setenv(key, value)
+    args = cifar.parse_args(["--model", "resnet18", "--pretrained"])
+    cached = tmp_path / TORCHVISION_RESNET18
+    with pytest.raises(RecipeError) as err:
+        cifar.load_model(args, 10)
+    assert str(err.value).startswith("--pretrained: torchvision's weights for --model resnet18 "
+                                     "(ResNet18_Weights.IMAGENET1K_V1) are not in the cache and could not be downloaded")
+    assert f"download https://download.pytorch.org/models/resnet18-f37072fd.pth where there is network and put it at " \
+           f"{cached} (TORCH_HOME sets the folder)" in str(err.value)
+    assert not list(tmp_path.rglob("*.pth*")), "a failed download left a file behind"
+
+    weights = imagenet_resnet18()
+    torch.save(weights, cached)
+    model = cifar.load_model(args, 10)
+    loaded = model.state_dict()
+    for name, tensor in weights.items():
+        if not name.startswith("fc."):
+            torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    assert model.fc.out_features == 10 and all(p.requires_grad for p in model.parameters())  # a new head, all trained
+
+    class Code:  # a cached file that would run code when unpickled
+        def __reduce__(self):
+            return (cached.with_name("ran").write_text, ("code ran",))
+
+    torch.save({"conv1.weight": Code()}, cached)
+    with pytest.raises(RecipeError, match=r"\(ResNet18_Weights.IMAGENET1K_V1\) cannot be loaded \(not plain weights\)"):
+        cifar.load_model(args, 10)
+    assert not cached.with_name("ran").exists()
+
+
+def fake_hub_cache(root, repo, state_dict):
+    """A Hugging Face hub cache holding `repo`'s model.safetensors, as hf_hub_download leaves it."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0" * 40)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / "snapshots" / ("0" * 40) / "model.safetensors")
+
+
+def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_their_weights(digits, monkeypatch,
+                                                                                           tmp_path):
+    timm = pytest.importorskip("timm")
+    import huggingface_hub.constants
+
+    cifar = load_recipe()
+    PartialState()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    scratch = cifar.load_model(cifar.parse_args(["--model", "timm/resnet18"]), 10)
+    assert isinstance(scratch, timm.models.ResNet) and cifar.head_names(scratch) == ["fc"]
+    assert scratch(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
+    activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
+    efficientnet = cifar.build_model("timm/efficientnet_b0", 10)
+    grouped = cifar.set_norm_layer(cifar.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    assert activations(grouped) == activations(efficientnet) > 40 and not any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules())
+
+    args = cifar.parse_args(["--model", "timm/resnet18.a1_in1k", "--pretrained", "--freeze_backbone"])
+    with pytest.raises(RecipeError) as err:
+        cifar.load_model(args, 10)
+    assert str(err.value).startswith("--pretrained: timm's weights for --model timm/resnet18.a1_in1k could not be "
+                                     "loaded (") and "fetch timm/resnet18.a1_in1k into the Hugging Face cache" in str(err.value)
+    torch.manual_seed(0)
+    weights = timm.create_model("resnet18").state_dict()
+    fake_hub_cache(tmp_path, "timm/resnet18.a1_in1k", weights)
+    model = cifar.load_model(args, 10)
+    loaded = model.state_dict()
+    assert loaded["fc.weight"].shape == (10, 512)
+    for name, tensor in weights.items():
+        if not name.startswith("fc.") and "num_batches_tracked" not in name:
+            torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
+
+    # The inputs are normalized as the weights were trained: this one on [-1, 1], not with ImageNet's statistics.
+    args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--model", "timm/efficientnet_b0.ra4_e3600_r224_in1k",
+                                                         "--pretrained")])
+    _, evals, _ = cifar.build_datasets(args)
+    (normalize,) = [t for t in evals.transform.transforms if isinstance(t, torchvision.transforms.Normalize)]
+    assert tuple(normalize.mean) == tuple(normalize.std) == (0.5, 0.5, 0.5)
+
+
+def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_one(digits, tmp_path):
+    """--pretrained_path from a file written here, --freeze_backbone, 2 processes (DDP): every backbone tensor,
+    BatchNorm statistics included, is the file's at the end; the optimizer holds the head alone. Resumed in
+    1 process x 32 from the 2 x 16 run's step-2 checkpoint, it ends with that run's head: with a frozen
+    backbone the step's gradient is the mean over its 32 samples only if DDP averaged the head's gradients."""
+    weights = imagenet_resnet18()
+    file = tmp_path / "resnet18.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, file)
+    args = ["--model", "resnet18", "--pretrained_path", file, "--freeze_backbone", "--hflip", "0", "--max_train_steps",
+            "4", "--learning_rate", "0.4", "--dataloader_num_workers", "0"]
+    out, resumed = tmp_path / "two", tmp_path / "resumed"
+    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, out, *args, "--per_device_train_batch_size", "16",
+                                                       "--checkpointing_steps", "2"))
+    proc = run(cmd, env=env)
+    assert "--freeze_backbone: training fc only, 5,130 of 11,181,642 parameters" in proc.stderr
+    assert "fc.bias, fc.weight new: the file's head has other classes" in proc.stderr
+    assert results(out)["world_size"] == 2
+    final = load_file(out / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.startswith("fc."):
+            assert final[name].shape[0] == 10
+        elif "num_batches_tracked" not in name:
+            torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=name)
+    assert not torch.equal(final["fc.weight"], load_file(out / "checkpoint-2" / "model.safetensors")["fc.weight"])
+    optimizer = torch.load(out / "checkpoint-2" / "optimizer.bin", weights_only=True)
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == 2  # fc.weight and fc.bias
+    assert sorted(tuple(s["momentum_buffer"].shape) for s in optimizer["state"].values()) == [(10,), (10, 512)]
+
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    run([BIN / "python", RECIPE, *digits_args(digits, resumed, *args, "--per_device_train_batch_size", "32",
+                                              "--resume_from_checkpoint", "latest")])
+    again = load_file(resumed / "model.safetensors")
+    assert again.keys() == final.keys()
+    for name in final:
+        torch.testing.assert_close(again[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pretrained_with_a_faster_head_on_device_without_flip_or_crop(digits, tmp_path):
+    """--pretrained from a TORCH_HOME cache written here, --head_lr_scale 10, --data_on_device with both
+    augmentations off, launched: every parameter trains, the head's groups at 10 times the rate."""
+    (tmp_path / TORCHVISION_RESNET18).parent.mkdir(parents=True)
+    torch.save(imagenet_resnet18(), tmp_path / TORCHVISION_RESNET18)
+    out = tmp_path / "run"
+    run([BIN / "python", RECIPE, *digits_args(digits, out, "--model", "resnet18", "--pretrained", "--head_lr_scale", "10",
+                                              "--data_on_device", "--hflip", "0", "--no-random_crop", "--max_train_steps",
+                                              "2", "--checkpointing_steps", "1", "--per_device_train_batch_size", "32")],
+        env=user_env(TORCH_HOME=str(tmp_path), **NO_NETWORK))
+    optimizer = torch.load(out / "checkpoint-1" / "optimizer.bin", weights_only=True)
+    groups = [(group["lr"], [tuple(optimizer["state"][i]["momentum_buffer"].shape) for i in group["params"]])
+              for group in optimizer["param_groups"]]
+    assert sum(len(shapes) for _, shapes in groups) == len(list(torchvision.models.resnet18().parameters()))
+    (backbone_lr, _), (no_decay_lr, _), (head_lr, head), (bias_lr, bias) = groups  # backbone, then the head
+    assert head == [(10, 512)] and bias == [(10,)] and backbone_lr == no_decay_lr > 0
+    assert head_lr == bias_lr == pytest.approx(10 * backbone_lr)
+    assert results(out)["steps"] == 2
+
+
+@pytest.mark.parametrize("size", [32, 96])
+def test_flip_and_crop_switches_change_what_the_model_sees(digits, size):
+    """In both input paths (the image loaders; --data_on_device at 32 px), in-process. With --hflip 0 and
+    --no-random_crop a training sample is its image's evaluation view; with the crop on it is not; --hflip 1
+    mirrors each crop; the default mirrors about half of them."""
+    cifar = load_recipe()
+    index = list(range(24))
+
+    def views(*extra):
+        args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--image_size", size, *extra)])
+        if args.data_on_device:
+            train, _, _ = cifar.build_device_datasets(args, torch.device("cpu"))
+            mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (cifar.IMAGENET_MEAN, cifar.IMAGENET_STD))
+            return train.__getitems__(index)[0], (train.tensors[0][index].permute(0, 3, 1, 2).float() - mean) / std
+        train, evals, _ = cifar.build_datasets(args)
+        return (torch.stack([train[i][0] for i in index]),
+                torch.stack([evals.transform(train.dataset[i][0]) for i in index]))
+
+    for device in ([], ["--data_on_device"]) if size == 32 else ([],):
+        plain, evaluated = views("--hflip", "0", "--no-random_crop", *device)
+        torch.testing.assert_close(plain, evaluated, rtol=0, atol=0)
+        cropped, _ = views("--hflip", "0", *device)
+        assert sum(torch.equal(a, b) for a, b in zip(cropped, plain)) < 6
+        mirrored, _ = views("--hflip", "1", *device)
+        torch.testing.assert_close(mirrored, cropped.flip(-1), rtol=0, atol=0)
+        default, _ = views(*device)
+        flipped = [not torch.equal(a, b) for a, b in zip(default, cropped)]
+        assert all(torch.equal(a, b.flip(-1)) for a, b, f in zip(default, cropped, flipped) if f)
+        assert 4 <= sum(flipped) <= 20, sum(flipped)

@@ -7,8 +7,10 @@ path: one `error:` line, exit code 2, no output folder.
 
 import importlib.util
 import json
+import re
 import shutil
 import struct
+import sys
 import zlib
 
 import numpy as np
@@ -108,6 +110,30 @@ RECIPE_ONLY = [
     ("cifar", [*FOLDER, "--model", "resnet18_cifar", "--image_size", "4"], "pass --image_size 8"),
     ("cifar", [*FOLDER, "--model", "resnet18", "--per_device_train_batch_size", "1"],
      "leaves batch norm one value per channel with --per_device_train_batch_size 1; pass 2 or more"),
+    ("cifar", ["--hflip", "1.5"], "--hflip: 1.5 is out of range: pass a number at least 0 and at most 1"),
+    ("cifar", ["--hflip", "-0.5"], "--hflip: -0.5 is out of range"),
+    ("cifar", ["--hflip", "nan"], "--hflip: nan is not a finite number"),
+    ("cifar", ["--hflip", "yes"], "--hflip: 'yes' is not a number"),
+    ("cifar", ["--random_crop", "0"], "unrecognized arguments: 0"),
+    ("cifar", ["--head_lr_scale", "0"], "--head_lr_scale: 0 is out of range: pass a number greater than 0"),
+    ("cifar", ["--head_lr_scale", "inf"], "--head_lr_scale: inf is not a finite number"),
+    ("cifar", ["--pretrained_path", ""], "--pretrained_path: must not be empty"),
+    ("cifar", ["--model", "resnet18", "--pretrained", "--pretrained_path", "w.safetensors"],
+     "pass --pretrained (published weights) or --pretrained_path (a file), not both"),
+    ("cifar", ["--model", "resnet18", "--freeze_backbone"],
+     "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path"),
+    ("cifar", ["--model", "resnet18", "--head_lr_scale", "10"], "add --pretrained or --pretrained_path"),
+    ("cifar", ["--model", "resnet18", "--pretrained", "--freeze_backbone", "--head_lr_scale", "10"],
+     "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale"),
+    ("cifar", ["--model", "resnet18", "--pretrained", "--norm_layer", "group"],
+     "--norm_layer group replaces the BatchNorm layers, and the weights loaded into them"),
+    ("cifar", ["--pretrained"], "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass "
+     "--model resnet18"),
+    ("cifar", ["--model", "timm/resnt18"], "--model timm/resnt18: not a timm model (did you mean timm/resnet18"),
+    ("cifar", ["--model", "timm/resnet18.no_such_tag"], "--model timm/resnet18.no_such_tag: timm has no pretrained "
+     "weights of that name; pass timm/ and a name from timm.list_pretrained('resnet18*')"),
+    ("cifar", ["--model", "timm/botnet50ts_256", "--pretrained", *FOLDER, "--image_size", "256"],
+     "--model timm/botnet50ts_256: timm has no pretrained weights of that name"),
     ("lm_finetune", ["--validation_split_percentage", "0"], "--validation_split_percentage: 0 is out of range: pass a "
      "number greater than 0 and below 100"),
     ("lm_finetune", ["--validation_split_percentage", "100"], "greater than 0 and below 100"),
@@ -125,6 +151,14 @@ RECIPE_ONLY = [
      "pass --dataset_name or --train_file (with --validation_file), not both"),
     ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name needs --dataset_name"),
     ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
+    ("lm_finetune", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
+    ("lm_finetune", ["--config_name", "c"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
+    ("lm_finetune", ["--config_overrides", "hidden_size=64"],
+     "--config_overrides changes the config of --config_name (from scratch), not pretrained weights"),
+    ("lm_finetune", ["--lora_r", "8", "--resize_token_embeddings"],
+     "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves"),
+    ("lm_finetune", ["--resize_token_embeddings", "yes"], "unrecognized arguments: yes"),
+    ("zero", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
     ("zero", ["--model_name_or_path", "m"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
     ("zero", ["--config_overrides", "hidden_size"], "'hidden_size' is not key=value pairs separated by commas"),
     ("zero", ["--config_overrides", "hidden_size=64,"], "is not key=value pairs"),
@@ -141,6 +175,43 @@ def test_shared_argument_out_of_range_is_one_error_line(capsys, recipe, argv, me
 @pytest.mark.parametrize("recipe, argv, message", RECIPE_ONLY, ids=[f"{r} {' '.join(a)}" for r, a, _ in RECIPE_ONLY])
 def test_recipe_argument_out_of_range_is_one_error_line(capsys, recipe, argv, message):
     assert message in parse_error(capsys, recipe, argv)
+
+
+def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
+    config = ["--config_name", "m", "--train_file", "t.jsonl"]
+    for argv, message in ((["--lora_r", "8"], "--lora_r trains an adapter on pretrained weights, and --config_name makes "
+                                              "a new, random model"),
+                          (["--torch_dtype", "auto"], "--torch_dtype auto is the dtype of pretrained weights")):
+        with pytest.raises(SystemExit):
+            RECIPES["lm_finetune"].parse_args([*config, *argv])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        RECIPES["lm_finetune"].parse_args(["--train_file", "t.jsonl"])
+    assert "error: pass --model_name_or_path (pretrained) or --config_name (from scratch)" in capsys.readouterr().err
+    args = RECIPES["lm_finetune"].parse_args([*config, "--config_overrides", "num_hidden_layers=1", "--tokenizer_name",
+                                              "t", "--resize_token_embeddings", "--torch_dtype", "bfloat16"])
+    assert args.config_name == "m" and args.model_name_or_path is None and args.resize_token_embeddings
+
+
+FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]"
+
+
+def test_every_option_an_error_or_a_docstring_names_exists(capsys):
+    """Advice that names a flag the recipe does not take is an unrecognized argument when followed.
+    common/text.py serves both LM recipes: its flags must exist in both (it names --attn_implementation
+    only when the recipe passed one, which zero.py does not)."""
+    options = {}
+    for name, module in RECIPES.items():
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        options[name] = set(re.findall(FLAG, capsys.readouterr().out))
+    assert {"--pretrained_path", "--no-random_crop"} <= options["cifar"] and "--resize_token_embeddings" in options["zero"]
+    for path, recipes in (("recipes/cifar.py", ["cifar"]), ("recipes/lm_finetune.py", ["lm_finetune"]),
+                          ("recipes/zero.py", ["zero"]), ("common/text.py", ["lm_finetune", "zero"])):
+        named = set(re.findall(FLAG, (REPO / path).read_text())) - {"--config_file"}  # accelerate launch's
+        for recipe in recipes:
+            missing = named - options[recipe] - ({"--attn_implementation"} if path == "common/text.py" else set())
+            assert not missing, f"{path} names {sorted(missing)}, which recipes/{recipe}.py does not take"
 
 
 def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
@@ -499,3 +570,76 @@ def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tin
         frames = [f'File "{REPO}/recipes', f'File "{REPO}/common']
         assert not any(frame in proc.stderr for frame in frames), proc.stderr[-3000:]
         assert not (tmp_path / out).exists()
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+def test_a_timm_model_without_timm_installed_is_one_line_naming_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # what `import timm` meets where it is not installed
+    line = parse_error(capsys, "cifar", ["--model", "timm/resnet18"])
+    assert line == "error: --model timm/resnet18 is a timm model, and timm is not installed: pip install -e '.[timm]'"
+    with pytest.raises(RecipeError, match=r"timm is not installed: pip install -e '\.\[timm\]'"):
+        RECIPES["cifar"].build_model("timm/resnet18", 10)
+
+
+class _Code:  # a pickle that runs code when loaded
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+@pytest.fixture(scope="module")
+def weight_files(tmp_path_factory):
+    import torch
+    import torchvision
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("weights")
+    resnet50 = torchvision.models.resnet50().state_dict()
+    save_file({k: v.contiguous() for k, v in resnet50.items()}, root / "resnet50.safetensors")
+    resnet18 = torchvision.models.resnet18(num_classes=10).state_dict()
+    torch.save({f"module.{k}": v for k, v in resnet18.items()}, root / "ddp.pt")  # as a DDP-wrapped model names them
+    save_file({k: v.contiguous() for k, v in resnet18.items() if not k.startswith("fc.")}, root / "no_head.safetensors")
+    write(root / "garbage.pt", np.random.default_rng(0).bytes(4096))
+    write(root / "garbage.safetensors", np.random.default_rng(0).bytes(4096))
+    torch.save({"conv1.weight": _Code()}, root / "code.pt")
+    torch.save([torch.zeros(3)], root / "list.pt")
+    (root / "folder.pt").mkdir()
+    return root
+
+
+@pytest.mark.parametrize("name, message", [
+    ("resnet50.safetensors", "does not fit --model resnet18 (165 tensor(s) not in the model, such as layer1.0.bn3.bias; "
+     "23 tensor(s) of another shape, such as layer1.0.conv1.weight (64, 64, 1, 1) in the file, (64, 64, 3, 3) here); "
+     "pass weights of that architecture"),
+    ("garbage.pt", "not a file of weights (not plain tensors); pass a .safetensors file or a state dict saved with"),
+    ("garbage.safetensors", "not a file of weights (Error while deserializing header"),
+    ("code.pt", "not a file of weights (not plain tensors)"),
+    ("list.pt", "not a file of weights (not plain tensors)"),
+    ("folder.pt", "no such file"),
+    ("missing.pt", "no such file"),
+])
+def test_pretrained_path_that_is_not_weights_of_the_model_is_one_line(weight_files, capsys, name, message):
+    from accelerate import PartialState
+
+    PartialState()
+    cifar = RECIPES["cifar"]
+    args = cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)])
+    with pytest.raises(RecipeError) as err:
+        cifar.load_model(args, 10)
+    assert str(err.value).startswith(f"--pretrained_path {weight_files / name}: ") and message in str(err.value)
+    assert "code ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["ddp.pt", "no_head.safetensors"])
+def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_files, name):
+    import torch
+    from accelerate import PartialState
+    from safetensors.torch import load_file
+
+    PartialState()
+    cifar = RECIPES["cifar"]
+    model = cifar.load_model(cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10)
+    saved = load_file(weight_files / name) if name.endswith(".safetensors") else \
+        {k.removeprefix("module."): v for k, v in torch.load(weight_files / name, weights_only=True).items()}
+    loaded = model.state_dict()
+    assert set(saved) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in saved.items())

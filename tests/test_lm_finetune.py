@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, chat_args, error_lines, interrupt, lm_args, results,
-                      run, update_distance)
+from conftest import (BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, chat_args, error_lines, interrupt, lm_args,
+                      load_recipe, results, run, update_distance)
+from common.runtime import RecipeError
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
 from common.training import target_tokens, window_tokens
 
@@ -251,3 +252,62 @@ def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
     assert not out.exists()
+
+
+def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_saves_the_new_vocabulary(tiny_lm,
+                                                                                                         tmp_path):
+    """--tokenizer_name with 2 more tokens than the model's 17: refused in one line naming
+    --resize_token_embeddings; with it, the embeddings and the output layer grow to 19 rows (the 17
+    pretrained ones kept), training uses the new tokens, and the saved folder loads with from_pretrained
+    at 19, with the larger tokenizer."""
+    from accelerate import PartialState
+
+    from common.text import lm_dataloaders
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    tokenizer.add_tokens(["eleven", "twelve"])
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    data = tmp_path / "train.jsonl"
+    data.write_text(tiny_lm["train"].read_text().replace("five", "eleven").replace("six", "twelve"))
+    lm = load_recipe("lm_finetune")
+    PartialState()
+    argv = [str(a) for a in lm_args(tiny_lm, tmp_path / "unused", "--tokenizer_name", tmp_path / "tokenizer")]
+    args = lm.parse_args(argv)
+    model, loaded = lm.load_model_and_tokenizer(args)
+    assert len(loaded) == 19 and model.config.vocab_size == 17
+    with pytest.raises(RecipeError, match="the tokenizer has 19 tokens but the model's vocabulary has 17 "
+                                          r"\(config.vocab_size\): pass --resize_token_embeddings"):
+        lm_dataloaders(args, None, loaded, model.config)
+
+    out = tmp_path / "run"
+    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--train_file", data, "--tokenizer_name",
+                                                 tmp_path / "tokenizer", "--resize_token_embeddings",
+                                                 "--max_train_steps", "4")])
+    assert "--resize_token_embeddings: 17 -> 19 embeddings" in proc.stderr
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert saved.config.vocab_size == 19 and saved.get_input_embeddings().weight.shape == (19, 64)
+    assert saved.get_output_embeddings().weight.shape == (19, 64) and len(AutoTokenizer.from_pretrained(out)) == 19
+    before = AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).get_input_embeddings().weight
+    after = saved.get_input_embeddings().weight
+    moved = (after[:17] - before).norm() / before.norm()
+    assert 0 < moved < 0.5, moved  # the pretrained rows trained a little (measured 0.21), not replaced (about 1.4)
+    start = before.mean(0)  # the new rows start there (mean resizing; these 17 rows' covariance is singular)
+    assert all((row - start).norm() > 0.1 * start.norm() for row in after[17:])  # the new tokens trained theirs
+    assert results(out)["steps"] == 4 and math.isfinite(results(out)["eval_loss"])
+
+
+def test_config_name_trains_a_new_model_built_from_the_config(tiny_lm, tmp_path):
+    """--config_name (with --config_overrides, as zero.py takes them): the model is the config's, one layer
+    here, randomly initialized (its weights are not the folder's), trained and saved loadable."""
+    out = tmp_path / "run"
+    args = [str(a) for a in lm_args(tiny_lm, out, "--config_overrides", "num_hidden_layers=1", "--max_train_steps", "4",
+                                    "--logging_steps", "1")]
+    args[args.index("--model_name_or_path")] = "--config_name"
+    run([BIN / "python", RECIPE, *args])
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    pretrained = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
+    assert saved.config.num_hidden_layers == 1 and len(saved.model.layers) == 1
+    a, b = saved.model.layers[0].mlp.up_proj.weight, pretrained.model.layers[0].mlp.up_proj.weight
+    assert (a - b).norm() > 0.5 * b.norm()  # another draw, not the folder's weights trained for 4 steps
+    res = results(out)
+    assert res["steps"] == 4 and len(res["log_history"]) == 4 and math.isfinite(res["eval_loss"])

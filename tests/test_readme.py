@@ -19,6 +19,7 @@ import pytest
 
 import doctor
 from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
+from make_digits import write_digits
 from test_slurm import sbatch, sbatch_line
 
 README = (REPO / "README.md").read_text()
@@ -74,20 +75,26 @@ def test_quick_start_and_copy_run_as_written(checkout):
     assert results(checkout / "myproject/out")["steps"] == 20
 
 
-# What each recipe cannot fetch on a machine with no network.
+# What each recipe cannot fetch on a machine with no network: the data, or (fine-tuning the digits) the weights.
 OFFLINE_ERRORS = {"recipes/cifar.py": "cifar10 is not in data and could not be downloaded"}
+OFFLINE_WEIGHTS = ("--pretrained: torchvision's weights for --model resnet18 (ResNet18_Weights.IMAGENET1K_V1) are "
+                   "not in the cache and could not be downloaded")
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c.startswith("accelerate launch ")])
-def test_accelerate_launch_lines_form_their_group_then_need_the_network(checkout, line):
+def test_accelerate_launch_lines_form_their_group_then_need_the_network(checkout, tmp_path, line):
     """On CPU, with no network: every process starts, the group forms and passes the checks,
-    and the recipe stops at the download with its one-line error."""
+    and the recipe stops at the download with its one-line error. (An empty TORCH_HOME: weights
+    cached on this machine would start a full training.)"""
     words = shlex.split(line)
     recipe = next(w for w in words if w.startswith("recipes/"))
-    proc = run(words, cwd=checkout, env=user_env(ACCELERATE_USE_CPU="true"), check=False)
+    if "data/digits/train" in words and not (checkout / "data/digits").is_dir():
+        write_digits(checkout / "data/digits")
+    proc = run(words, cwd=checkout, env=user_env(ACCELERATE_USE_CPU="true", TORCH_HOME=str(tmp_path)), check=False)
     assert proc.returncode != 0
     (message,) = error_lines(proc.stderr)
-    assert OFFLINE_ERRORS[recipe] in message, proc.stderr[-3000:]
+    assert (OFFLINE_WEIGHTS if "--pretrained" in words else OFFLINE_ERRORS[recipe]) in message, proc.stderr[-3000:]
+    assert f"put it at {tmp_path}/hub/checkpoints/resnet18-f37072fd.pth" in message or "--pretrained" not in words
 
 
 def launch_sh_args(line):
