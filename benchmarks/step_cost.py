@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from benchlib import load_recipe  # noqa: E402
 
 BATCH, FEATURES = 8, 16
 
@@ -52,7 +53,9 @@ def bare(steps, device):
 
 
 def recipe(steps, accelerator, out):
-    args = common.parse(common.training_parser("step cost"), [
+    parser = common.training_parser("step cost")
+    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)  # the shared arguments' values, a recipe's
+    args = common.parse(parser, [
         "--output_dir", str(out), "--per_device_train_batch_size", str(BATCH), "--max_train_steps", str(steps),
         "--num_train_epochs", "1000", "--logging_steps", "20"])
     data, model, optimizer = make()

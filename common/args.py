@@ -1,5 +1,7 @@
 """The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds
-its own and sets its defaults with `parser.set_defaults(learning_rate=..., ...)`.
+its own, and states the defaults of its hyperparameters in one block at its top (HYPERPARAMETERS,
+with a reason each), given to `parser.set_defaults`: `parse` refuses a recipe that leaves one of
+the shared training hyperparameters (TRAINING_HYPERPARAMETERS) to chance.
 
 Every value is checked when the arguments are parsed, by the `type=` beside it (`positive_int`,
 `probability`, ...) or, for a rule between two arguments, in `parse`: a mistake costs one
@@ -204,26 +206,34 @@ def report_to(text):
     return text
 
 
+# The shared arguments whose defaults each recipe states itself, for its model and data.
+TRAINING_HYPERPARAMETERS = (
+    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+    "learning_rate", "reference_batch_size", "lr_scaling", "lr_scheduler_type", "warmup_ratio", "weight_decay",
+    "max_grad_norm", "num_train_epochs", "logging_steps",
+)
+
+
 def training_parser(description: str) -> argparse.ArgumentParser:
-    p = ArgumentParser(description=description, allow_abbrev=False)
+    p = ArgumentParser(description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t = p.add_argument_group("training (shared by every recipe)")
-    t.add_argument("--output_dir", type=nonempty, default="outputs/run")
-    t.add_argument("--per_device_train_batch_size", type=positive_int, default=8)
-    t.add_argument("--per_device_eval_batch_size", type=positive_int, default=8)
-    t.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    t.add_argument("--learning_rate", type=positive_float, default=1e-3, help="for --reference_batch_size samples")
-    t.add_argument("--reference_batch_size", type=positive_int, default=64,
+    t.add_argument("--output_dir", type=nonempty)
+    t.add_argument("--per_device_train_batch_size", type=positive_int)
+    t.add_argument("--per_device_eval_batch_size", type=positive_int)
+    t.add_argument("--gradient_accumulation_steps", type=positive_int)
+    t.add_argument("--learning_rate", type=positive_float, help="for --reference_batch_size samples")
+    t.add_argument("--reference_batch_size", type=positive_int,
                    help="the effective batch --learning_rate is meant for")
-    t.add_argument("--lr_scaling", choices=LR_SCALING_RULES, default="linear",
+    t.add_argument("--lr_scaling", choices=LR_SCALING_RULES,
                    help="how the learning rate follows the effective batch")
-    t.add_argument("--lr_scheduler_type", type=lr_scheduler_type, default="cosine",
+    t.add_argument("--lr_scheduler_type", type=lr_scheduler_type,
                    help="a transformers schedule driven by warmup and total steps: linear, cosine, "
                         "constant_with_warmup, ...")
     t.add_argument("--warmup_steps", type=non_negative_int, help="overrides --warmup_ratio")
-    t.add_argument("--warmup_ratio", type=probability, default=0.0)
-    t.add_argument("--weight_decay", type=non_negative_float, default=0.0, help="not applied to biases and norms")
-    t.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="0 disables clipping")
-    t.add_argument("--num_train_epochs", type=positive_int, default=3)
+    t.add_argument("--warmup_ratio", type=probability)
+    t.add_argument("--weight_decay", type=non_negative_float, help="not applied to biases and norms")
+    t.add_argument("--max_grad_norm", type=non_negative_float, help="0 disables clipping")
+    t.add_argument("--num_train_epochs", type=positive_int)
     t.add_argument("--max_train_steps", type=positive_int, help="stop after this many optimizer steps")
     t.add_argument("--checkpointing_steps", type=checkpointing_steps,
                    help="save the full state every N optimizer steps, or 'epoch'; omit it to save no checkpoints")
@@ -231,7 +241,7 @@ def training_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--save_total_limit", type=positive_int, help="keep only the newest N checkpoints")
     t.add_argument("--overwrite_output_dir", action="store_true",
                    help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)")
-    t.add_argument("--logging_steps", type=positive_int, default=10)
+    t.add_argument("--logging_steps", type=positive_int)
     t.add_argument("--report_to", type=report_to, default="none",
                    help="an accelerate tracker: tensorboard, wandb, ... or none")
     t.add_argument("--dataloader_num_workers", type=non_negative_int, help="per process; default from the CPU count")
@@ -243,6 +253,9 @@ def training_parser(description: str) -> argparse.ArgumentParser:
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, rejecting unknown arguments and combinations no single argument's type can see."""
+    unset = [name for name in TRAINING_HYPERPARAMETERS if parser.get_default(name) is None]
+    if unset:  # a mistake in the recipe, not the user's
+        raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
     args = parser.parse_args(argv)
     if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
         parser.error(f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "

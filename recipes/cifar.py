@@ -40,6 +40,32 @@ from common.args import fraction_below_one, nonempty, positive_float, positive_i
 
 RECIPE = "cifar"  # checkpoints name the recipe that wrote them: a copy renamed to train.py still resumes them
 
+# Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
+HYPERPARAMETERS = dict(
+    model="resnet18_cifar",  # ResNet-18 with a 3x3 stem and no max-pool: a 7x7/2 stem would discard 3/4 of 32x32
+    per_device_train_batch_size=128,  # the batch CIFAR ResNets are tuned at; fills a GPU without accumulation
+    per_device_eval_batch_size=256,  # nothing kept for a backward pass: twice the training batch fits
+    gradient_accumulation_steps=1,
+    optimizer="sgd",  # SGD with Nesterov momentum: what ResNets on CIFAR are trained with
+    momentum=0.9,
+    nesterov=True,
+    learning_rate=0.1,  # the usual rate for SGD on CIFAR ResNets ...
+    reference_batch_size=128,  # ... at 128 samples a step; scaled from there to the effective batch
+    lr_scaling="linear",  # SGD's rate grows with the batch (Goyal et al., 2017)
+    lr_scheduler_type="cosine",  # decays to zero at the last step: no decay points to choose
+    warmup_ratio=0.05,  # the first steps at a large scaled rate diverge without a warmup
+    weight_decay=5e-4,  # the usual value for ResNets on CIFAR; not on biases and norm weights
+    max_grad_norm=0.0,  # no clipping: ResNets with BatchNorm train stably under SGD
+    label_smoothing=0.0,
+    num_train_epochs=30,  # a short schedule; the cosine decay makes its end count
+    hflip=0.5,  # a mirrored photo shows the same class: CIFAR and most ImageFolders (not digits or text: 0)
+    random_crop=True,  # pad-and-crop: the standard CIFAR augmentation
+    norm_layer="batch",  # the model's own BatchNorm
+    head_lr_scale=1.0,  # fine-tuning: the new head at the backbone's rate unless asked
+    output_dir="outputs/cifar",
+    logging_steps=20,
+)
+
 DATASETS = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -52,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--train_dir", type=nonempty, help="ImageFolder training images (--dataset imagefolder)")
     p.add_argument("--val_dir", type=nonempty, help="ImageFolder validation images (--dataset imagefolder)")
     p.add_argument("--image_size", type=positive_int, default=32, help="ImageFolder images are resized to this")
-    p.add_argument("--model", default="resnet18_cifar", help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
+    p.add_argument("--model", help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
                    "any torchvision model name, or timm/NAME for a timm model (pip install -e '.[timm]')")
     p.add_argument("--pretrained", action="store_true", help="start from --model's published weights (torchvision's "
                    "DEFAULT, or timm's), normalizing as they were trained, with a new head")
@@ -60,27 +86,25 @@ def parse_args(argv=None):
                    "or a torch.save'd state dict); the head is new unless it has as many classes as the data")
     p.add_argument("--freeze_backbone", action="store_true", help="train only the head; the backbone keeps the "
                    "loaded weights and BatchNorm statistics (FrozenBatchNorm2d)")
-    p.add_argument("--head_lr_scale", type=positive_float, default=1.0,
+    p.add_argument("--head_lr_scale", type=positive_float,
                    help="the head's learning rate is --learning_rate times this (timm's lr_scale), e.g. 10")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=fraction_below_one, default=0.9)
-    p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--label_smoothing", type=fraction_below_one, default=0.0)
-    p.add_argument("--hflip", type=probability, default=0.5, help="probability of a horizontal flip in training: "
+    p.add_argument("--optimizer", choices=["sgd", "adamw"])
+    p.add_argument("--momentum", type=fraction_below_one)
+    p.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
+    p.add_argument("--label_smoothing", type=fraction_below_one)
+    p.add_argument("--hflip", type=probability, help="probability of a horizontal flip in training: "
                    "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
                    "shows the same class; 0 where it does not (digits, text)")
-    p.add_argument("--random_crop", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--random_crop", action=argparse.BooleanOptionalAction,
                    help="pad-and-crop in training (scale-and-crop above 64 px)")
     p.add_argument("--data_on_device", action="store_true",
                    help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
                         "no host-to-device copies (images of 64 px or less)")
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
-    p.add_argument("--norm_layer", choices=["batch", "sync_batch", "group"], default="batch",
+    p.add_argument("--norm_layer", choices=["batch", "sync_batch", "group"],
                    help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
                         "per process, of the whole step's batch, or per sample")
-    p.set_defaults(output_dir="outputs/cifar", per_device_train_batch_size=128, per_device_eval_batch_size=256,
-                   learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", warmup_ratio=0.05,
-                   weight_decay=5e-4, max_grad_norm=0.0, num_train_epochs=30, logging_steps=20)
+    p.set_defaults(**HYPERPARAMETERS)
     args = common.parse(p, argv)
     if args.dataset == "imagefolder":
         if not (args.train_dir and args.val_dir):

@@ -27,6 +27,27 @@ from common.text import (add_model_args, add_text_args, attn_implementation, che
 
 RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
+# Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
+HYPERPARAMETERS = dict(
+    per_device_train_batch_size=8,  # transformers' default: fits most models of a few billion parameters at 1024
+    per_device_eval_batch_size=8,
+    gradient_accumulation_steps=1,
+    learning_rate=2e-5,  # fine-tuning pretrained weights with AdamW: 1e-5 to 5e-5 keeps what they know ...
+    reference_batch_size=64,  # ... at 64 sequences a step; scaled from there to the effective batch
+    lr_scaling="sqrt",  # Adam's rate grows with the square root of the batch (Malladi et al., 2022)
+    lr_scheduler_type="cosine",
+    warmup_ratio=0.03,  # the first steps' updates, from moments not yet estimated, are kept small
+    weight_decay=0.0,  # transformers' default for fine-tuning
+    max_grad_norm=1.0,  # transformers' default: one bad batch cannot wreck pretrained weights
+    num_train_epochs=3,  # transformers' default
+    lora_r=0,  # 0: all weights train; 8 to 64 trains a LoRA adapter instead
+    lora_alpha=32,  # the adapter's scale is lora_alpha / lora_r
+    lora_dropout=0.0,
+    lora_target_modules=["all-linear"],  # every linear layer but the output head (peft's QLoRA setting)
+    output_dir="outputs/lm",
+    logging_steps=10,
+)
+
 
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
@@ -38,14 +59,13 @@ def parse_args(argv=None):
                    help="sdpa, flash_attention_2, eager, ...")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
-    m.add_argument("--lora_r", type=non_negative_int, default=0, help="LoRA rank; 0 trains all weights")
-    m.add_argument("--lora_alpha", type=positive_int, default=32)
-    m.add_argument("--lora_dropout", type=fraction_below_one, default=0.0)
-    m.add_argument("--lora_target_modules", nargs="+", default=["all-linear"],
+    m.add_argument("--lora_r", type=non_negative_int, help="LoRA rank; 0 trains all weights")
+    m.add_argument("--lora_alpha", type=positive_int)
+    m.add_argument("--lora_dropout", type=fraction_below_one)
+    m.add_argument("--lora_target_modules", nargs="+",
                    help="names of the model's linear layers (q_proj v_proj ...), or all-linear")
     add_text_args(p)
-    p.set_defaults(output_dir="outputs/lm", learning_rate=2e-5, reference_batch_size=64, lr_scaling="sqrt",
-                   warmup_ratio=0.03, max_grad_norm=1.0)
+    p.set_defaults(**HYPERPARAMETERS)
     args = common.parse(p, argv)
     check_model_args(p, args)
     if args.torch_dtype == "auto" and args.config_name:

@@ -28,6 +28,23 @@ from common.text import (add_model_args, add_text_args, check_model_args, check_
 
 RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
+# Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
+HYPERPARAMETERS = dict(
+    per_device_train_batch_size=8,  # transformers' default; under ZeRO the weights leave room for activations
+    per_device_eval_batch_size=8,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-4,  # AdamW for a model that is large or trained from a config: higher than fine-tuning's ...
+    reference_batch_size=64,  # ... at 64 sequences a step; scaled from there to the effective batch
+    lr_scaling="sqrt",  # Adam's rate grows with the square root of the batch (Malladi et al., 2022)
+    lr_scheduler_type="cosine",
+    warmup_ratio=0.03,  # the first steps' updates, from moments not yet estimated, are kept small
+    weight_decay=0.0,  # transformers' default
+    max_grad_norm=1.0,  # transformers' default; DeepSpeed clips with it
+    num_train_epochs=3,  # transformers' default
+    output_dir="outputs/zero",
+    logging_steps=10,
+)
+
 
 def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
@@ -36,8 +53,7 @@ def parse_args(argv=None):
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     add_text_args(p)
-    p.set_defaults(output_dir="outputs/zero", learning_rate=1e-4, reference_batch_size=64, lr_scaling="sqrt",
-                   warmup_ratio=0.03, max_grad_norm=1.0)
+    p.set_defaults(**HYPERPARAMETERS)
     args = common.parse(p, argv)
     check_model_args(p, args)
     check_text_args(p, args)

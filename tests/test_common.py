@@ -14,6 +14,7 @@ from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, set_epoch
 from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
 from common.training import Progress
+from conftest import load_recipe
 
 
 def test_effective_batch_size():
@@ -148,7 +149,9 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
 def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
     """7 batches an epoch, accumulation 2: the 7th batch is a window of its own, so 2 epochs are 8
     steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
-    args = common.parse(common.training_parser("t"), [
+    parser = common.training_parser("t")
+    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    args = common.parse(parser, [
         "--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--num_train_epochs", "2", "--logging_steps", "1"])
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
