@@ -42,3 +42,4 @@ for _, labels in eval_dl:
     record["eval"] += accelerator.gather_for_metrics(labels).tolist()
 if accelerator.is_main_process:
     Path(out).write_text(json.dumps(record))
+accelerator.end_training()  # destroys the process group, as the recipes do: gloo left to the interpreter's exit can abort
