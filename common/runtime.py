@@ -82,6 +82,7 @@ def exit_codes():
     # The launcher's RANK, not Accelerate's: when the group did not form, every process believes
     # it is process 0.
     first = os.environ.get("RANK", "0") == "0"
+    together = True  # every process ends here at the same point: the process group can be taken down
     try:
         yield
         write_status("finished")
@@ -90,7 +91,7 @@ def exit_codes():
         if not err.same_on_every_rank or first:
             tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
         write_status("error")
-        code = 2
+        together, code = err.same_on_every_rank, 2
     except RunFinished as done:
         if first:
             tqdm.write(f"done: {done}", file=sys.stderr)
@@ -105,13 +106,18 @@ def exit_codes():
         if first:
             tqdm.write("interrupted by Ctrl-C: nothing was saved after the last checkpoint", file=sys.stderr)
             write_status("interrupted")
-        code = 130
+        together, code = False, 130
     except Exception:
         # Printed here rather than at exit, so the frames holding the DataLoader (and its
         # workers, which ignore SIGTERM) are released first: the workers are then shut down
         # instead of holding the exit up.
         traceback.print_exc()
-        code = 1
+        together, code = False, 1
+    # A gloo group left to the interpreter's exit can abort the process (SIGABRT, "terminate called
+    # without an active exception": pytorch#190489), turning exit 2 into a crash. Taken down only when
+    # every process is here: one still inside a collective could make the teardown wait for ever.
+    if together and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     sys.exit(code)
 
 
