@@ -11,6 +11,8 @@ import pytest
 
 from conftest import BIN, REPO, results, run, user_env
 
+pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
+
 pytest.importorskip("matplotlib")
 
 

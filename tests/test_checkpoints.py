@@ -354,6 +354,7 @@ def refused(cmd, folder, message):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(acc, tiny_lm, tmp_path):
     out = tmp_path / "run"
     with tempfile.TemporaryFile("w+") as log:
@@ -440,6 +441,7 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
     assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line(tiny_lm, tmp_path):
     """Two processes formed into one group the way srun starts them (no launcher in between, so
     each one's exit code is seen): the main process fails to write a checkpoint (it writes the

@@ -40,6 +40,7 @@ def reevaluate(digits, output_dir):
     return correct, loss_sum / len(evals)
 
 
+@pytest.mark.slow
 def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(digits, tmp_path):
     """With --data_on_device (2 processes train through the image loaders in the tests below): the
     weights it saves reproduce its accuracy through the ImageFolder evaluation path."""
@@ -83,6 +84,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):
     out = tmp_path / "probe.json"
     cmd, env = accelerate_cpu(2, REPO / "tests/probes/shard_probe.py", out,
@@ -103,6 +105,7 @@ def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(dig
     assert sorted(probe["eval"]) == list(range(digits["n_val"])), "eval missed or double-counted samples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--multi_gpu flag", "cpu.yaml without ACCELERATE_USE_CPU"])
 def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path, how):
     out = tmp_path / "run"
@@ -141,6 +144,7 @@ def stop_step(proc) -> int:
     return int(line.split("after step ")[1].split(";")[0])
 
 
+@pytest.mark.slow
 def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_uninterrupted_weights(digits, tmp_path):
     """The position is saved in samples of the epoch's order, so a run stopped in 2 processes x 32
     continues in 1 process x 64 (and back) on the very samples it had left, with the same effective
@@ -205,6 +209,7 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     assert update_apart(other_way, straight_one, start) < 1e-4
 
 
+@pytest.mark.slow
 def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
     project = tmp_path / "myproject"
     project.mkdir()
@@ -217,6 +222,7 @@ def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
     assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_file(digits, tmp_path):
     out = tmp_path / "run"
     secrets = {"HF_TOKEN": "hf_" + "S3cr3t" * 6, "WANDB_API_KEY": "0123456789abcdef" * 2}
@@ -237,6 +243,7 @@ def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_fil
     (["--per_device_train_batch_size", "4096", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"],
      "lower --per_device_train_batch_size"),
 ])
+@pytest.mark.slow
 def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, message):
     out = tmp_path / "run"
     args = [a.format(tmp=tmp_path, train=digits["train"], val=digits["val"]) for a in args]
@@ -249,6 +256,7 @@ def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, mes
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_unknown_argument_is_an_error():
     proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
     assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr
@@ -283,6 +291,7 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
     assert 16 < flips < 48
 
 
+@pytest.mark.slow
 def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digits, tmp_path):
     """--data_on_device on CPU (it learns and resumes: the first test of this file runs with it)."""
     out = tmp_path / "probe.json"
@@ -399,6 +408,7 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     assert tuple(normalize.mean) == tuple(normalize.std) == (0.5, 0.5, 0.5)
 
 
+@pytest.mark.slow
 def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_one(digits, tmp_path):
     """--pretrained_path from a file written here, --freeze_backbone, 2 processes (DDP): every backbone tensor,
     BatchNorm statistics included, is the file's at the end; the optimizer holds the head alone. Resumed in
@@ -437,6 +447,7 @@ def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_
         torch.testing.assert_close(again[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_pretrained_with_a_faster_head_on_device_without_flip_or_crop(digits, tmp_path):
     """--pretrained from a TORCH_HOME cache written here, --head_lr_scale 10, --data_on_device with both
     augmentations off, launched: every parameter trains, the head's groups at 10 times the rate."""

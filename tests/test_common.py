@@ -12,6 +12,7 @@ import common
 from common import RecipeError
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, set_epoch
+from common.metrics import public_args
 from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
 from common.training import Progress
 from conftest import load_recipe
@@ -218,3 +219,19 @@ def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first
     assert n - len(trained) < then[0] * then[1]  # only a tail shorter than a round is left
     sampler.set_epoch(epoch + 1)  # the next epoch starts at its beginning
     assert job_order(then, sampler) == sampler.order(epoch + 1).tolist()[:len(job_order(then, sampler))]
+
+
+# Secrets ------------------------------------------------------------------------------------------
+
+def test_public_args_masks_credentials():
+    import argparse
+
+    args = argparse.Namespace(hub_token="hf_" + "a" * 30, api_key="k", learning_rate=0.1, push_to_hub=True,
+                              dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
+                              resume_from_checkpoint=None, tokenizer_name="gpt2", max_tokens=512,
+                              wandb_api_key="w", HF_TOKEN="t", client_secret="s")
+    shown = public_args(args)
+    assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
+                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
+                     "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials
+                     "wandb_api_key": "***", "HF_TOKEN": "***", "client_secret": "***"}

@@ -111,6 +111,7 @@ def test_host_ram_per_gpu():
     assert doctor.ram_warnings(1024, gpus) == [] and doctor.ram_warnings(8, []) == []
 
 
+@pytest.mark.slow
 def test_report_reads_nvidia_smi(tmp_path):
     """The whole report on a node whose nvidia-smi (faked, with the samples above) shows four GPUs
     of two models on two sockets, and whose torch (this CPU build) sees none of them."""
@@ -145,6 +146,7 @@ esac
     assert "2 of 4 (2 x NVIDIA A100-PCIE-40GB" in out and "mixed" not in out and "NCCL_P2P_DISABLE" not in out
 
 
+@pytest.mark.slow
 def test_doctor_on_cpu_times_a_gloo_allreduce():
     proc = run([REPO / "launch.sh", "doctor", "--iters", "3"], env=user_env())
     assert proc.stderr.startswith("+ ACCELERATE_USE_CPU=true ") and "scripts/doctor.py --iters 3" in proc.stderr
@@ -158,6 +160,7 @@ def test_doctor_on_cpu_times_a_gloo_allreduce():
     assert "sums correct on all 2 processes" in out
 
 
+@pytest.mark.slow
 def test_a_group_that_cannot_form_fails_with_the_causes():
     """Rank 0 of 2 whose peer never comes: it gives up after --timeout seconds and names the
     likely causes; it does not wait for torch's 30-minute default."""

@@ -14,10 +14,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.checkpoint import checkpoint_damage
-from common.metrics import public_args
 from common.preemption import PREEMPTED_EXIT_CODE
 
 from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
+
+pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
 LM = REPO / "recipes" / "lm_finetune.py"
 
@@ -173,22 +174,6 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_lm, tmp_pa
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>").save_pretrained(model)
     refused([BIN / "python", LM, *lm_args({**tiny_lm, "model": model}, tmp_path / "run")], tmp_path / "run",
             f"the tokenizer has {len(words)} tokens but the model's vocabulary has {AutoConfig.from_pretrained(model).vocab_size}")
-
-
-# Secrets ------------------------------------------------------------------------------------------
-
-def test_public_args_masks_credentials():
-    import argparse
-
-    args = argparse.Namespace(hub_token="hf_" + "a" * 30, api_key="k", learning_rate=0.1, push_to_hub=True,
-                              dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
-                              resume_from_checkpoint=None, tokenizer_name="gpt2", max_tokens=512,
-                              wandb_api_key="w", HF_TOKEN="t", client_secret="s")
-    shown = public_args(args)
-    assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
-                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
-                     "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials
-                     "wandb_api_key": "***", "HF_TOKEN": "***", "client_secret": "***"}
 
 
 # Signals outside the step loop, a diverging loss, and resuming with other settings -------------------

@@ -542,6 +542,7 @@ def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
 
 # --- the whole path, as users launch it ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tiny_lm, tmp_path):
     """A malformed JSON line through launch.sh (2 processes: still one line, and the process that
     waits for the first one's data does not crash), a truncated safetensors and an out-of-range

@@ -42,6 +42,7 @@ def dry_run(env, *args):
     return line
 
 
+@pytest.mark.slow
 def test_help():
     proc = run([LAUNCH, "--help"])
     assert proc.stdout.startswith("Usage: ./launch.sh RECIPE")
@@ -199,6 +200,7 @@ def no_noise(text: str):
     assert not re.search(r"^[EW]\d{4} ", text, flags=re.M), text[-3000:]  # torch's log format
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, nproc):
     """A user mistake met by every process: exit 2 and the recipe's one `error:` line, without
@@ -274,6 +276,7 @@ def newest_checkpoint(output_dir):
     return newest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, nproc", [("process group", 1), ("launcher", 2)])
 def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_path, target, nproc):
     """SIGKILL, which no process can catch, of launch.sh's process group (as `kill -9 -- -PGID`
@@ -322,6 +325,7 @@ def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tm
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     """Ctrl-C reaches launch.sh alone (the launcher's process group is not the terminal's); it
     passes SIGTERM on, and the processes stop as on a preemption. Signals that follow (Ctrl-C
@@ -355,6 +359,7 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     assert not processes_of(out)
 
 
+@pytest.mark.slow
 def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
     """--config zero2 on a host without GPUs: DeepSpeed on CPU, 2 processes, fp32, as the tests of
     ZeRO launch it by hand."""

@@ -39,6 +39,7 @@ def eval_loss(model_dir, lm, block_size=32, model=None, chat=False):
     return total / tokens
 
 
+@pytest.mark.slow
 def test_two_processes_learn_and_from_pretrained_reproduces_the_eval_loss(tiny_lm, tmp_path):
     out = tmp_path / "run"
     run([REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--num_train_epochs", "3")])
@@ -55,6 +56,7 @@ def test_two_processes_learn_and_from_pretrained_reproduces_the_eval_loss(tiny_l
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(tiny_lm, tmp_path):
     """--dataset_name takes what datasets.load_dataset takes: a hub id, or (here, offline) a folder
     whose files name the splits."""
@@ -70,6 +72,18 @@ def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(ti
     res = results(out)
     assert res["world_size"] == 1 and res["eval_loss"] < 0.6 * eval_loss(tiny_lm["model"], tiny_lm)
     assert res["eval_loss"] == pytest.approx(eval_loss(out, tiny_lm), rel=1e-4)  # the same validation split
+
+
+def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
+    """The fast tier's one real run (pytest -m 'not slow'): the recipe end to end in this machine's one
+    process, 3 optimizer steps, through every stage a launch has, in seconds."""
+    out = tmp_path / "run"
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--max_train_steps", "3", "--checkpointing_steps", "3")])
+    res = results(out)
+    assert res["steps"] == 3 and res["world_size"] == 1 and res["samples_seen"] == 3 * 8
+    assert len(res["log_history"]) == 1 and res["eval_tokens"] > 0
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
+    assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("suffix", [".txt", ".csv", ".parquet", ".jsonl"])
@@ -88,6 +102,7 @@ def test_local_files_of_every_format_load_with_a_held_out_split(tmp_path, suffix
     assert sorted([*raw["train"]["text"], *raw["validation"]["text"]]) == sorted(lines)
 
 
+@pytest.mark.slow
 def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tmp_path):
     """Data parallelism is exact: the same samples per step, gradients averaged over the same
     tokens, so the loss curve matches step for step."""
@@ -109,6 +124,7 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
 
 # Chats whose replies hold 1 to 24 words: the target tokens of a 32-token block vary from a few to
 # most of it. No clipping and no weight decay, so the update is the gradient's alone.
+@pytest.mark.slow
 def test_every_target_token_weighs_the_same_however_a_step_is_split_into_processes_and_accumulation(
         tiny_lm, chat_reference, tmp_path):
     """The step's loss is its target tokens' summed loss over their number, across every micro-batch
@@ -151,6 +167,7 @@ def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zer
     assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted,
                                                                                        tmp_path):
     """SIGTERM to every process of a 2-process `accelerate launch` job, as Slurm and Ctrl-C's neighbours
@@ -178,6 +195,7 @@ def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_we
     assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_epoch_where_they_were(
         tiny_lm, lm_uninterrupted, tmp_path):
     """2 processes x 8 x accumulation 2 (32 a step), stopped by SIGTERM, resumed in 1 process x 8 x 2
@@ -220,6 +238,7 @@ def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):
     assert [label for label in row["labels"] if label != IGNORE_INDEX] == tokenizer.convert_tokens_to_ids(trained)
 
 
+@pytest.mark.slow
 def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     from peft import PeftModel
 
@@ -243,6 +262,7 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     (["--model_name_or_path", "/no/such/model"], "--model_name_or_path /no/such/model: no such folder"),
     (["--validation_file", "/no/such.jsonl"], "--validation_file /no/such.jsonl: no such file"),
 ])
+@pytest.mark.slow
 def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     out = tmp_path / "run"
     # Input validation needs no launcher: one case goes through launch.sh, the rest straight to python.
@@ -254,6 +274,7 @@ def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_saves_the_new_vocabulary(tiny_lm,
                                                                                                          tmp_path):
     """--tokenizer_name with 2 more tokens than the model's 17: refused in one line naming
@@ -296,6 +317,7 @@ def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_
     assert results(out)["steps"] == 4 and math.isfinite(results(out)["eval_loss"])
 
 
+@pytest.mark.slow
 def test_config_name_trains_a_new_model_built_from_the_config(tiny_lm, tmp_path):
     """--config_name (with --config_overrides, as zero.py takes them): the model is the config's, one layer
     here, randomly initialized (its weights are not the folder's), trained and saved loadable."""

@@ -6,7 +6,11 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 from conftest import FAST_MODEL, REPO, digits_args, free_port, results, user_env
+
+pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
 LAUNCH = REPO / "launch.sh"
 

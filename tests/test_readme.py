@@ -60,6 +60,7 @@ def test_setup_commands_are_what_ci_runs():
     assert setup == [line for line in ci if line in setup], ".ci/run runs the README's commands, in order"
 
 
+@pytest.mark.slow
 def test_quick_start_and_copy_run_as_written(checkout):
     env = user_env()
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))  # no venv active
@@ -81,6 +82,7 @@ OFFLINE_WEIGHTS = ("--pretrained: torchvision's weights for --model resnet18 (Re
                    "not in the cache and could not be downloaded")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c.startswith("accelerate launch ")])
 def test_accelerate_launch_lines_form_their_group_then_need_the_network(checkout, tmp_path, line):
     """On CPU, with no network: every process starts, the group forms and passes the checks,
@@ -152,6 +154,7 @@ def test_sbatch_lines_run_one_launch_sh_per_node(tmp_path, line):
     parse_recipe_args(args)
 
 
+@pytest.mark.slow
 def test_doctor_lines_run_on_cpu(checkout):
     for line in [c for c in COMMANDS if is_doctor(c)]:
         proc = bash(line, checkout, user_env())

@@ -11,6 +11,8 @@ from conftest import BIN, REPO, chat_args, error_lines, interrupt, lm_args, resu
 from test_fault import snapshot
 from test_lm_finetune import eval_loss
 
+pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
+
 pytest.importorskip("deepspeed")
 RECIPE = REPO / "recipes" / "lm_finetune.py"
 CURVE = ["--max_train_steps", "8", "--logging_steps", "1"]
