@@ -4,7 +4,8 @@ data, augmentation, batch and precision as recipes/cifar.py (it builds them with
 own functions); no Accelerate anywhere in the loop.
 
     python benchmarks/baseline_loop.py --out OUT.json -- RECIPE_ARGS...
-    torchrun --nproc_per_node 2 benchmarks/baseline_loop.py --out OUT.json --variants ddp accum_no_sync -- RECIPE_ARGS...
+    torchrun --nproc_per_node 2 benchmarks/baseline_loop.py --out OUT.json --variants ddp accum_no_sync \\
+        -- RECIPE_ARGS...
 
 Variants (timed alternately, --repeats times each, as the recipe's TrainLoop times itself: every
 training batch, no evaluation; the same without the first optimizer step; and each optimizer step,
@@ -25,9 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-
 from benchlib import load_recipe
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 import common
 from common.data import default_num_workers
@@ -41,14 +41,19 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["ddp"])
     p.add_argument("--accumulation", type=int, default=4, help="micro-batches per step of the accum_* variants")
-    p.add_argument("--accumulation_max_steps", type=int, help="optimizer steps of the accum_* variants "
-                   "(default: --max_train_steps)")
+    p.add_argument(
+        "--accumulation_max_steps",
+        type=int,
+        help="optimizer steps of the accum_* variants (default: --max_train_steps)",
+    )
     p.add_argument("--repeats", type=int, default=1)
     own, recipe_argv = p.parse_known_args()
     cifar = load_recipe("cifar")
     args = cifar.parse_args([a for a in recipe_argv if a != "--"])
 
-    world, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
+    world, rank, local_rank = (
+        int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0))
+    )
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -62,14 +67,27 @@ def main():
     else:
         train, _, num_classes = cifar.build_datasets(args)
     on_device = isinstance(train, common.DeviceTensorDataset)
-    workers = 0 if on_device else (default_num_workers() if args.dataloader_num_workers is None
-                                   else args.dataloader_num_workers)
+    workers = (
+        0
+        if on_device
+        else (default_num_workers() if args.dataloader_num_workers is None else args.dataloader_num_workers)
+    )
     generator = torch.Generator().manual_seed(args.seed)
-    sampler = (DistributedSampler(train, shuffle=True, drop_last=True, seed=args.seed) if world > 1
-               else RandomSampler(train, generator=generator))
-    loader = DataLoader(train, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
-                        num_workers=workers, pin_memory=cuda and not on_device, persistent_workers=workers > 0,
-                        collate_fn=(lambda batch: batch) if on_device else None)
+    sampler = (
+        DistributedSampler(train, shuffle=True, drop_last=True, seed=args.seed)
+        if world > 1
+        else RandomSampler(train, generator=generator)
+    )
+    loader = DataLoader(
+        train,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=cuda and not on_device,
+        persistent_workers=workers > 0,
+        collate_fn=(lambda batch: batch) if on_device else None,
+    )
 
     model = cifar.build_model(args.model, num_classes).to(device)
     if cuda:
@@ -78,8 +96,9 @@ def main():
         model.compile()
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-    lr = scale_lr(args.learning_rate, args.per_device_train_batch_size * world, args.reference_batch_size,
-                         args.lr_scaling)
+    lr = scale_lr(
+        args.learning_rate, args.per_device_train_batch_size * world, args.reference_batch_size, args.lr_scaling
+    )
     optimizer = cifar.build_optimizer(args, model, lr, fused=cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
@@ -120,8 +139,11 @@ def main():
             epoch += 1
         samples = args.per_device_train_batch_size * world  # per batch: samples, as TrainLoop counts them
         step = statistics.median(b - a for a, b in zip(step_ends[:-1], step_ends[1:])) if steps > 2 else None
-        return (batches * samples / seconds, (batches - first_step[1]) * samples / (seconds - first_step[0]),
-                samples * accumulation / step if step else None)
+        return (
+            batches * samples / seconds,
+            (batches - first_step[1]) * samples / (seconds - first_step[0]),
+            samples * accumulation / step if step else None,
+        )
 
     measured = {v: [] for v in own.variants}
     for _ in range(own.repeats):
@@ -129,12 +151,20 @@ def main():
             measured[variant].append(samples_per_second(variant))
     if rank == 0:
         with open(own.out, "w") as f:
-            json.dump({"world_size": world, "accumulation": own.accumulation,
-                       "samples_per_second": {v: statistics.median(r[0] for r in m) for v, m in measured.items()},
-                       "steady_samples_per_second": {v: statistics.median(r[1] for r in m) for v, m in measured.items()},
-                       "median_step_samples_per_second": {v: statistics.median(r[2] for r in m)
-                                                          for v, m in measured.items()},
-                       "all": measured}, f, indent=2)
+            json.dump(
+                {
+                    "world_size": world,
+                    "accumulation": own.accumulation,
+                    "samples_per_second": {v: statistics.median(r[0] for r in m) for v, m in measured.items()},
+                    "steady_samples_per_second": {v: statistics.median(r[1] for r in m) for v, m in measured.items()},
+                    "median_step_samples_per_second": {
+                        v: statistics.median(r[2] for r in m) for v, m in measured.items()
+                    },
+                    "all": measured,
+                },
+                f,
+                indent=2,
+            )
     if world > 1:
         dist.destroy_process_group()
 

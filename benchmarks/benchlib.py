@@ -28,12 +28,17 @@ sys.path.insert(0, str(REPO / "scripts"))
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--out", type=Path, default=RESULTS, help="where <name>.json, <name>.md and plots go")
-    p.add_argument("--smoke", action="store_true", help="the smallest setting: keeps the script working, measures little")
+    p.add_argument(
+        "--smoke", action="store_true", help="the smallest setting: keeps the script working, measures little"
+    )
     p.add_argument("--repeats", type=int, help="repetitions per measurement (the median is reported)")
     p.add_argument("--work_dir", type=Path, help="scratch folder for data and run outputs (default: OUT/work)")
-    p.add_argument("--reuse_runs", action="store_true",
-                   help="take a recipe run with the same command and repetition from WORK_DIR/runs instead of "
-                        "launching it again (run_all.py clears that folder, then shares runs between benchmarks)")
+    p.add_argument(
+        "--reuse_runs",
+        action="store_true",
+        help="take a recipe run with the same command and repetition from WORK_DIR/runs instead of "
+        "launching it again (run_all.py clears that folder, then shares runs between benchmarks)",
+    )
     return p
 
 
@@ -53,12 +58,21 @@ def machine() -> dict:
 
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "cores": cores(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "load_average_1min": round(os.getloadavg()[0], 2)}
+    info = {
+        "cpu": cpu,
+        "cores": cores(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
     for name in ("accelerate", "transformers", "deepspeed"):
         try:
             info[name] = __import__(name).__version__
@@ -73,8 +87,10 @@ def machine() -> dict:
 
 def describe(m: dict) -> str:
     where = f"{m['gpus']} x {m['gpu']}, CUDA {m['cuda']}" if m.get("gpu") else "no GPU"
-    return (f"{m['cpu']}, {m['cores']} cores, {where}; Python {m['python']}, torch {m['torch']}, "
-            f"accelerate {m.get('accelerate', '-')}; 1-min load average {m['load_average_1min']} at start")
+    return (
+        f"{m['cpu']}, {m['cores']} cores, {where}; Python {m['python']}, torch {m['torch']}, "
+        f"accelerate {m.get('accelerate', '-')}; 1-min load average {m['load_average_1min']} at start"
+    )
 
 
 def median(values):
@@ -104,8 +120,10 @@ def run(cmd, env=None, timeout=1800) -> subprocess.CompletedProcess:
     cmd = [str(c) for c in cmd]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark command failed ({proc.returncode}): {shlex.join(cmd)}\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise SystemExit(
+            f"benchmark command failed ({proc.returncode}): {shlex.join(cmd)}\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -115,8 +133,16 @@ def accelerate_config(nproc: int, config: str | None = None) -> tuple[list, dict
     if config is None:
         config = ("1gpu" if nproc == 1 else "2gpu") if has_cuda() else "cpu"
     env = env_for(nproc, **({"ACCELERATE_USE_CPU": "true"} if config == "cpu" else {}))
-    args = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{config}.yaml",
-            "--num_processes", nproc, "--main_process_port", env["MASTER_PORT"]]
+    args = [
+        BIN / "accelerate",
+        "launch",
+        "--config_file",
+        REPO / "accelerate_configs" / f"{config}.yaml",
+        "--num_processes",
+        nproc,
+        "--main_process_port",
+        env["MASTER_PORT"],
+    ]
     if config.startswith("zero") and not has_cuda():  # DeepSpeed on CPU: fp32 (see tests/test_zero.py)
         args += ["--mixed_precision", "no"]
     if config == "cpu" and nproc == 1:  # no process group of one, as launch.sh does
@@ -158,10 +184,21 @@ def cifar_data_args(args) -> list:
 
 def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on_device: bool = True) -> list:
     """recipes/cifar.py's arguments for a benchmark run: the data, --model, the batch."""
-    return [*cifar_data_args(args), "--model", args.model, "--per_device_train_batch_size", per_device,
-            "--gradient_accumulation_steps", accumulation, "--max_train_steps", steps, "--logging_steps", 1,
-            *(["--data_on_device"] if data_on_device else []),
-            *(["--torch_compile"] if getattr(args, "torch_compile", False) else [])]
+    return [
+        *cifar_data_args(args),
+        "--model",
+        args.model,
+        "--per_device_train_batch_size",
+        per_device,
+        "--gradient_accumulation_steps",
+        accumulation,
+        "--max_train_steps",
+        steps,
+        "--logging_steps",
+        1,
+        *(["--data_on_device"] if data_on_device else []),
+        *(["--torch_compile"] if getattr(args, "torch_compile", False) else []),
+    ]
 
 
 def median_step_rate(res: dict) -> float | None:
@@ -202,13 +239,23 @@ def tiny_lm(work_dir: Path, hidden_size=64, num_layers=2, block_size=64, lines=6
         words = ["<unk>", "<eos>", *NUMBERS]
         backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>",
-                                            model_max_length=block_size)
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=block_size
+        )
         tokenizer.save_pretrained(root / "model")
         heads = max(1, hidden_size // 64)
-        config = LlamaConfig(vocab_size=len(words), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                             num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
-                             max_position_embeddings=block_size, eos_token_id=1, bos_token_id=None, pad_token_id=None)
+        config = LlamaConfig(
+            vocab_size=len(words),
+            hidden_size=hidden_size,
+            intermediate_size=4 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=block_size,
+            eos_token_id=1,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(root / "model")
         rng = random.Random(0)
@@ -237,8 +284,13 @@ def markdown_table(headers, rows) -> str:
 def save(out: Path, name: str, payload: dict, markdown: str) -> Path:
     """<out>/<name>.json (the measurements, the machine, the command) and <out>/<name>.md."""
     out.mkdir(parents=True, exist_ok=True)
-    record = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine(),
-              "command": shlex.join([Path(sys.executable).name, *sys.argv]), **payload}
+    record = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": machine(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        **payload,
+    }
     (out / f"{name}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
     return out / f"{name}.json"

@@ -18,10 +18,10 @@ import contextlib
 import time
 from types import SimpleNamespace
 
+import benchlib
 import torch
 import torch.nn.functional as F
 
-import benchlib
 import common
 
 NAME = "input_pipeline"
@@ -48,8 +48,13 @@ def parse_args(argv=None):
 
 
 def recipe_args(args):
-    return [*benchlib.cifar_data_args(args), "--model", args.model,
-            "--per_device_train_batch_size", str(args.per_device_train_batch_size)]
+    return [
+        *benchlib.cifar_data_args(args),
+        "--model",
+        args.model,
+        "--per_device_train_batch_size",
+        str(args.per_device_train_batch_size),
+    ]
 
 
 def loader_rate(loader, epochs, max_batches, device):
@@ -77,7 +82,10 @@ def consumption_rate(cifar, args, num_classes, device, steps):
     images = torch.randn(args.per_device_train_batch_size, 3, 32, 32, device=device)
     labels = torch.randint(0, num_classes, (args.per_device_train_batch_size,), device=device)
     if device.type == "cuda":
-        model, images = model.to(memory_format=torch.channels_last), images.contiguous(memory_format=torch.channels_last)
+        model, images = (
+            model.to(memory_format=torch.channels_last),
+            images.contiguous(memory_format=torch.channels_last),
+        )
     optimizer = cifar.build_optimizer(cifar.parse_args([]), model, 0.01, fused=device.type == "cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -106,23 +114,34 @@ def main(argv=None):
     train, _, num_classes = cifar.build_datasets(recipe)
     on_device, _, _ = cifar.build_device_datasets(recipe, device)
 
-    configs = [SimpleNamespace(workers=w, pin=p, persistent=s) for w in args.num_workers
-               for p in ([False, True] if device.type == "cuda" else [False])
-               for s in ([False, True] if w > 0 else [False])]
+    configs = [
+        SimpleNamespace(workers=w, pin=p, persistent=s)
+        for w in args.num_workers
+        for p in ([False, True] if device.type == "cuda" else [False])
+        for s in ([False, True] if w > 0 else [False])
+    ]
     measured = {}
     consumed = []
     for _ in range(args.repeats):  # interleaved, so a change in machine load hits every row alike
         consumed.append(consumption_rate(cifar, args, num_classes, device, 2 if args.smoke else 10))
         for c in configs:
             loader = torch.utils.data.DataLoader(
-                train, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                num_workers=c.workers, pin_memory=c.pin, persistent_workers=c.persistent)
+                train,
+                batch_size=args.per_device_train_batch_size,
+                shuffle=True,
+                drop_last=True,
+                num_workers=c.workers,
+                pin_memory=c.pin,
+                persistent_workers=c.persistent,
+            )
             measured.setdefault(("loader", c.workers, c.pin, c.persistent), []).append(
-                loader_rate(loader, args.epochs, args.max_batches, device))
+                loader_rate(loader, args.epochs, args.max_batches, device)
+            )
             del loader  # ends its workers
         loader = common.make_dataloader(on_device, args.per_device_train_batch_size, train=True)
         measured.setdefault(("device", 0, False, False), []).append(
-            loader_rate(loader, args.epochs, args.max_batches, device))
+            loader_rate(loader, args.epochs, args.max_batches, device)
+        )
 
     consume = benchlib.median(consumed)
     results, rows = [], []
@@ -130,23 +149,62 @@ def main(argv=None):
         per_epoch = [benchlib.median([r[e] for r in reps]) for e in range(args.epochs)]
         steady = benchlib.median(per_epoch[1:] or per_epoch)
         verdict = "input-bound" if steady < consume else "compute-bound"
-        entry = {"path": "--data_on_device" if kind == "device" else "DataLoader", "num_workers": workers,
-                 "pin_memory": pin, "persistent_workers": persistent, "samples_per_second_per_epoch": per_epoch,
-                 "all": reps, "samples_per_second": steady, "model_samples_per_second": consume,
-                 "loader_over_model": steady / consume, "verdict": verdict}
+        entry = {
+            "path": "--data_on_device" if kind == "device" else "DataLoader",
+            "num_workers": workers,
+            "pin_memory": pin,
+            "persistent_workers": persistent,
+            "samples_per_second_per_epoch": per_epoch,
+            "all": reps,
+            "samples_per_second": steady,
+            "model_samples_per_second": consume,
+            "loader_over_model": steady / consume,
+            "verdict": verdict,
+        }
         results.append(entry)
-        rows.append([entry["path"], workers, "on" if pin else "off", "on" if persistent else "off",
-                     per_epoch[0], steady, steady / consume, verdict])
+        rows.append(
+            [
+                entry["path"],
+                workers,
+                "on" if pin else "off",
+                "on" if persistent else "off",
+                per_epoch[0],
+                steady,
+                steady / consume,
+                verdict,
+            ]
+        )
     pin_note = "" if device.type == "cuda" else " pin_memory off only: no CUDA here, nothing to pin for."
     data = "CIFAR-10" if args.cifar_dir else "the digits as 32x32 PNGs (ImageFolder)"
-    md = (f"### Input pipeline: recipes/cifar.py's loader against {args.model}'s consumption\n\n"
-          f"{data}, batch {args.per_device_train_batch_size}, up to {args.max_batches} batches an epoch, "
-          f"{args.epochs} epochs, median of {args.repeats}. The model consumes **{consume:,.0f} samples/s** "
-          f"({device.type}, training steps on a batch already in memory). Steady = epochs after the first.{pin_note}\n\n"
-          + benchlib.markdown_table(["path", "num_workers", "pin_memory", "persistent_workers",
-                                     "first epoch samples/s", "steady samples/s", "loader / model", "verdict"], rows))
-    benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()},
-                                   "model_samples_per_second": consume, "results": results}, md)
+    md = (
+        f"### Input pipeline: recipes/cifar.py's loader against {args.model}'s consumption\n\n"
+        f"{data}, batch {args.per_device_train_batch_size}, up to {args.max_batches} batches an epoch, "
+        f"{args.epochs} epochs, median of {args.repeats}. The model consumes **{consume:,.0f} samples/s** "
+        f"({device.type}, training steps on a batch already in memory). Steady = epochs after the first.{pin_note}\n\n"
+        + benchlib.markdown_table(
+            [
+                "path",
+                "num_workers",
+                "pin_memory",
+                "persistent_workers",
+                "first epoch samples/s",
+                "steady samples/s",
+                "loader / model",
+                "verdict",
+            ],
+            rows,
+        )
+    )
+    benchlib.save(
+        args.out,
+        NAME,
+        {
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "model_samples_per_second": consume,
+            "results": results,
+        },
+        md,
+    )
 
 
 if __name__ == "__main__":

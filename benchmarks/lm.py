@@ -45,18 +45,39 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    lm = benchlib.tiny_lm(args.work_dir, args.hidden_size, args.num_layers, args.block_size,
-                          lines=200 if args.smoke else 3000)
+    lm = benchlib.tiny_lm(
+        args.work_dir, args.hidden_size, args.num_layers, args.block_size, lines=200 if args.smoke else 3000
+    )
     runs = [(name, CONFIGS[name], []) for name in args.configs]
     if args.torch_compile:
         runs.append(("ddp + torch_compile", None, ["--torch_compile"]))
     measured, dirs = {}, {}
     for rep in range(args.repeats):
         for name, config, extra in runs:
-            res, out = benchlib.recipe_run(args, "lm_finetune", args.processes, [
-                "--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
-                "--block_size", args.block_size, "--per_device_train_batch_size", args.per_device_train_batch_size,
-                "--max_train_steps", args.steps, "--logging_steps", args.steps, *extra], rep, config=config)
+            res, out = benchlib.recipe_run(
+                args,
+                "lm_finetune",
+                args.processes,
+                [
+                    "--model_name_or_path",
+                    lm["model"],
+                    "--train_file",
+                    lm["train"],
+                    "--validation_file",
+                    lm["validation"],
+                    "--block_size",
+                    args.block_size,
+                    "--per_device_train_batch_size",
+                    args.per_device_train_batch_size,
+                    "--max_train_steps",
+                    args.steps,
+                    "--logging_steps",
+                    args.steps,
+                    *extra,
+                ],
+                rep,
+                config=config,
+            )
             measured.setdefault(name, []).append(res)
             dirs.setdefault(name, []).append(str(out))
 
@@ -67,26 +88,55 @@ def main(argv=None):
         mfus = [r["mfu"] for r in reps if r.get("mfu") is not None]
         last = reps[-1]
         ddp_tokens = tokens if name == "ddp" else ddp_tokens
-        entry = {"config": name, "processes": last["world_size"], "distributed_type": last["distributed_type"],
-                 "mixed_precision": last["mixed_precision"], "parameters": last["parameters"],
-                 "parameters_per_process": last["parameters_per_process"], "tokens_per_second": tokens,
-                 "all_tokens_per_second": [r["steady_tokens_per_second"] for r in reps], "runs": dirs[name],
-                 "mfu": benchlib.median(mfus), "peak_memory_gb_per_process": last["peak_memory_gb_per_process"],
-                 "peak_memory_kind": last["peak_memory_kind"], "train_loss": last["train_loss"]}
+        entry = {
+            "config": name,
+            "processes": last["world_size"],
+            "distributed_type": last["distributed_type"],
+            "mixed_precision": last["mixed_precision"],
+            "parameters": last["parameters"],
+            "parameters_per_process": last["parameters_per_process"],
+            "tokens_per_second": tokens,
+            "all_tokens_per_second": [r["steady_tokens_per_second"] for r in reps],
+            "runs": dirs[name],
+            "mfu": benchlib.median(mfus),
+            "peak_memory_gb_per_process": last["peak_memory_gb_per_process"],
+            "peak_memory_kind": last["peak_memory_kind"],
+            "train_loss": last["train_loss"],
+        }
         results.append(entry)
         precision = "fp32" if entry["mixed_precision"] == "no" else entry["mixed_precision"]
-        rows.append([name, entry["processes"], precision, tokens,
-                     tokens / ddp_tokens if ddp_tokens else None,
-                     None if entry["mfu"] is None else f"{100 * entry['mfu']:.1f}%",
-                     " / ".join(f"{g:.2f}" for g in entry["peak_memory_gb_per_process"]),
-                     " / ".join(f"{n:,}" for n in entry["parameters_per_process"])])
+        rows.append(
+            [
+                name,
+                entry["processes"],
+                precision,
+                tokens,
+                tokens / ddp_tokens if ddp_tokens else None,
+                None if entry["mfu"] is None else f"{100 * entry['mfu']:.1f}%",
+                " / ".join(f"{g:.2f}" for g in entry["peak_memory_gb_per_process"]),
+                " / ".join(f"{n:,}" for n in entry["parameters_per_process"]),
+            ]
+        )
     kind = results[0]["peak_memory_kind"]
-    md = (f"### LM: recipes/lm_finetune.py under DDP and ZeRO\n\nLlama {args.hidden_size} hidden x {args.num_layers} "
-          f"layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, per-device batch "
-          f"{args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, median of "
-          f"{args.repeats}; tokens/s after the first step. Peak memory: {kind} (GB per process).\n\n"
-          + benchlib.markdown_table(["config", "processes", "precision", "tokens/s", "vs DDP", "MFU",
-                                     "peak memory GB", "parameters held per process"], rows))
+    md = (
+        f"### LM: recipes/lm_finetune.py under DDP and ZeRO\n\nLlama {args.hidden_size} hidden x {args.num_layers} "
+        f"layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, per-device batch "
+        f"{args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, median of "
+        f"{args.repeats}; tokens/s after the first step. Peak memory: {kind} (GB per process).\n\n"
+        + benchlib.markdown_table(
+            [
+                "config",
+                "processes",
+                "precision",
+                "tokens/s",
+                "vs DDP",
+                "MFU",
+                "peak memory GB",
+                "parameters held per process",
+            ],
+            rows,
+        )
+    )
     benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}, md)
 
 

@@ -49,8 +49,13 @@ def accumulation_steps(args, accumulation):
 
 
 def recipe_args(args, accumulation):
-    return benchlib.cifar_args(args, args.per_device_train_batch_size, accumulation_steps(args, accumulation),
-                               accumulation, data_on_device=args.data == "device")
+    return benchlib.cifar_args(
+        args,
+        args.per_device_train_batch_size,
+        accumulation_steps(args, accumulation),
+        accumulation,
+        data_on_device=args.data == "device",
+    )
 
 
 def run_recipe(args, nproc, accumulation, rep):
@@ -62,11 +67,28 @@ def run_baseline(args, nproc, variants, tag):
     out = args.work_dir / f"baseline-{nproc}p-{tag}.json"
     script = benchlib.REPO / "benchmarks" / "baseline_loop.py"
     env = benchlib.env_for(nproc)
-    launcher = ([benchlib.BIN / "python"] if nproc == 1 else
-                [benchlib.BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", env["MASTER_PORT"]])
-    benchlib.run([*launcher, script, "--out", out, "--variants", *variants, "--accumulation", args.accumulation,
-                  "--accumulation_max_steps", accumulation_steps(args, args.accumulation), "--", *recipe_args(args, 1)],
-                 env=env)
+    launcher = (
+        [benchlib.BIN / "python"]
+        if nproc == 1
+        else [benchlib.BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", env["MASTER_PORT"]]
+    )
+    benchlib.run(
+        [
+            *launcher,
+            script,
+            "--out",
+            out,
+            "--variants",
+            *variants,
+            "--accumulation",
+            args.accumulation,
+            "--accumulation_max_steps",
+            accumulation_steps(args, args.accumulation),
+            "--",
+            *recipe_args(args, 1),
+        ],
+        env=env,
+    )
     return json.loads(out.read_text())["median_step_samples_per_second"], out
 
 
@@ -74,8 +96,16 @@ def run_step_cost(args):
     """benchmarks/step_cost.py in a process of its own: the machinery's microseconds per step."""
     out = args.work_dir / "step_cost.json"
     env = benchlib.env_for(1, **({} if benchlib.has_cuda() else {"ACCELERATE_USE_CPU": "true"}))
-    benchlib.run([benchlib.BIN / "python", benchlib.REPO / "benchmarks" / "step_cost.py", "--out", out,
-                  *(["--steps", 50, "--repeats", 1] if args.smoke else [])], env=env)
+    benchlib.run(
+        [
+            benchlib.BIN / "python",
+            benchlib.REPO / "benchmarks" / "step_cost.py",
+            "--out",
+            out,
+            *(["--steps", 50, "--repeats", 1] if args.smoke else []),
+        ],
+        env=env,
+    )
     return json.loads(out.read_text())
 
 
@@ -95,7 +125,9 @@ def main(argv=None):
             if not baseline_first:
                 base, base_file = run_baseline(args, nproc, variants, rep)
             for k in accumulations:
-                row = rows.setdefault((nproc, k), {"recipe": [], "runs": [], "loop_runs": [], **{v: [] for v in variants}})
+                row = rows.setdefault(
+                    (nproc, k), {"recipe": [], "runs": [], "loop_runs": [], **{v: [] for v in variants}}
+                )
                 row["recipe"].append(recipe[k][0])
                 row["runs"].append(str(recipe[k][1]))
                 row["loop_runs"].append(str(base_file))
@@ -106,49 +138,108 @@ def main(argv=None):
     for (nproc, k), m in sorted(rows.items()):
         baseline = "ddp" if k == 1 else "accum_no_sync"
         ratios = [r / b for r, b in zip(m["recipe"], m[baseline])]
-        entry = {"processes": nproc, "accumulation": k, "baseline": baseline,
-                 "recipe_samples_per_second": m["recipe"], "baseline_samples_per_second": m[baseline],
-                 "ratios": ratios, "median_ratio": benchlib.median(ratios), "spread": [min(ratios), max(ratios)],
-                 "recipe_runs": m["runs"], "loop_runs": m["loop_runs"]}
-        name = ("plain PyTorch" if nproc == 1 else "DDP + DistributedSampler (torchrun)") + \
-            (f", no_sync x{k}" if k > 1 else "")
-        overhead_rows.append([nproc, k, name, benchlib.median(m["recipe"]), benchlib.median(m[baseline]),
-                              entry["median_ratio"], f"{min(ratios):.3f}-{max(ratios):.3f}",
-                              "yes" if entry["median_ratio"] >= 0.98 else "no"])
+        entry = {
+            "processes": nproc,
+            "accumulation": k,
+            "baseline": baseline,
+            "recipe_samples_per_second": m["recipe"],
+            "baseline_samples_per_second": m[baseline],
+            "ratios": ratios,
+            "median_ratio": benchlib.median(ratios),
+            "spread": [min(ratios), max(ratios)],
+            "recipe_runs": m["runs"],
+            "loop_runs": m["loop_runs"],
+        }
+        name = ("plain PyTorch" if nproc == 1 else "DDP + DistributedSampler (torchrun)") + (
+            f", no_sync x{k}" if k > 1 else ""
+        )
+        overhead_rows.append(
+            [
+                nproc,
+                k,
+                name,
+                benchlib.median(m["recipe"]),
+                benchlib.median(m[baseline]),
+                entry["median_ratio"],
+                f"{min(ratios):.3f}-{max(ratios):.3f}",
+                "yes" if entry["median_ratio"] >= 0.98 else "no",
+            ]
+        )
         if k > 1:
             every = m["accum_sync_every_step"]
             gains = [n / e for n, e in zip(m["accum_no_sync"], every)]
-            entry.update(sync_every_micro_step_samples_per_second=every, no_sync_speedups=gains,
-                         median_no_sync_speedup=benchlib.median(gains))
-            accumulation_rows.append([nproc, k, benchlib.median(every), benchlib.median(m["accum_no_sync"]),
-                                      entry["median_no_sync_speedup"], benchlib.median(m["recipe"])])
+            entry.update(
+                sync_every_micro_step_samples_per_second=every,
+                no_sync_speedups=gains,
+                median_no_sync_speedup=benchlib.median(gains),
+            )
+            accumulation_rows.append(
+                [
+                    nproc,
+                    k,
+                    benchlib.median(every),
+                    benchlib.median(m["accum_no_sync"]),
+                    entry["median_no_sync_speedup"],
+                    benchlib.median(m["recipe"]),
+                ]
+            )
         results.append(entry)
 
-    how = (f"{args.model}, per-device batch {args.per_device_train_batch_size}, {args.steps} optimizer steps "
-           f"({accumulation_steps(args, args.accumulation)} with accumulation x{args.accumulation}: as many samples), "
-           f"data {'on the device (--data_on_device)' if args.data == 'device' else 'from loader workers'}, "
-           f"{'bf16 on CUDA' if benchlib.has_cuda() else 'fp32 on CPU'}"
-           f"{', torch.compile' if args.torch_compile else ''}; samples/s at each run's median step, the ratio the "
-           f"median of {args.repeats} alternating repetitions")
-    md = [f"### Overhead: recipes/cifar.py against hand-written loops\n\n{how}.\n",
-          benchlib.markdown_table(["processes", "accumulation", "hand-written loop", "recipe samples/s",
-                                   "loop samples/s", "ratio recipe/loop (median)", "ratios (lowest-highest)",
-                                   "within 2%"], overhead_rows)]
+    how = (
+        f"{args.model}, per-device batch {args.per_device_train_batch_size}, {args.steps} optimizer steps "
+        f"({accumulation_steps(args, args.accumulation)} with accumulation x{args.accumulation}: as many samples), "
+        f"data {'on the device (--data_on_device)' if args.data == 'device' else 'from loader workers'}, "
+        f"{'bf16 on CUDA' if benchlib.has_cuda() else 'fp32 on CPU'}"
+        f"{', torch.compile' if args.torch_compile else ''}; samples/s at each run's median step, the ratio the "
+        f"median of {args.repeats} alternating repetitions"
+    )
+    md = [
+        f"### Overhead: recipes/cifar.py against hand-written loops\n\n{how}.\n",
+        benchlib.markdown_table(
+            [
+                "processes",
+                "accumulation",
+                "hand-written loop",
+                "recipe samples/s",
+                "loop samples/s",
+                "ratio recipe/loop (median)",
+                "ratios (lowest-highest)",
+                "within 2%",
+            ],
+            overhead_rows,
+        ),
+    ]
     if accumulation_rows:
-        md += ["\n#### Gradient accumulation: all-reduce every micro-batch vs DDP no_sync\n",
-               benchlib.markdown_table(["processes", "accumulation", "loop, all-reduce every micro-batch",
-                                        "loop, no_sync", "no_sync speedup (median)",
-                                        "recipe (accelerator.accumulate)"], accumulation_rows)]
+        md += [
+            "\n#### Gradient accumulation: all-reduce every micro-batch vs DDP no_sync\n",
+            benchlib.markdown_table(
+                [
+                    "processes",
+                    "accumulation",
+                    "loop, all-reduce every micro-batch",
+                    "loop, no_sync",
+                    "no_sync speedup (median)",
+                    "recipe (accelerator.accumulate)",
+                ],
+                accumulation_rows,
+            ),
+        ]
     cost = step_cost["machinery_us_per_step"]
-    md += [f"\n#### What the machinery costs per step\n\nA 2-layer MLP (batch {8}) trained in one process on "
-           f"{step_cost['device']} by the recipes' loop and by a bare loop, alternating ({step_cost['repeats']} x "
-           f"{step_cost['steps']} steps, `benchmarks/step_cost.py`): the recipe's loop adds **{cost:.0f} us per "
-           f"optimizer step** (bare loop {benchlib.median(step_cost['bare_us_per_step']):.0f} us, recipe "
-           f"{benchlib.median(step_cost['recipe_us_per_step']):.0f} us), a fixed cost: under 2% of any step longer "
-           f"than {cost / 0.02 / 1000:.1f} ms. On a GPU it is host time, hidden behind the device's work unless the "
-           f"host is what limits the step.\n"]
-    benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                                   "step_cost": step_cost}, "\n".join(md))
+    md += [
+        f"\n#### What the machinery costs per step\n\nA 2-layer MLP (batch {8}) trained in one process on "
+        f"{step_cost['device']} by the recipes' loop and by a bare loop, alternating ({step_cost['repeats']} x "
+        f"{step_cost['steps']} steps, `benchmarks/step_cost.py`): the recipe's loop adds **{cost:.0f} us per "
+        f"optimizer step** (bare loop {benchlib.median(step_cost['bare_us_per_step']):.0f} us, recipe "
+        f"{benchlib.median(step_cost['recipe_us_per_step']):.0f} us), a fixed cost: under 2% of any step longer "
+        f"than {cost / 0.02 / 1000:.1f} ms. On a GPU it is host time, hidden behind the device's work unless the "
+        f"host is what limits the step.\n"
+    ]
+    benchlib.save(
+        args.out,
+        NAME,
+        {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results, "step_cost": step_cost},
+        "\n".join(md),
+    )
 
 
 if __name__ == "__main__":

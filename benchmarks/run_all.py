@@ -29,8 +29,11 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=benchlib.RESULTS)
     p.add_argument("--smoke", action="store_true", help="every benchmark in its smallest setting")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
-    p.add_argument("--readme", action=argparse.BooleanOptionalAction,
-                   help="update benchmarks/README.md (default: on for a full run into benchmarks/results)")
+    p.add_argument(
+        "--readme",
+        action=argparse.BooleanOptionalAction,
+        help="update benchmarks/README.md (default: on for a full run into benchmarks/results)",
+    )
     args, passed = p.parse_known_args(argv)
     passed = [a for a in passed if a != "--"]
     readme = args.readme if args.readme is not None else (not args.smoke and args.out.resolve() == benchlib.RESULTS)
@@ -41,8 +44,15 @@ def main(argv=None):
     machine, tic, timings = benchlib.machine(), time.time(), {}
     for name in args.only:
         start = time.time()
-        cmd = [sys.executable, str(Path(__file__).parent / f"{name}.py"), "--out", str(args.out), "--reuse_runs",
-               *(["--smoke"] if args.smoke else []), *passed]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).parent / f"{name}.py"),
+            "--out",
+            str(args.out),
+            "--reuse_runs",
+            *(["--smoke"] if args.smoke else []),
+            *passed,
+        ]
         print(f"+ {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, cwd=benchlib.REPO)
         if proc.returncode != 0:
@@ -52,14 +62,21 @@ def main(argv=None):
 
     gpu = machine["gpu"] is not None
     sections = [(args.out / f"{name}.md").read_text() for name in args.only]
-    md = (f"Measured {time.strftime('%Y-%m-%d')} on {benchlib.describe(machine)}, "
-          f"{round(os.getloadavg()[0], 2)} at the end, in {round(time.time() - tic)} s "
-          f"({', '.join(f'{k} {v} s' for k, v in timings.items())}), "
-          f"by `.venv/bin/python benchmarks/run_all.py{' --smoke' if args.smoke else ''}`"
-          f"{' (smoke setting: too short to mean anything)' if args.smoke else ''}.\n\n"
-          + ("" if gpu else "GPU numbers: not measured (no GPU in this run); the scripts pick CUDA, bf16, NCCL and "
-                            "the device-resident data path when a GPU is present.\n\n")
-          + "\n\n".join(s.strip() for s in sections) + "\n")
+    md = (
+        f"Measured {time.strftime('%Y-%m-%d')} on {benchlib.describe(machine)}, "
+        f"{round(os.getloadavg()[0], 2)} at the end, in {round(time.time() - tic)} s "
+        f"({', '.join(f'{k} {v} s' for k, v in timings.items())}), "
+        f"by `.venv/bin/python benchmarks/run_all.py{' --smoke' if args.smoke else ''}`"
+        f"{' (smoke setting: too short to mean anything)' if args.smoke else ''}.\n\n"
+        + (
+            ""
+            if gpu
+            else "GPU numbers: not measured (no GPU in this run); the scripts pick CUDA, bf16, NCCL and "
+            "the device-resident data path when a GPU is present.\n\n"
+        )
+        + "\n\n".join(s.strip() for s in sections)
+        + "\n"
+    )
     (args.out / "results.md").write_text(md)
     print(f"wrote {args.out / 'results.md'}")
     if readme:

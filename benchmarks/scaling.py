@@ -16,8 +16,12 @@ def parse_args(argv=None):
     p = benchlib.parser(__doc__.split("\n")[0])
     p.add_argument("--processes", type=int, nargs="+", help="default: 1..cores (CPU, at most 4) or 1, 2, 4, ... GPUs")
     p.add_argument("--steps", type=int, help="optimizer steps per run")
-    p.add_argument("--per_device_train_batch_size", type=int, default=32,
-                   help="weak scaling's per-device batch; strong scaling keeps this x max(processes) global")
+    p.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=32,
+        help="weak scaling's per-device batch; strong scaling keeps this x max(processes) global",
+    )
     p.add_argument("--model", help="default: resnet18 (CPU), resnet18_cifar (GPU)")
     p.add_argument("--modes", nargs="+", choices=["weak", "strong"], help="default: both (smoke: weak)")
     p.add_argument("--cifar_dir", help="measure on CIFAR-10 in this folder instead of the bundled digits")
@@ -65,25 +69,39 @@ def main(argv=None):
         for n in ns:
             sps = benchlib.median(measured[(mode, n)])
             speedup = sps / base
-            entry = {"mode": mode, "processes": n, "per_device_batch": points[(mode, n)],
-                     "global_batch": points[(mode, n)] * n, "samples_per_second": sps,
-                     "all_samples_per_second": measured[(mode, n)], "speedup": speedup, "efficiency": speedup / n,
-                     "runs": runs[(mode, n)]}
+            entry = {
+                "mode": mode,
+                "processes": n,
+                "per_device_batch": points[(mode, n)],
+                "global_batch": points[(mode, n)] * n,
+                "samples_per_second": sps,
+                "all_samples_per_second": measured[(mode, n)],
+                "speedup": speedup,
+                "efficiency": speedup / n,
+                "runs": runs[(mode, n)],
+            }
             results.append(entry)
             rows.append([mode, n, entry["per_device_batch"], entry["global_batch"], sps, speedup, speedup / n])
         panels["samples/s"][mode] = (ns, [benchlib.median(measured[(mode, n)]) for n in ns])
         panels["efficiency"][mode] = (ns, [e["efficiency"] for e in results if e["mode"] == mode])
     panels["efficiency"]["ideal"] = (args.processes, [1.0] * len(args.processes))
     where = "GPUs" if benchlib.has_cuda() else "CPU processes"
-    benchlib.plot(args.out / f"{NAME}.png", f"recipes/cifar.py scaling over {where} ({args.model})", "processes",
-                  list(panels.items()))
-    md = (f"### Scaling: recipes/cifar.py in 1..{top} {where}\n\n{args.model}, --data_on_device, {args.steps} "
-          f"optimizer steps a run, samples/s at the median step, median of {args.repeats} runs. "
-          f"Speedup = samples/s(N) / samples/s(1), "
-          f"efficiency = speedup / N. Weak: per-device batch {b}; strong: global batch {b * top}.\n\n"
-          + benchlib.markdown_table(["mode", "processes", "per-device batch", "global batch", "samples/s",
-                                     "speedup", "efficiency"], rows)
-          + f"\n\n![scaling]({NAME}.png)\n")
+    benchlib.plot(
+        args.out / f"{NAME}.png",
+        f"recipes/cifar.py scaling over {where} ({args.model})",
+        "processes",
+        list(panels.items()),
+    )
+    md = (
+        f"### Scaling: recipes/cifar.py in 1..{top} {where}\n\n{args.model}, --data_on_device, {args.steps} "
+        f"optimizer steps a run, samples/s at the median step, median of {args.repeats} runs. "
+        f"Speedup = samples/s(N) / samples/s(1), "
+        f"efficiency = speedup / N. Weak: per-device batch {b}; strong: global batch {b * top}.\n\n"
+        + benchlib.markdown_table(
+            ["mode", "processes", "per-device batch", "global batch", "samples/s", "speedup", "efficiency"], rows
+        )
+        + f"\n\n![scaling]({NAME}.png)\n"
+    )
     benchlib.save(args.out, NAME, {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}, md)
 
 

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from benchlib import load_recipe  # noqa: E402
+
+import common  # noqa: E402
 
 BATCH, FEATURES = 8, 16
 
@@ -55,9 +56,21 @@ def bare(steps, device):
 def recipe(steps, accelerator, out):
     parser = common.training_parser("step cost")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)  # the shared arguments' values, a recipe's
-    args = common.parse(parser, [
-        "--output_dir", str(out), "--per_device_train_batch_size", str(BATCH), "--max_train_steps", str(steps),
-        "--num_train_epochs", "1000", "--logging_steps", "20"])
+    args = common.parse(
+        parser,
+        [
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            str(BATCH),
+            "--max_train_steps",
+            str(steps),
+            "--num_train_epochs",
+            "1000",
+            "--logging_steps",
+            "20",
+        ],
+    )
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, num_workers=0)
     plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
@@ -101,17 +114,29 @@ def main():
     accelerator = Accelerator(cpu=True)
     measured = {"bare": [], "recipe": []}
     for rep in range(args.repeats + 1):  # the first round warms both up and is dropped
-        for name in (("bare", "recipe") if rep % 2 else ("recipe", "bare")):
-            seconds = bare(args.steps, accelerator.device) if name == "bare" else \
-                recipe(args.steps, accelerator, args.out.parent / "step_cost_run")
+        for name in ("bare", "recipe") if rep % 2 else ("recipe", "bare"):
+            seconds = (
+                bare(args.steps, accelerator.device)
+                if name == "bare"
+                else recipe(args.steps, accelerator, args.out.parent / "step_cost_run")
+            )
             if rep:
                 measured[name].append(seconds)
     differences = [r - b for r, b in zip(measured["recipe"], measured["bare"])]
-    args.out.write_text(json.dumps({
-        "device": str(accelerator.device), "steps": args.steps, "repeats": args.repeats,
-        "bare_us_per_step": [s * 1e6 for s in measured["bare"]],
-        "recipe_us_per_step": [s * 1e6 for s in measured["recipe"]],
-        "machinery_us_per_step": statistics.median(differences) * 1e6}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "device": str(accelerator.device),
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "bare_us_per_step": [s * 1e6 for s in measured["bare"]],
+                "recipe_us_per_step": [s * 1e6 for s in measured["recipe"]],
+                "machinery_us_per_step": statistics.median(differences) * 1e6,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

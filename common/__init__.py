@@ -9,8 +9,7 @@ from .metrics import count_parameters, mfu, parameters_per_process, tracker_conf
 from .preemption import Preempted, StopOnSignal
 from .runtime import DataError, RecipeError, check_launch, exit_codes, logger, process_group_kwargs, setup_logging
 from .scaling import decay_groups, make_scheduler
-from .training import (Checkpoints, TrainLog, accumulation_windows, micro_batch, plan_run, target_tokens,
-                       window_tokens)
+from .training import Checkpoints, TrainLog, accumulation_windows, micro_batch, plan_run, target_tokens, window_tokens
 
 __all__ = [
     "Checkpoints",

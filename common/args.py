@@ -93,12 +93,14 @@ def mask_secrets(message: str, argv=()) -> str:
 # --- argument types: each returns the value or raises ArgumentTypeError, which argparse prints as
 # "error: argument --NAME: <message>".
 
+
 def _number(text, kind, wanted):
     try:
         value = kind(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}; "
-                                         f"pass {wanted}") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'a whole number' if kind is int else 'a number'}; pass {wanted}"
+        ) from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
     return value
@@ -115,8 +117,9 @@ def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
 
     def convert(text):
         value = _number(text, kind, wanted)
-        if (low is not None and (value <= low if low_open else value < low)) or \
-                (high is not None and (value >= high if high_open else value > high)):
+        if (low is not None and (value <= low if low_open else value < low)) or (
+            high is not None and (value >= high if high_open else value > high)
+        ):
             raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
         return value
 
@@ -155,8 +158,10 @@ def checkpointing_steps(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'") from None
     if steps < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no "
-                                         "checkpoints, omit --checkpointing_steps")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no "
+            "checkpoints, omit --checkpointing_steps"
+        )
     return str(steps)
 
 
@@ -187,8 +192,9 @@ def drivable_schedules() -> tuple:
 def lr_scheduler_type(text):
     names = drivable_schedules()
     if text not in names:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a schedule this recipe can drive; "
-                                         f"choose from {', '.join(names)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a schedule this recipe can drive; choose from {', '.join(names)}"
+        )
     return text
 
 
@@ -201,52 +207,76 @@ def report_to(text):
     if text not in names:
         raise argparse.ArgumentTypeError(f"{text!r} is not a tracker accelerate knows; choose from {', '.join(names)}")
     if text not in ("none", "all") and text not in {t.value for t in get_available_trackers()}:
-        raise argparse.ArgumentTypeError(
-            f"{text} is not installed here: pip install {text}, or pass --report_to none")
+        raise argparse.ArgumentTypeError(f"{text} is not installed here: pip install {text}, or pass --report_to none")
     return text
 
 
 # The shared arguments whose defaults each recipe states itself, for its model and data.
 TRAINING_HYPERPARAMETERS = (
-    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-    "learning_rate", "reference_batch_size", "lr_scaling", "lr_scheduler_type", "warmup_ratio", "weight_decay",
-    "max_grad_norm", "num_train_epochs", "logging_steps",
+    "output_dir",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "reference_batch_size",
+    "lr_scaling",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "num_train_epochs",
+    "logging_steps",
 )
 
 
 def training_parser(description: str) -> argparse.ArgumentParser:
-    p = ArgumentParser(description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(
+        description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     t = p.add_argument_group("training (shared by every recipe)")
     t.add_argument("--output_dir", type=nonempty)
     t.add_argument("--per_device_train_batch_size", type=positive_int)
     t.add_argument("--per_device_eval_batch_size", type=positive_int)
     t.add_argument("--gradient_accumulation_steps", type=positive_int)
     t.add_argument("--learning_rate", type=positive_float, help="for --reference_batch_size samples")
-    t.add_argument("--reference_batch_size", type=positive_int,
-                   help="the effective batch --learning_rate is meant for")
-    t.add_argument("--lr_scaling", choices=LR_SCALING_RULES,
-                   help="how the learning rate follows the effective batch")
-    t.add_argument("--lr_scheduler_type", type=lr_scheduler_type,
-                   help="a transformers schedule driven by warmup and total steps: linear, cosine, "
-                        "constant_with_warmup, ...")
+    t.add_argument(
+        "--reference_batch_size", type=positive_int, help="the effective batch --learning_rate is meant for"
+    )
+    t.add_argument("--lr_scaling", choices=LR_SCALING_RULES, help="how the learning rate follows the effective batch")
+    t.add_argument(
+        "--lr_scheduler_type",
+        type=lr_scheduler_type,
+        help="a transformers schedule driven by warmup and total steps: linear, cosine, constant_with_warmup, ...",
+    )
     t.add_argument("--warmup_steps", type=non_negative_int, help="overrides --warmup_ratio")
     t.add_argument("--warmup_ratio", type=probability)
     t.add_argument("--weight_decay", type=non_negative_float, help="not applied to biases and norms")
     t.add_argument("--max_grad_norm", type=non_negative_float, help="0 disables clipping")
     t.add_argument("--num_train_epochs", type=positive_int)
     t.add_argument("--max_train_steps", type=positive_int, help="stop after this many optimizer steps")
-    t.add_argument("--checkpointing_steps", type=checkpointing_steps,
-                   help="save the full state every N optimizer steps, or 'epoch'; omit it to save no checkpoints")
+    t.add_argument(
+        "--checkpointing_steps",
+        type=checkpointing_steps,
+        help="save the full state every N optimizer steps, or 'epoch'; omit it to save no checkpoints",
+    )
     t.add_argument("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
     t.add_argument("--save_total_limit", type=positive_int, help="keep only the newest N checkpoints")
-    t.add_argument("--overwrite_output_dir", action="store_true",
-                   help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)")
+    t.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)",
+    )
     t.add_argument("--logging_steps", type=positive_int)
-    t.add_argument("--report_to", type=report_to, default="none",
-                   help="an accelerate tracker: tensorboard, wandb, ... or none")
+    t.add_argument(
+        "--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none"
+    )
     t.add_argument("--dataloader_num_workers", type=non_negative_int, help="per process; default from the CPU count")
-    t.add_argument("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600,
-                   help="seconds before a stuck collective fails (at most a year)")
+    t.add_argument(
+        "--ddp_timeout",
+        type=_ranged(int, 1, 365 * 86400),
+        default=600,
+        help="seconds before a stuck collective fails (at most a year)",
+    )
     t.add_argument("--seed", type=seed, default=42)
     return p
 
@@ -258,6 +288,8 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
     args = parser.parse_args(argv)
     if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
-        parser.error(f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
-                     f"{args.max_train_steps}; pass fewer warmup steps")
+        parser.error(
+            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
+            f"{args.max_train_steps}; pass fewer warmup steps"
+        )
     return args

@@ -69,6 +69,7 @@ def write_json(path: Path, data: dict) -> None:
 
 # Across processes ---------------------------------------------------------------------------------
 
+
 def _distributed(accelerator) -> bool:
     return accelerator is not None and accelerator.num_processes > 1
 
@@ -106,6 +107,7 @@ def _rank_and_world(accelerator) -> tuple[int, int]:
 
 
 # Checksums ---------------------------------------------------------------------------------------
+
 
 def _digest(path: Path) -> str:
     h = hashlib.new(HASH)
@@ -174,6 +176,7 @@ def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | N
 
 # Saving ------------------------------------------------------------------------------------------
 
+
 def save_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit: int | None = None) -> Path:
     """Save the full training state (model, optimizer, scheduler, RNG, sampler) at `step`, with
     `state` (the data position, the run's settings), the library versions and every file's size
@@ -199,8 +202,9 @@ def save_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
     accelerator.wait_for_everyone()
-    settle = _Settle(accelerator, output_dir, f"checkpoint {final}", tmp,
-                     needed=lambda: _checkpoint_bytes(accelerator, output_dir))
+    settle = _Settle(
+        accelerator, output_dir, f"checkpoint {final}", tmp, needed=lambda: _checkpoint_bytes(accelerator, output_dir)
+    )
     with settle.attempt():
         accelerator.save_state(str(tmp))
     settle()
@@ -211,8 +215,10 @@ def save_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit
     digests = {k: v for part in settle(digests) for k, v in part.items()}
     if accelerator.is_main_process:
         with settle.attempt():
-            write_json(tmp / STATE_FILE, {"step": step, **state, "files": files, HASH: digests,
-                                          "versions": library_versions()})
+            write_json(
+                tmp / STATE_FILE,
+                {"step": step, **state, "files": files, HASH: digests, "versions": library_versions()},
+            )
             _install(tmp, final)
     settle()
     if accelerator.is_main_process:
@@ -300,9 +306,11 @@ class _Settle:
         if short or any(k == "space" for _, (k, _) in failures):
             need = f"it needs about {_human(needed)}" if needed else "more space is needed"
             have = f", {_human(free)} free" if free is not None else ""
-            return RecipeError(f"no space left on the filesystem of {self.output_dir} to save the {self.what}: "
-                               f"{need}{have}; free space there or pass another --output_dir "
-                               "(the checkpoints already saved are intact)")
+            return RecipeError(
+                f"no space left on the filesystem of {self.output_dir} to save the {self.what}: "
+                f"{need}{have}; free space there or pass another --output_dir "
+                "(the checkpoints already saved are intact)"
+            )
         where = f" on process {rank}" if _distributed(self.accelerator) else ""
         return RecipeError(f"could not save the {self.what}{where}: {text}; the checkpoints already saved are intact")
 
@@ -317,11 +325,15 @@ def _write_failure(err: BaseException) -> tuple | None:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     text = " ".join(str(e) for e in chain)
-    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or \
-            re.search(r"No space left|os error 28|[Qq]uota exceeded|os error 122", text):
+    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
+        r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
+    ):
         return "space", one_line(err)
-    if any(isinstance(e, OSError) for e in chain) or type(err).__name__ == "SafetensorError" or \
-            re.search(r"PytorchStreamWriter|inline_container|iostream|file write failed", text):
+    if (
+        any(isinstance(e, OSError) for e in chain)
+        or type(err).__name__ == "SafetensorError"
+        or re.search(r"PytorchStreamWriter|inline_container|iostream|file write failed", text)
+    ):
         return "io", one_line(err)
     return None
 
@@ -357,8 +369,13 @@ def _checkpoint_bytes(accelerator, output_dir: Path) -> int:
     for optimizer in accelerator._optimizers:
         inner = getattr(optimizer, "optimizer", optimizer)
         states = getattr(inner, "state", None)
-        tensors = [v for s in (states.values() if isinstance(states, dict) else ()) if isinstance(s, dict)
-                   for v in s.values() if torch.is_tensor(v)]
+        tensors = [
+            v
+            for s in (states.values() if isinstance(states, dict) else ())
+            if isinstance(s, dict)
+            for v in s.values()
+            if torch.is_tensor(v)
+        ]
         shards = accelerator.num_processes if accelerator.state.deepspeed_plugin is not None else 1
         total += shards * sum(t.numel() * t.element_size() for t in tensors)
     return total
@@ -367,12 +384,14 @@ def _checkpoint_bytes(accelerator, output_dir: Path) -> int:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, oldest first."""
     output_dir = Path(output_dir)
-    found = [p for p in output_dir.glob("checkpoint-*")
-             if CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file()]
+    found = [
+        p for p in output_dir.glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file()
+    ]
     return sorted(found, key=_step)
 
 
 # Resuming ----------------------------------------------------------------------------------------
+
 
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
     """`--resume_from_checkpoint`: None, `latest` (the newest complete, intact checkpoint in
@@ -388,8 +407,10 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
             raise RecipeError(_not_a_checkpoint(spec))
         damage = checkpoint_damage(path, accelerator)
         if damage:
-            raise RecipeError(f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; "
-                              f"pass an older checkpoint-<step> folder, or `latest` to pick the newest intact one")
+            raise RecipeError(
+                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; "
+                f"pass an older checkpoint-<step> folder, or `latest` to pick the newest intact one"
+            )
         return path
     damaged = 0
     for path in _from_main(accelerator, lambda: _latest_candidates(Path(output_dir))):
@@ -404,8 +425,10 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
 
 
 def _not_a_checkpoint(spec: str) -> str:
-    return (f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); "
-            "pass a checkpoint-<step> folder written by a recipe, or `latest`")
+    return (
+        f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); "
+        "pass a checkpoint-<step> folder written by a recipe, or `latest`"
+    )
 
 
 def _latest_candidates(output_dir: Path) -> list:
@@ -455,11 +478,14 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
         raise RecipeError(_not_a_checkpoint(spec))
     inside = path is not None and _inside(path, output_dir)
     if overwrite and spec == "latest":
-        raise RecipeError("--overwrite_output_dir starts over and --resume_from_checkpoint latest continues the run "
-                          f"in {output_dir}: pass one of them")
+        raise RecipeError(
+            "--overwrite_output_dir starts over and --resume_from_checkpoint latest continues the run "
+            f"in {output_dir}: pass one of them"
+        )
     if overwrite and inside:
-        raise RecipeError(f"--overwrite_output_dir would delete {spec}, the checkpoint to resume from: "
-                          "pass one of them")
+        raise RecipeError(
+            f"--overwrite_output_dir would delete {spec}, the checkpoint to resume from: pass one of them"
+        )
     held = _key(output_dir) in _RunLock.held
     lock = _RunLock.acquire(output_dir)
     try:
@@ -527,11 +553,16 @@ def _finished(output_dir: Path) -> str | None:
     checkpoints = complete_checkpoints(output_dir)
     if isinstance(steps, int) and checkpoints and _step(checkpoints[-1]) > steps:
         return None
-    further = (f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
-               if checkpoints else "")
+    further = (
+        f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
+        if checkpoints
+        else ""
+    )
     counted = f", {steps} steps" if isinstance(steps, int) else ""
-    return (f"{output_dir} holds a finished run ({RESULTS_FILE}{counted}): nothing left to train{further}; "
-            "to start over, pass --overwrite_output_dir instead of --resume_from_checkpoint")
+    return (
+        f"{output_dir} holds a finished run ({RESULTS_FILE}{counted}): nothing left to train{further}; "
+        "to start over, pass --overwrite_output_dir instead of --resume_from_checkpoint"
+    )
 
 
 def _finish_interrupted_saves(output_dir: Path) -> None:
@@ -611,11 +642,14 @@ def _check_writable(accelerator, output_dir: Path) -> None:
 
 
 def _unwritable(output_dir: Path, detail: str) -> str:
-    return (f"cannot write to --output_dir {output_dir} ({detail}); pass a folder this job can write to, "
-            "on a filesystem every node sees")
+    return (
+        f"cannot write to --output_dir {output_dir} ({detail}); pass a folder this job can write to, "
+        "on a filesystem every node sees"
+    )
 
 
 # One run per --output_dir -------------------------------------------------------------------------
+
 
 def _key(output_dir: Path) -> str:
     return str(Path(output_dir).resolve())
@@ -692,12 +726,16 @@ class _RunLock:
                     continue
                 if err.errno in UNSUPPORTED_LOCK:
                     if not _RunLock.warned:
-                        logger.warning(f"cannot lock --output_dir {self.output_dir} on this filesystem "
-                                       f"({one_line(err)}): a second run started into it would not be stopped")
+                        logger.warning(
+                            f"cannot lock --output_dir {self.output_dir} on this filesystem "
+                            f"({one_line(err)}): a second run started into it would not be stopped"
+                        )
                         _RunLock.warned = True
                     return
-                raise RecipeError(f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); "
-                                  "pass a folder on another filesystem") from err
+                raise RecipeError(
+                    f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); "
+                    "pass a folder on another filesystem"
+                ) from err
             if not self._still_there(fd):
                 os.close(fd)
                 continue
@@ -738,8 +776,11 @@ class _RunLock:
     @staticmethod
     def _identity() -> bytes:
         job = os.environ.get("SLURM_JOB_ID")
-        return (f"pid {os.getpid()} on {socket.gethostname()}" + (f", Slurm job {job}" if job else "") +
-                f", started {time.strftime('%Y-%m-%d %H:%M:%S')}\n").encode()
+        return (
+            f"pid {os.getpid()} on {socket.gethostname()}"
+            + (f", Slurm job {job}" if job else "")
+            + f", started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        ).encode()
 
     def _write(self, data: bytes) -> None:
         os.ftruncate(self.fd, 0)
@@ -796,8 +837,10 @@ def load_checkpoint(accelerator, path: Path, must_match: dict, identity: dict | 
     state = json.loads((Path(path) / STATE_FILE).read_text())
     identity = identity or {}
     if state.get("recipe", identity.get("recipe")) != identity.get("recipe"):
-        raise RecipeError(f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is "
-                          f"recipes/{identity['recipe']}.py; resume it with that recipe, or use another --output_dir")
+        raise RecipeError(
+            f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is "
+            f"recipes/{identity['recipe']}.py; resume it with that recipe, or use another --output_dir"
+        )
     if state.get("model_signature", identity.get("model_signature")) != identity.get("model_signature"):
         raise RecipeError(
             f"checkpoint {path} holds another model ({state.get('model_parameters', 0):,} parameters, this run's has "
@@ -816,8 +859,11 @@ def load_checkpoint(accelerator, path: Path, must_match: dict, identity: dict | 
         else:
             accelerator.load_state(str(path))
     except Exception as err:  # a truncated file, another model's weights, a missing shard
-        raise RecipeError(f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> "
-                          "folder, or `latest` to pick the newest intact one", same_on_every_rank=False) from err
+        raise RecipeError(
+            f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> "
+            "folder, or `latest` to pick the newest intact one",
+            same_on_every_rank=False,
+        ) from err
     logger.info(f"resumed from {path} at step {state['step']}")
     return state
 
@@ -843,13 +889,23 @@ def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
         for item in path.iterdir():  # the rest (scheduler, RNG states, ...) as it is
             if item.name not in tags:
                 (view / item.name).symlink_to(item.resolve())
-        logger.warning(f"{path.name} was written by {written_by} processes, this run has {accelerator.num_processes}: "
-                       f"converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it")
+        logger.warning(
+            f"{path.name} was written by {written_by} processes, this run has {accelerator.num_processes}: "
+            f"converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it"
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
             for tag in tags:
-                ds_to_universal(Namespace(input_folder=str(path / tag), output_folder=str(view / tag),
-                                          num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                          strict=True, inject_missing_state=True))  # ZeRO-1/2 lack its metadata
+                ds_to_universal(
+                    Namespace(
+                        input_folder=str(path / tag),
+                        output_folder=str(view / tag),
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,
+                    )
+                )  # ZeRO-1/2 lack its metadata
     accelerator.wait_for_everyone()
     engines = [model for model in accelerator._models if hasattr(model, "load_universal_checkpoint")]
     try:
@@ -885,8 +941,13 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     """
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
-    settle = _Settle(accelerator, output_dir, f"model in {output_dir}", None,
-                     needed=lambda: sum(t.numel() * t.element_size() for t in state_dict.values()))
+    settle = _Settle(
+        accelerator,
+        output_dir,
+        f"model in {output_dir}",
+        None,
+        needed=lambda: sum(t.numel() * t.element_size() for t in state_dict.values()),
+    )
     if accelerator.is_main_process:
         with settle.attempt():
             if not state_dict:

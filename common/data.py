@@ -39,8 +39,9 @@ def default_num_workers() -> int:
     return max(0, min(8, per_process - 1))
 
 
-def make_dataloader(dataset, batch_size: int, *, train: bool, seed: int = 0, num_workers: int | None = None,
-                    collate_fn=None):
+def make_dataloader(
+    dataset, batch_size: int, *, train: bool, seed: int = 0, num_workers: int | None = None, collate_fn=None
+):
     """A DataLoader with the defaults a data-parallel job wants.
 
     Training draws samples in the order of an EpochSampler (fixed by seed and epoch, resumable at any
@@ -100,7 +101,7 @@ class EpochSampler(Sampler):
         return self._resume_sample if self.epoch == self._resume_epoch else 0
 
     def __iter__(self):
-        return iter(self.order(self.epoch)[self._start():].tolist())
+        return iter(self.order(self.epoch)[self._start() :].tolist())
 
     def __len__(self) -> int:
         return self.num_samples - self._start()

@@ -13,6 +13,7 @@ import torch
 from .checkpoint import write_json
 from .runtime import library_versions
 
+
 def count_parameters(model, trainable_only=False) -> int:
     """Parameter count, also under ZeRO-3, where each process holds only a shard (`ds_numel` is the full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
@@ -20,8 +21,14 @@ def count_parameters(model, trainable_only=False) -> int:
 
 def parameters_per_process(accelerator, model) -> list:
     """Parameter elements each process holds: all of them under DDP, about 1/N under ZeRO-3 or FSDP."""
-    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(p, "to_local")
-                else p.numel() for p in model.parameters())
+    local = sum(
+        p.ds_tensor.numel()
+        if hasattr(p, "ds_tensor")
+        else p.to_local().numel()
+        if hasattr(p, "to_local")
+        else p.numel()
+        for p in model.parameters()
+    )
     return accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
 
 

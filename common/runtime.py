@@ -142,8 +142,10 @@ def process_group_kwargs(ddp_timeout: int = 600) -> InitProcessGroupKwargs:
     try:
         _join_restarted_group(kwargs)
     except torch.distributed.DistError as err:
-        raise RecipeError(f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
-                          "reachable from every process and that the port is free") from err
+        raise RecipeError(
+            f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
+            "reachable from every process and that the port is free"
+        ) from err
     return InitProcessGroupKwargs(**kwargs)
 
 
@@ -154,8 +156,9 @@ def check_launch(accelerator: Accelerator, gradient_accumulation_steps: int = 1,
     from `max_grad_norm` when the config leaves it to us)."""
     check_process_group(accelerator, int(os.environ.get("WORLD_SIZE", "1")))
     if accelerator.state.deepspeed_plugin is not None:
-        _agree_with_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps,
-                              max_grad_norm)
+        _agree_with_deepspeed(
+            accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm
+        )
 
 
 def _started_by_a_launcher() -> bool:
@@ -197,14 +200,23 @@ def _join_restarted_group(pg_kwargs: dict) -> None:
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
         return
     timeout = pg_kwargs["timeout"]
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     backend = pg_kwargs.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
-                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                         timeout=timeout)
+    torch.distributed.init_process_group(
+        backend,
+        store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def _agree_with_deepspeed(config: dict, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
@@ -282,5 +294,12 @@ def setup_logging(accelerator: Accelerator) -> None:
         datefmt="%H:%M:%S",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
     )
-    for noisy in ("torch.distributed", "torch.nn.parallel", "datasets", "httpx", "urllib3", "accelerate.checkpointing"):
+    for noisy in (
+        "torch.distributed",
+        "torch.nn.parallel",
+        "datasets",
+        "httpx",
+        "urllib3",
+        "accelerate.checkpointing",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)

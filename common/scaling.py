@@ -117,31 +117,50 @@ def plan_training(
         warmup_steps = math.ceil(warmup_ratio * max_train_steps)
     batch = effective_batch_size(per_device_batch_size, num_processes, gradient_accumulation_steps)
     plan = TrainingPlan(
-        num_samples=num_samples, per_device_batch_size=per_device_batch_size, num_processes=num_processes,
-        gradient_accumulation_steps=gradient_accumulation_steps, effective_batch_size=batch,
+        num_samples=num_samples,
+        per_device_batch_size=per_device_batch_size,
+        num_processes=num_processes,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        effective_batch_size=batch,
         learning_rate=scale_lr(learning_rate, batch, reference_batch_size, lr_scaling),
-        steps_per_epoch=steps_per_epoch, max_train_steps=max_train_steps,
-        num_epochs=math.ceil(max_train_steps / steps_per_epoch), warmup_steps=warmup_steps,
-        total_samples=0, warmup_samples=0,
+        steps_per_epoch=steps_per_epoch,
+        max_train_steps=max_train_steps,
+        num_epochs=math.ceil(max_train_steps / steps_per_epoch),
+        warmup_steps=warmup_steps,
+        total_samples=0,
+        warmup_samples=0,
     )
-    return replace(plan, total_samples=plan.samples_for_steps(max_train_steps),
-                   warmup_samples=plan.samples_for_steps(warmup_steps))
+    return replace(
+        plan,
+        total_samples=plan.samples_for_steps(max_train_steps),
+        warmup_samples=plan.samples_for_steps(warmup_steps),
+    )
 
 
 def plan_from_args(args, num_samples: int, num_processes: int) -> TrainingPlan:
     """plan_training with the shared training arguments (common.training_parser)."""
     return plan_training(
-        num_samples=num_samples, per_device_batch_size=args.per_device_train_batch_size, num_processes=num_processes,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
-        reference_batch_size=args.reference_batch_size, lr_scaling=args.lr_scaling, num_train_epochs=args.num_train_epochs,
-        max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio)
+        num_samples=num_samples,
+        per_device_batch_size=args.per_device_train_batch_size,
+        num_processes=num_processes,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        reference_batch_size=args.reference_batch_size,
+        lr_scaling=args.lr_scaling,
+        num_train_epochs=args.num_train_epochs,
+        max_train_steps=args.max_train_steps,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+    )
 
 
 def describe_plan(plan: TrainingPlan, args) -> str:
-    return (f"{plan.num_processes} process(es) x {plan.per_device_batch_size} per device x "
-            f"{plan.gradient_accumulation_steps} accumulation = effective batch {plan.effective_batch_size}; "
-            f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
-            f"({args.lr_scaling}); {plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
+    return (
+        f"{plan.num_processes} process(es) x {plan.per_device_batch_size} per device x "
+        f"{plan.gradient_accumulation_steps} accumulation = effective batch {plan.effective_batch_size}; "
+        f"learning rate {args.learning_rate} at batch {args.reference_batch_size} -> {plan.learning_rate:.4g} "
+        f"({args.lr_scaling}); {plan.max_train_steps} steps of which {plan.warmup_steps} warmup"
+    )
 
 
 def make_scheduler(optimizer, name: str, plan: TrainingPlan, progress):
@@ -149,8 +168,9 @@ def make_scheduler(optimizer, name: str, plan: TrainingPlan, progress):
     samples trained so far (`progress.samples_seen`), not of the step count: a run resumed with another
     effective batch then continues the schedule where it was instead of replaying warmup or decay.
     The recipe steps it once per optimizer step, after counting the step's samples."""
-    schedule = get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_samples,
-                             num_training_steps=plan.total_samples)
+    schedule = get_scheduler(
+        name, optimizer, num_warmup_steps=plan.warmup_samples, num_training_steps=plan.total_samples
+    )
     schedule.lr_lambdas = [lambda _, by_samples=f: by_samples(progress.samples_seen) for f in schedule.lr_lambdas]
     return schedule
 
@@ -164,4 +184,6 @@ def decay_groups(model, weight_decay: float) -> list:
         {"params": [p for p in params if ndim(p) > 1], "weight_decay": weight_decay},
         {"params": [p for p in params if ndim(p) <= 1], "weight_decay": 0.0},
     ]
-    return [group for group in groups if group["params"]]  # DeepSpeed drops empty groups; the scheduler must not see them
+    return [
+        group for group in groups if group["params"]
+    ]  # DeepSpeed drops empty groups; the scheduler must not see them

@@ -60,17 +60,21 @@ def _read_error(err: BaseException, fmt: str) -> str:
         return "holds no rows; add data or pass another file"
     if isinstance(err, OSError) and err.errno == 28:  # ENOSPC: datasets' cache, not the file
         return f"the datasets cache is out of space ({err}); free space or point HF_DATASETS_CACHE elsewhere"
-    hint = {"json": "each line must be one JSON object, such as {\"text\": \"...\"}",
-            "csv": "it must be comma-separated with a header row naming the columns",
-            "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
-            "text": "it must be plain UTF-8 text"}[fmt]
+    hint = {
+        "json": 'each line must be one JSON object, such as {"text": "..."}',
+        "csv": "it must be comma-separated with a header row naming the columns",
+        "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
+        "text": "it must be plain UTF-8 text",
+    }[fmt]
     return f"cannot be read as {fmt} ({_cause(err)}); {hint}"
 
 
 def _not_utf8(err: UnicodeDecodeError) -> str:
-    around = err.object[max(0, err.start - 20):err.start + 20]
-    return (f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); "
-            "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+    around = err.object[max(0, err.start - 20) : err.start + 20]
+    return (
+        f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); "
+        "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
+    )
 
 
 def _check_local_file(flag: str, path) -> str:
@@ -95,8 +99,10 @@ def _check_local_file(flag: str, path) -> str:
         try:
             pyarrow.parquet.read_metadata(path)
         except (pyarrow.ArrowException, OSError) as err:
-            raise RecipeError(f"{flag} {path}: not a parquet file ({str(err).splitlines()[0]}); "
-                              "write it again with a parquet writer, or pass .jsonl/.csv/.txt") from err
+            raise RecipeError(
+                f"{flag} {path}: not a parquet file ({str(err).splitlines()[0]}); "
+                "write it again with a parquet writer, or pass .jsonl/.csv/.txt"
+            ) from err
     return fmt
 
 
@@ -123,13 +129,16 @@ def _load_named(dataset_name: str, config_name=None):
 
     flag = f"--dataset_name {dataset_name}" + (f" --dataset_config_name {config_name}" if config_name else "")
     if dataset_name.startswith(("/", ".", "~")) and not Path(dataset_name).expanduser().is_dir():
-        raise RecipeError(f"--dataset_name {dataset_name}: no such folder; pass a folder of data files or a hub "
-                          "dataset id")
+        raise RecipeError(
+            f"--dataset_name {dataset_name}: no such folder; pass a folder of data files or a hub dataset id"
+        )
     try:
         raw = load_dataset(dataset_name, config_name)
     except Exception as err:  # not on the hub, offline, no data files, a bad config name, unreadable files
-        raise RecipeError(f"{flag}: {_cause(err)}; pass a hub dataset id (with network, or cached) or a folder of "
-                          "data files, or --train_file") from err
+        raise RecipeError(
+            f"{flag}: {_cause(err)}; pass a hub dataset id (with network, or cached) or a folder of "
+            "data files, or --train_file"
+        ) from err
     if "train" not in raw:
         raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
     return raw
@@ -139,13 +148,23 @@ def data_sources(dataset_name=None, train_file=None, validation_file=None) -> di
     """How error messages name each split's data."""
     if dataset_name:
         return {split: f"--dataset_name {dataset_name} ({split} split)" for split in ("train", "validation")}
-    return {"train": f"--train_file {train_file}",
-            "validation": f"--validation_file {validation_file}" if validation_file
-            else f"the part of --train_file {train_file} held out for validation"}
+    return {
+        "train": f"--train_file {train_file}",
+        "validation": f"--validation_file {validation_file}"
+        if validation_file
+        else f"the part of --train_file {train_file} held out for validation",
+    }
 
 
-def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                      validation_split_percentage=5, seed=0):
+def load_raw_datasets(
+    *,
+    dataset_name=None,
+    dataset_config_name=None,
+    train_file=None,
+    validation_file=None,
+    validation_split_percentage=5,
+    seed=0,
+):
     """A DatasetDict with `train` and `validation`, from the hub or from local files.
 
     With no validation split, `validation_split_percentage` percent of train is held out (seeded).
@@ -160,8 +179,10 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
         if validation_file:
             validation_format = _check_local_file("--validation_file", validation_file)
             if validation_format != train_format:
-                raise RecipeError(f"--validation_file {validation_file} is {validation_format} but --train_file "
-                                  f"{train_file} is {train_format}; pass both in one format")
+                raise RecipeError(
+                    f"--validation_file {validation_file} is {validation_format} but --train_file "
+                    f"{train_file} is {train_format}; pass both in one format"
+                )
         raw = DatasetDict(train=_load_local_file("--train_file", train_file, train_format))
         if validation_file:
             raw["validation"] = _load_local_file("--validation_file", validation_file, validation_format)
@@ -170,15 +191,19 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
         raise RecipeError("no data: pass --dataset_name (hub) or --train_file (local txt, json, jsonl, csv, parquet)")
     if "validation" not in raw:
         if not 0 < validation_split_percentage < 100:
-            raise RecipeError(f"--validation_split_percentage {validation_split_percentage} leaves a split empty; "
-                              "pass a percentage between 0 and 100 (exclusive)")
+            raise RecipeError(
+                f"--validation_split_percentage {validation_split_percentage} leaves a split empty; "
+                "pass a percentage between 0 and 100 (exclusive)"
+            )
         rows = len(raw["train"])
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         except ValueError as err:  # a side would be empty
-            raise RecipeError(f"{source}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
-                              "validation; add rows, pass --validation_file, or change "
-                              "--validation_split_percentage") from err
+            raise RecipeError(
+                f"{source}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
+                "validation; add rows, pass --validation_file, or change "
+                "--validation_split_percentage"
+            ) from err
         raw = DatasetDict(train=split["train"], validation=split["test"])
     return raw
 
@@ -199,8 +224,9 @@ def check_conversation(messages) -> None:
             raise RecipeError(f"message {number} has no content: {_excerpt(message)}")
         if content is not None and not isinstance(content, str):
             fix = "join its text parts into one string" if isinstance(content, list) else "make it text"
-            raise RecipeError(f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), "
-                              f"not a string: {fix}")
+            raise RecipeError(
+                f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), not a string: {fix}"
+            )
     if not any(message["role"] == "assistant" for message in messages):
         raise RecipeError(f"no assistant message, so nothing to train on: {_excerpt(messages)}")
 
@@ -227,8 +253,10 @@ def chat_example(tokenizer, messages) -> dict:
                 before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
             through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
             if not (text.startswith(before) and text.startswith(through)):
-                raise RecipeError("the tokenizer's chat template does not render conversations incrementally, "
-                                  "so prompt tokens cannot be masked; use --data_format text")
+                raise RecipeError(
+                    "the tokenizer's chat template does not render conversations incrementally, "
+                    "so prompt tokens cannot be masked; use --data_format text"
+                )
             spans.append((len(before), len(through)))
     except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first, ...
         raise RecipeError(f"the chat template rejects the conversation ({err}): {_excerpt(messages)}") from err
@@ -254,8 +282,9 @@ def max_block_size(tokenizer, config) -> int:
     return min(limit for limit in limits if limit and limit < 1_000_000_000)
 
 
-def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None,
-                      sources=None):
+def tokenize_and_pack(
+    raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None, sources=None
+):
     """Tokenize `raw` (text: `text_column` plus EOS; chat: the `messages` column, prompts
     masked) and pack into blocks. `datasets` caches each step, so a process that runs this after
     the main one (see prepare_data_first) loads the cache instead of recomputing it. `sources`
@@ -271,12 +300,16 @@ def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, blo
                 hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
                 message = f"--text_column {column}: not in the data (columns: {', '.join(columns)}){hint}"
             else:
-                message = (f"--data_format chat needs a column named messages: not in the data (columns: "
-                           f"{', '.join(columns)}); pass --data_format text for plain text")
+                message = (
+                    f"--data_format chat needs a column named messages: not in the data (columns: "
+                    f"{', '.join(columns)}); pass --data_format text for plain text"
+                )
             raise RecipeError(f"{sources[split]}: {message}")
     if data_format == "chat" and not tokenizer.chat_template:
-        raise RecipeError(f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat "
-                          "renders conversations with; use a tokenizer that has one, or --data_format text")
+        raise RecipeError(
+            f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat "
+            "renders conversations with; use a tokenizer that has one, or --data_format text"
+        )
 
     def tokenize(batch, source):
         if data_format == "chat":
@@ -287,8 +320,10 @@ def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, blo
             return {key: [row[key] for row in rows] for key in ("input_ids", "labels")}
         for text in batch[column]:
             if not isinstance(text, str):
-                raise RecipeError(f"{source}: a row's {column} is {_excerpt(text)} ({type(text).__name__}), not text; "
-                                  f"remove or fill such rows, or pass the --text_column that holds the text")
+                raise RecipeError(
+                    f"{source}: a row's {column} is {_excerpt(text)} ({type(text).__name__}), not text; "
+                    f"remove or fill such rows, or pass the --text_column that holds the text"
+                )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         ids = [tokens + eos for tokens in tokenizer(batch[column])["input_ids"]]
         return {"input_ids": ids, "labels": ids}
@@ -296,12 +331,23 @@ def tokenize_and_pack(raw, tokenizer, *, data_format: str, text_column: str, blo
     packed = DatasetDict()
     for split, data in raw.items():
         try:
-            tokenized = data.map(tokenize, batched=True, fn_kwargs={"source": sources[split]},
-                                 remove_columns=data.column_names, num_proc=num_proc, desc=f"tokenizing {split}")
+            tokenized = data.map(
+                tokenize,
+                batched=True,
+                fn_kwargs={"source": sources[split]},
+                remove_columns=data.column_names,
+                num_proc=num_proc,
+                desc=f"tokenizing {split}",
+            )
         except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
             raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
-        packed[split] = tokenized.map(pack, batched=True, fn_kwargs={"block_size": block_size}, num_proc=num_proc,
-                                      desc=f"packing {split} into blocks of {block_size}")
+        packed[split] = tokenized.map(
+            pack,
+            batched=True,
+            fn_kwargs={"block_size": block_size},
+            num_proc=num_proc,
+            desc=f"packing {split} into blocks of {block_size}",
+        )
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
             raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
@@ -315,11 +361,19 @@ def add_text_args(parser) -> None:
     d.add_argument("--dataset_config_name", type=nonempty)
     d.add_argument("--train_file", type=nonempty, help="local .txt, .json, .jsonl, .csv or .parquet")
     d.add_argument("--validation_file", type=nonempty, help="in the format of --train_file")
-    d.add_argument("--validation_split_percentage", type=percentage, default=5,
-                   help="held out when there is no validation split (between 0 and 100)")
+    d.add_argument(
+        "--validation_split_percentage",
+        type=percentage,
+        default=5,
+        help="held out when there is no validation split (between 0 and 100)",
+    )
     d.add_argument("--text_column", type=nonempty, default="text")
-    d.add_argument("--data_format", choices=["text", "chat"], default="text",
-                   help="chat: a `messages` column rendered with the chat template, prompts masked out of the loss")
+    d.add_argument(
+        "--data_format",
+        choices=["text", "chat"],
+        default="text",
+        help="chat: a `messages` column rendered with the chat template, prompts masked out of the loss",
+    )
     d.add_argument("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
     d.add_argument("--preprocessing_num_workers", type=positive_int)
 
@@ -329,8 +383,9 @@ def check_text_args(parser, args) -> None:
     if args.dataset_name and (args.train_file or args.validation_file):
         parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
     if not args.dataset_name and not args.train_file:
-        parser.error("no data: pass --train_file (local txt, json, jsonl, csv, parquet) or --dataset_name "
-                     "(hub or folder)")
+        parser.error(
+            "no data: pass --train_file (local txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)"
+        )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     if args.dataset_config_name and not args.dataset_name:
@@ -342,17 +397,27 @@ def check_text_args(parser, args) -> None:
 
 # --- models and tokenizers: what from_pretrained raises about a model's files, as one line.
 
+
 def add_model_args(group) -> None:
     """Where the causal-LM recipes' model and tokenizer come from (names from transformers' run_clm)."""
     group.add_argument("--model_name_or_path", type=nonempty, help="pretrained weights: a hub id or a local folder")
-    group.add_argument("--config_name", type=nonempty,
-                       help="or a new model, randomly initialized: the config of a hub id or local folder")
-    group.add_argument("--config_overrides", type=config_overrides,
-                       help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32")
+    group.add_argument(
+        "--config_name",
+        type=nonempty,
+        help="or a new model, randomly initialized: the config of a hub id or local folder",
+    )
+    group.add_argument(
+        "--config_overrides",
+        type=config_overrides,
+        help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32",
+    )
     group.add_argument("--tokenizer_name", type=nonempty, help="default: --model_name_or_path or --config_name")
-    group.add_argument("--resize_token_embeddings", action="store_true",
-                       help="grow the model's embeddings to a tokenizer larger than its vocabulary (new rows start at "
-                            "the others' mean, as transformers' resize_token_embeddings does)")
+    group.add_argument(
+        "--resize_token_embeddings",
+        action="store_true",
+        help="grow the model's embeddings to a tokenizer larger than its vocabulary (new rows start at "
+        "the others' mean, as transformers' resize_token_embeddings does)",
+    )
     group.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
 
 
@@ -360,8 +425,10 @@ def check_model_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
         parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
     if args.config_overrides and not args.config_name:
-        parser.error("--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
-                     "pass --config_name instead of --model_name_or_path, or drop the overrides")
+        parser.error(
+            "--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
+            "pass --config_name instead of --model_name_or_path, or drop the overrides"
+        )
 
 
 def load_causal_lm(args, **model_kwargs):
@@ -372,8 +439,11 @@ def load_causal_lm(args, **model_kwargs):
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    flag, source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else \
-        ("--config_name", args.config_name)
+    flag, source = (
+        ("--model_name_or_path", args.model_name_or_path)
+        if args.model_name_or_path
+        else ("--config_name", args.config_name)
+    )
     check_model_folder(flag, source)
     trust = args.trust_remote_code
     if args.tokenizer_name:
@@ -393,12 +463,16 @@ def load_causal_lm(args, **model_kwargs):
         raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
     vocab = getattr(model.config, "vocab_size", None)
     if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
-        logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the mean of "
-                    "the others")
+        logger.info(
+            f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the mean of "
+            "the others"
+        )
         model.resize_token_embeddings(len(tokenizer))
     elif args.resize_token_embeddings:
-        logger.info(f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} "
-                    "tokens; nothing to resize")
+        logger.info(
+            f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} "
+            "tokens; nothing to resize"
+        )
     return model, tokenizer
 
 
@@ -409,8 +483,9 @@ def attn_implementation(text):
 
     names = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
     if text not in names and "/" not in text:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an attention implementation; "
-                                         f"choose from {', '.join(names)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an attention implementation; choose from {', '.join(names)}"
+        )
     return text
 
 
@@ -441,8 +516,9 @@ def check_model_folder(flag: str, name: str, *, config=True) -> None:
         try:
             json.loads((path / "config.json").read_text(encoding="utf-8"))
         except (ValueError, OSError) as err:  # ValueError: not JSON, or not UTF-8
-            raise RecipeError(f"{flag} {name}: config.json is damaged ({err}); "
-                              "download or save the model again") from err
+            raise RecipeError(
+                f"{flag} {name}: config.json is damaged ({err}); download or save the model again"
+            ) from err
 
 
 def load_tokenizer(flag: str, name: str, trust_remote_code=False):
@@ -453,10 +529,14 @@ def load_tokenizer(flag: str, name: str, trust_remote_code=False):
     except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
         if "trust_remote_code" in str(err):
             raise model_load_error(flag, name, err) from err
-        fix = _where_fix(name) if isinstance(err, OSError) else \
-            "pass a model folder or hub id whose tokenizer files (tokenizer.json, tokenizer_config.json) load"
-        raise RecipeError(f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {_first_line(err)}); "
-                          f"{fix}") from err
+        fix = (
+            _where_fix(name)
+            if isinstance(err, OSError)
+            else "pass a model folder or hub id whose tokenizer files (tokenizer.json, tokenizer_config.json) load"
+        )
+        raise RecipeError(
+            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {_first_line(err)}); {fix}"
+        ) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -493,11 +573,15 @@ def model_load_error(flag: str, name: str, err: BaseException, attn_implementati
         files = ", ".join(_damaged_weights(name)) or "its weights"
         return RecipeError(f"{flag} {name}: {files} is damaged ({text}); download or save the model again")
     if isinstance(err, ImportError) and attn_implementation not in (None, "eager", "sdpa"):
-        return RecipeError(f"--attn_implementation {attn_implementation} cannot be used here ({text}); "
-                           "install what it needs, or pass --attn_implementation sdpa")
+        return RecipeError(
+            f"--attn_implementation {attn_implementation} cannot be used here ({text}); "
+            "install what it needs, or pass --attn_implementation sdpa"
+        )
     if "trust_remote_code" in str(err):
-        return RecipeError(f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if "
-                           "you trust that code")
+        return RecipeError(
+            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if "
+            "you trust that code"
+        )
     if "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
         return RecipeError(f"{flag} {name}: {text}; pass a causal language model")
     return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {_where_fix(name)}")
@@ -506,8 +590,9 @@ def model_load_error(flag: str, name: str, err: BaseException, attn_implementati
 def config_overrides(text):
     """An argparse type: key=value pairs, comma-separated, as transformers' update_from_string reads them."""
     if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
-        raise argparse.ArgumentTypeError(f"{text!r} is not key=value pairs separated by commas, such as "
-                                         "hidden_size=4096,num_hidden_layers=32")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
+        )
     return text
 
 
@@ -519,17 +604,24 @@ def apply_config_overrides(config, overrides: str, source: str):
     for key in (pair.partition("=")[0] for pair in overrides.split(",")):
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            raise RecipeError(f"--config_overrides {overrides}: {source}'s config has no {key}"
-                              + (f" (did you mean {close[0]}?)" if close else "") + "; pass keys of its config.json")
+            raise RecipeError(
+                f"--config_overrides {overrides}: {source}'s config has no {key}"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + "; pass keys of its config.json"
+            )
     try:
         config.update_from_string(overrides)
     except ValueError as err:  # a value that does not parse as the key's type
-        raise RecipeError(f"--config_overrides {overrides}: {_first_line(err)}; give each key a value of the type "
-                          f"it has in {source}'s config.json") from err
+        raise RecipeError(
+            f"--config_overrides {overrides}: {_first_line(err)}; give each key a value of the type "
+            f"it has in {source}'s config.json"
+        ) from err
     problem = _meta_forward_problem(config)
     if problem and not _meta_forward_problem(base):  # the same check passes without the overrides: they broke it
-        raise RecipeError(f"--config_overrides {overrides}: the model {source} builds from them does not run "
-                          f"({problem}); give values that agree with each other and with the rest of the config")
+        raise RecipeError(
+            f"--config_overrides {overrides}: the model {source} builds from them does not run "
+            f"({problem}); give values that agree with each other and with the rest of the config"
+        )
     return config
 
 
@@ -566,19 +658,42 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     limit = max_block_size(tokenizer, config)
     block_size = args.block_size or min(limit, 1024)
     if block_size > limit:
-        raise RecipeError(f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less")
+        raise RecipeError(
+            f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less"
+        )
     with prepare_data_first(accelerator):
-        raw = load_raw_datasets(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                                train_file=args.train_file, validation_file=args.validation_file,
-                                validation_split_percentage=args.validation_split_percentage, seed=args.seed)
-        data = tokenize_and_pack(raw, tokenizer, data_format=args.data_format, text_column=args.text_column,
-                                 block_size=block_size, num_proc=args.preprocessing_num_workers,
-                                 sources=data_sources(args.dataset_name, args.train_file, args.validation_file))
+        raw = load_raw_datasets(
+            dataset_name=args.dataset_name,
+            dataset_config_name=args.dataset_config_name,
+            train_file=args.train_file,
+            validation_file=args.validation_file,
+            validation_split_percentage=args.validation_split_percentage,
+            seed=args.seed,
+        )
+        data = tokenize_and_pack(
+            raw,
+            tokenizer,
+            data_format=args.data_format,
+            text_column=args.text_column,
+            block_size=block_size,
+            num_proc=args.preprocessing_num_workers,
+            sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
+        )
     workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
-    train = make_dataloader(data["train"], args.per_device_train_batch_size, train=True, num_workers=workers,
-                            collate_fn=default_data_collator)
-    evals = make_dataloader(data["validation"], args.per_device_eval_batch_size, train=False, num_workers=workers,
-                            collate_fn=default_data_collator)
+    train = make_dataloader(
+        data["train"],
+        args.per_device_train_batch_size,
+        train=True,
+        num_workers=workers,
+        collate_fn=default_data_collator,
+    )
+    evals = make_dataloader(
+        data["validation"],
+        args.per_device_eval_batch_size,
+        train=False,
+        num_workers=workers,
+        collate_fn=default_data_collator,
+    )
     return train, evals, block_size
 
 
@@ -594,8 +709,12 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
                 return None
             logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
             labels = batch["labels"][:, 1:]
-            per_block = torch.stack([F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
-                                     for row, lab in zip(logits, labels)])  # a row at a time: fp32 logits are large
+            per_block = torch.stack(
+                [
+                    F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
+                    for row, lab in zip(logits, labels)
+                ]
+            )  # a row at a time: fp32 logits are large
             # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
             per_block, counts = accelerator.gather_for_metrics((per_block, (labels != IGNORE_INDEX).sum(-1)))
             loss_sum += per_block.sum().item()

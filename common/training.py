@@ -62,11 +62,15 @@ def plan_run(args, num_samples: int, num_processes: int, checkpoint: Path | None
     state = json.loads((Path(checkpoint) / STATE_FILE).read_text())
     saved_args = state.get("args", {})
     if saved_args.get("seed", args.seed) != args.seed:
-        raise RecipeError(f"checkpoint {checkpoint} was written with --seed {saved_args['seed']}, which fixes the order "
-                          f"of the data it has not trained yet; resume with --seed {saved_args['seed']}")
+        raise RecipeError(
+            f"checkpoint {checkpoint} was written with --seed {saved_args['seed']}, which fixes the order "
+            f"of the data it has not trained yet; resume with --seed {saved_args['seed']}"
+        )
     if state.get("num_samples", num_samples) != num_samples:
-        raise RecipeError(f"checkpoint {checkpoint} was written for a training set of {state['num_samples']:,} samples, "
-                          f"this one has {num_samples:,}; resume with the data that wrote it, or start a new --output_dir")
+        raise RecipeError(
+            f"checkpoint {checkpoint} was written for a training set of {state['num_samples']:,} samples, "
+            f"this one has {num_samples:,}; resume with the data that wrote it, or start a new --output_dir"
+        )
     old = {key: state.get(key) for key in LAYOUT}
     new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
     progress = _progress_from(state, plan, old)
@@ -76,12 +80,16 @@ def plan_run(args, num_samples: int, num_processes: int, checkpoint: Path | None
 
     notes = []
     if (num_samples - progress.samples_in_epoch) < plan.round_samples:  # no full round left in this epoch
-        notes.append(f"the {num_samples - progress.samples_in_epoch} samples left in epoch {progress.epoch} do not "
-                     f"fill a round of {plan.round_samples}: continuing at epoch {progress.epoch + 1}, as every "
-                     "epoch drops its remainder")
+        notes.append(
+            f"the {num_samples - progress.samples_in_epoch} samples left in epoch {progress.epoch} do not "
+            f"fill a round of {plan.round_samples}: continuing at epoch {progress.epoch + 1}, as every "
+            "epoch drops its remainder"
+        )
         progress = replace(progress, epoch=progress.epoch + 1, samples_in_epoch=0)
     if args.max_train_steps is None:
-        steps, samples, end = plan.steps_from(progress.epoch, progress.samples_in_epoch, until_epoch=args.num_train_epochs)
+        steps, samples, end = plan.steps_from(
+            progress.epoch, progress.samples_in_epoch, until_epoch=args.num_train_epochs
+        )
     else:
         if saved_args.get("max_train_steps") == args.max_train_steps and "total_samples" in state:
             budget = state["total_samples"] - progress.samples_seen  # what --max_train_steps meant for that run
@@ -89,20 +97,29 @@ def plan_run(args, num_samples: int, num_processes: int, checkpoint: Path | None
             budget = (args.max_train_steps - progress.step) * plan.effective_batch_size
         steps, samples, end = plan.steps_from(progress.epoch, progress.samples_in_epoch, samples=max(budget, 0))
     warmup_samples = state.get("warmup_samples", plan.warmup_samples)
-    plan = replace(plan, max_train_steps=progress.step + steps, num_epochs=max(end, progress.epoch),
-                   total_samples=progress.samples_seen + samples, warmup_samples=warmup_samples,
-                   warmup_steps=round(warmup_samples / plan.effective_batch_size))
+    plan = replace(
+        plan,
+        max_train_steps=progress.step + steps,
+        num_epochs=max(end, progress.epoch),
+        total_samples=progress.samples_seen + samples,
+        warmup_samples=warmup_samples,
+        warmup_steps=round(warmup_samples / plan.effective_batch_size),
+    )
     was = f"{old['world_size']} x {old['per_device_train_batch_size']} x {old['gradient_accumulation_steps']}"
     old_batch = state.get("effective_batch_size")
     old_lr = state.get("learning_rate")
-    lr = (f"learning rate {old_lr:.4g} -> {plan.learning_rate:.4g} ({args.lr_scaling})" if old_lr is not None
-          else f"learning rate {plan.learning_rate:.4g}")
+    lr = (
+        f"learning rate {old_lr:.4g} -> {plan.learning_rate:.4g} ({args.lr_scaling})"
+        if old_lr is not None
+        else f"learning rate {plan.learning_rate:.4g}"
+    )
     logger.warning(
         f"resuming {checkpoint.name} with another layout: processes x per-device batch x accumulation {was} -> "
         f"{num_processes} x {args.per_device_train_batch_size} x {args.gradient_accumulation_steps}, effective batch "
         f"{old_batch} -> {plan.effective_batch_size}; {lr}; continuing epoch {progress.epoch} at sample "
         f"{progress.samples_in_epoch:,} of its order, schedule at sample {progress.samples_seen:,} of "
-        f"{plan.total_samples:,}; {steps} more steps" + "".join(f"; {note}" for note in notes))
+        f"{plan.total_samples:,}; {steps} more steps" + "".join(f"; {note}" for note in notes)
+    )
     return plan, progress
 
 
@@ -111,11 +128,22 @@ def _progress_from(state: dict, plan: TrainingPlan, old_layout: dict) -> Progres
         return Progress(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
     # A checkpoint of an earlier version of the recipes: its position in batches of its own layout.
     world, batch, accumulation = (old_layout[key] for key in LAYOUT)
-    old_plan = plan_training(num_samples=plan.num_samples, per_device_batch_size=batch, num_processes=world,
-                             gradient_accumulation_steps=accumulation, learning_rate=1.0, reference_batch_size=1,
-                             lr_scaling="none", num_train_epochs=1)
-    return Progress(state["step"], state["epoch"], state["batches_in_epoch"] * world * batch,
-                    old_plan.samples_for_steps(state["step"]))
+    old_plan = plan_training(
+        num_samples=plan.num_samples,
+        per_device_batch_size=batch,
+        num_processes=world,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=1.0,
+        reference_batch_size=1,
+        lr_scaling="none",
+        num_train_epochs=1,
+    )
+    return Progress(
+        state["step"],
+        state["epoch"],
+        state["batches_in_epoch"] * world * batch,
+        old_plan.samples_for_steps(state["step"]),
+    )
 
 
 class Window(list):
@@ -197,8 +225,12 @@ class TrainLog:
         self._samples = 0  # trained by this process's run, and at its first step (one-time costs)
         self._first = None
         self._clock = time.perf_counter()
-        self._bar = tqdm(total=plan.max_train_steps, initial=progress.step, disable=not accelerator.is_local_main_process,
-                         mininterval=0.1 if sys.stderr.isatty() else 30)  # batch logs (Slurm): a line per 30 s
+        self._bar = tqdm(
+            total=plan.max_train_steps,
+            initial=progress.step,
+            disable=not accelerator.is_local_main_process,
+            mininterval=0.1 if sys.stderr.isatty() else 30,
+        )  # batch logs (Slurm): a line per 30 s
 
     def add(self, loss_sum: torch.Tensor, items) -> None:
         """One micro-batch: the sum of its per-item losses and its number of items (this process's)."""
@@ -221,8 +253,15 @@ class TrainLog:
         self.train_loss = self._mean_loss(progress.step)
         # train_seconds: this run's training time so far, read after the loss reached the host (a device
         # sync), so consecutive logs time the steps between them (benchmarks/)
-        self.history.append({"step": progress.step, "samples_seen": progress.samples_seen, "train_loss": self.train_loss,
-                             "lr": lr, "train_seconds": round(self.train_seconds, 4)})
+        self.history.append(
+            {
+                "step": progress.step,
+                "samples_seen": progress.samples_seen,
+                "train_loss": self.train_loss,
+                "lr": lr,
+                "train_seconds": round(self.train_seconds, 4),
+            }
+        )
         self.accelerator.log(self.history[-1], step=progress.step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 
@@ -252,8 +291,10 @@ class TrainLog:
         return loss
 
     def _diverged(self, step: int, what: str) -> RecipeError:
-        return RecipeError(f"{what} by step {step}; nothing was saved after it: lower --learning_rate, raise "
-                           "--warmup_steps, set --max_grad_norm, or check the data for bad values")
+        return RecipeError(
+            f"{what} by step {step}; nothing was saved after it: lower --learning_rate, raise "
+            "--warmup_steps, set --max_grad_norm, or check the data for bad values"
+        )
 
     def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
         """The epoch's evaluation in the trackers and the log; the training clock restarts after it."""
@@ -273,9 +314,15 @@ class TrainLog:
         if self._first and progress.step - self._start_step > 1 and self.train_seconds > self._first[0]:
             steady = (self._samples - self._first[1]) / (self.train_seconds - self._first[0])
         epoch_samples = self.plan.epoch_rounds * self.plan.round_samples
-        summary = {"steps": progress.step, "epochs": round(progress.samples_seen / epoch_samples, 2),
-                   "samples_seen": progress.samples_seen, "train_loss": self.train_loss, "samples_per_second": rate,
-                   "steady_samples_per_second": steady, "log_history": self.history}
+        summary = {
+            "steps": progress.step,
+            "epochs": round(progress.samples_seen / epoch_samples, 2),
+            "samples_seen": progress.samples_seen,
+            "train_loss": self.train_loss,
+            "samples_per_second": rate,
+            "steady_samples_per_second": steady,
+            "log_history": self.history,
+        }
         if tokens_per_sample:
             summary["tokens_per_second"] = rate * tokens_per_sample if rate else None
             summary["steady_tokens_per_second"] = steady * tokens_per_sample if steady else None
@@ -312,15 +359,23 @@ class Checkpoints:
         if self.plan.num_samples - progress.samples_in_epoch < self.plan.round_samples:  # epoch done: the next
             position.update(epoch=progress.epoch + 1, samples_in_epoch=0)
         plan = self.plan
-        state = {**position, **self.identity, "world_size": self.accelerator.num_processes,
-                 "per_device_train_batch_size": plan.per_device_batch_size,
-                 "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-                 "effective_batch_size": plan.effective_batch_size, "learning_rate": plan.learning_rate,
-                 "num_samples": plan.num_samples, "total_samples": plan.total_samples,
-                 "warmup_samples": plan.warmup_samples, "args": public_args(self.args)}
+        state = {
+            **position,
+            **self.identity,
+            "world_size": self.accelerator.num_processes,
+            "per_device_train_batch_size": plan.per_device_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "effective_batch_size": plan.effective_batch_size,
+            "learning_rate": plan.learning_rate,
+            "num_samples": plan.num_samples,
+            "total_samples": plan.total_samples,
+            "warmup_samples": plan.warmup_samples,
+            "args": public_args(self.args),
+        }
         self._saved_step = progress.step
-        return save_checkpoint(self.accelerator, self.args.output_dir, progress.step, state,
-                               total_limit=self.args.save_total_limit)
+        return save_checkpoint(
+            self.accelerator, self.args.output_dir, progress.step, state, total_limit=self.args.save_total_limit
+        )
 
     def restore(self, path: Path, optimizer, scheduler) -> None:
         """Load the state saved at `path` into the prepared objects, then apply this run's optimizer

@@ -35,8 +35,8 @@ from torchvision import transforms as T
 
 import common
 from common import RecipeError, logger
-from common.runtime import one_line
 from common.args import fraction_below_one, nonempty, positive_float, positive_int, probability
+from common.runtime import one_line
 
 RECIPE = "cifar"  # checkpoints name the recipe that wrote them: a copy renamed to train.py still resumes them
 
@@ -78,61 +78,109 @@ def parse_args(argv=None):
     p.add_argument("--train_dir", type=nonempty, help="ImageFolder training images (--dataset imagefolder)")
     p.add_argument("--val_dir", type=nonempty, help="ImageFolder validation images (--dataset imagefolder)")
     p.add_argument("--image_size", type=positive_int, default=32, help="ImageFolder images are resized to this")
-    p.add_argument("--model", help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
-                   "any torchvision model name, or timm/NAME for a timm model (pip install -e '.[timm]')")
-    p.add_argument("--pretrained", action="store_true", help="start from --model's published weights (torchvision's "
-                   "DEFAULT, or timm's), normalizing as they were trained, with a new head")
-    p.add_argument("--pretrained_path", type=nonempty, help="start from weights on disk for --model (.safetensors, "
-                   "or a torch.save'd state dict); the head is new unless it has as many classes as the data")
-    p.add_argument("--freeze_backbone", action="store_true", help="train only the head; the backbone keeps the "
-                   "loaded weights and BatchNorm statistics (FrozenBatchNorm2d)")
-    p.add_argument("--head_lr_scale", type=positive_float,
-                   help="the head's learning rate is --learning_rate times this (timm's lr_scale), e.g. 10")
+    p.add_argument(
+        "--model",
+        help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
+        "any torchvision model name, or timm/NAME for a timm model (pip install -e '.[timm]')",
+    )
+    p.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="start from --model's published weights (torchvision's "
+        "DEFAULT, or timm's), normalizing as they were trained, with a new head",
+    )
+    p.add_argument(
+        "--pretrained_path",
+        type=nonempty,
+        help="start from weights on disk for --model (.safetensors, "
+        "or a torch.save'd state dict); the head is new unless it has as many classes as the data",
+    )
+    p.add_argument(
+        "--freeze_backbone",
+        action="store_true",
+        help="train only the head; the backbone keeps the loaded weights and BatchNorm statistics (FrozenBatchNorm2d)",
+    )
+    p.add_argument(
+        "--head_lr_scale",
+        type=positive_float,
+        help="the head's learning rate is --learning_rate times this (timm's lr_scale), e.g. 10",
+    )
     p.add_argument("--optimizer", choices=["sgd", "adamw"])
     p.add_argument("--momentum", type=fraction_below_one)
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
     p.add_argument("--label_smoothing", type=fraction_below_one)
-    p.add_argument("--hflip", type=probability, help="probability of a horizontal flip in training: "
-                   "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
-                   "shows the same class; 0 where it does not (digits, text)")
-    p.add_argument("--random_crop", action=argparse.BooleanOptionalAction,
-                   help="pad-and-crop in training (scale-and-crop above 64 px)")
-    p.add_argument("--data_on_device", action="store_true",
-                   help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
-                        "no host-to-device copies (images of 64 px or less)")
+    p.add_argument(
+        "--hflip",
+        type=probability,
+        help="probability of a horizontal flip in training: "
+        "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
+        "shows the same class; 0 where it does not (digits, text)",
+    )
+    p.add_argument(
+        "--random_crop",
+        action=argparse.BooleanOptionalAction,
+        help="pad-and-crop in training (scale-and-crop above 64 px)",
+    )
+    p.add_argument(
+        "--data_on_device",
+        action="store_true",
+        help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
+        "no host-to-device copies (images of 64 px or less)",
+    )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
-    p.add_argument("--norm_layer", choices=["batch", "sync_batch", "group"],
-                   help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
-                        "per process, of the whole step's batch, or per sample")
+    p.add_argument(
+        "--norm_layer",
+        choices=["batch", "sync_batch", "group"],
+        help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
+        "per process, of the whole step's batch, or per sample",
+    )
     p.set_defaults(**HYPERPARAMETERS)
     args = common.parse(p, argv)
     if args.dataset == "imagefolder":
         if not (args.train_dir and args.val_dir):
-            p.error("--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images "
-                    "per class")
+            p.error(
+                "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images "
+                "per class"
+            )
     elif args.train_dir or args.val_dir:
-        p.error(f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; "
-                "add --dataset imagefolder")
+        p.error(
+            f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; "
+            "add --dataset imagefolder"
+        )
     elif args.image_size != 32:
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
     if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
         p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
     if args.data_on_device and args.image_size > 64:
-        p.error(f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not "
-                f"--image_size {args.image_size}")
+        p.error(
+            f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not "
+            f"--image_size {args.image_size}"
+        )
     tuned = args.pretrained or args.pretrained_path
     for wrong, message in (
-            (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path "
-                                                       "(a file), not both"),
-            ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned,
-             "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path"),
-            (args.freeze_backbone and args.head_lr_scale != 1,
-             "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale"),
-            (tuned and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers, and the weights "
-                                                   "loaded into them; fine-tune with --norm_layer batch or sync_batch")):
+        (
+            args.pretrained and args.pretrained_path,
+            "pass --pretrained (published weights) or --pretrained_path (a file), not both",
+        ),
+        (
+            (args.freeze_backbone or args.head_lr_scale != 1) and not tuned,
+            "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path",
+        ),
+        (
+            args.freeze_backbone and args.head_lr_scale != 1,
+            "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale",
+        ),
+        (
+            tuned and args.norm_layer == "group",
+            "--norm_layer group replaces the BatchNorm layers, and the weights "
+            "loaded into them; fine-tune with --norm_layer batch or sync_batch",
+        ),
+    ):
         if wrong:
             p.error(message)
-    problem = model_problem(args.model, args.image_size, args.per_device_train_batch_size, args.dataset, args.pretrained)
+    problem = model_problem(
+        args.model, args.image_size, args.per_device_train_batch_size, args.dataset, args.pretrained
+    )
     if problem:
         p.error(problem)
     return args
@@ -144,8 +192,10 @@ def to_rgb(image, path):
     if image.mode.startswith("I;16"):
         image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L")
     elif image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
-        raise common.DataError(f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; "
-                               "convert the images to 8 or 16 bits per channel")
+        raise common.DataError(
+            f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; "
+            "convert the images to 8 or 16 bits per channel"
+        )
     return image.convert("RGB")
 
 
@@ -159,8 +209,9 @@ def load_image(path):
             with Image.open(path) as image:
                 return to_rgb(image, path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise common.DataError(f"{path}: too large to decode ({err}); shrink it first: every image is resized to "
-                               "--image_size anyway") from err
+        raise common.DataError(
+            f"{path}: too large to decode ({err}); shrink it first: every image is resized to --image_size anyway"
+        ) from err
     except (OSError, SyntaxError, ValueError) as err:  # not an image, truncated, an unsupported variant
         raise common.DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
 
@@ -170,26 +221,35 @@ def load_images(args):
     if args.dataset == "imagefolder":
         for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
             if not folder or not Path(folder).is_dir():
-                raise RecipeError(f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images")
+                raise RecipeError(
+                    f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images"
+                )
         datasets = []
         for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
             try:
                 datasets.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
             except FileNotFoundError as err:  # no class folders, or no images in them
-                raise RecipeError(f"{flag} {folder}: {err}; --dataset imagefolder needs class sub-folders "
-                                  "holding images") from err
+                raise RecipeError(
+                    f"{flag} {folder}: {err}; --dataset imagefolder needs class sub-folders holding images"
+                ) from err
         train, evals = datasets
         if train.classes != evals.classes:
             only_val = sorted(set(evals.classes) - set(train.classes))
             only_train = sorted(set(train.classes) - set(evals.classes))
             raise RecipeError(
                 f"{args.train_dir} and {args.val_dir} have different class folders ("
-                + "; ".join(f"only in {where}: {', '.join(names)}" for where, names in
-                            (("--val_dir", only_val), ("--train_dir", only_train)) if names)
-                + "); give both the same class sub-folders, so that a label means the same class in each")
+                + "; ".join(
+                    f"only in {where}: {', '.join(names)}"
+                    for where, names in (("--val_dir", only_val), ("--train_dir", only_train))
+                    if names
+                )
+                + "); give both the same class sub-folders, so that a label means the same class in each"
+            )
         if len(train.classes) < 2:
-            raise RecipeError(f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier "
-                              "needs two or more (one sub-folder of images per class)")
+            raise RecipeError(
+                f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier "
+                "needs two or more (one sub-folder of images per class)"
+            )
         size, mean, std, num_classes = args.image_size, IMAGENET_MEAN, IMAGENET_STD, len(train.classes)
     else:
         try:
@@ -202,8 +262,11 @@ def load_images(args):
             ) from err
         size, mean, std, num_classes = 32, CIFAR_MEAN, CIFAR_STD, len(train.classes)
     if args.pretrained:  # the weights expect the inputs they were trained on
-        cfg = timm_weights(args.model) if args.model.startswith("timm/") else \
-            torchvision.models.get_model_weights(args.model).DEFAULT.transforms()
+        cfg = (
+            timm_weights(args.model)
+            if args.model.startswith("timm/")
+            else torchvision.models.get_model_weights(args.model).DEFAULT.transforms()
+        )
         mean, std = tuple(cfg.mean), tuple(cfg.std)
     return train, evals, size, mean, std, num_classes
 
@@ -259,21 +322,26 @@ def build_device_datasets(args, device):
         cropped = padded[torch.arange(len(images), device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
         return normalize(cropped), labels
 
-    train = common.DeviceTensorDataset(*(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3,
-                                       seed=args.seed)
-    evals = common.DeviceTensorDataset(*(t.to(device) for t in as_uint8(evals, size)),
-                                       transform=lambda batch, _: (normalize(batch[0]), batch[1]))
+    train = common.DeviceTensorDataset(
+        *(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3, seed=args.seed
+    )
+    evals = common.DeviceTensorDataset(
+        *(t.to(device) for t in as_uint8(evals, size)), transform=lambda batch, _: (normalize(batch[0]), batch[1])
+    )
     return train, evals, num_classes
 
 
 def get_dataloaders(args, accelerator):
     with common.prepare_data_first(accelerator):
-        train, evals, num_classes = (build_device_datasets(args, accelerator.device) if args.data_on_device
-                                     else build_datasets(args))
-    train_dl = common.make_dataloader(train, args.per_device_train_batch_size, train=True, seed=args.seed,
-                                      num_workers=args.dataloader_num_workers)
-    eval_dl = common.make_dataloader(evals, args.per_device_eval_batch_size, train=False,
-                                     num_workers=args.dataloader_num_workers)
+        train, evals, num_classes = (
+            build_device_datasets(args, accelerator.device) if args.data_on_device else build_datasets(args)
+        )
+    train_dl = common.make_dataloader(
+        train, args.per_device_train_batch_size, train=True, seed=args.seed, num_workers=args.dataloader_num_workers
+    )
+    eval_dl = common.make_dataloader(
+        evals, args.per_device_eval_batch_size, train=False, num_workers=args.dataloader_num_workers
+    )
     return train_dl, eval_dl, num_classes
 
 
@@ -282,7 +350,9 @@ def timm_weights(name):
     try:
         import timm
     except ImportError as err:
-        raise RecipeError(f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'") from err
+        raise RecipeError(
+            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
+        ) from err
     try:
         cfg = timm.models.get_pretrained_cfg(name[5:])
     except RuntimeError:  # an unknown tag
@@ -291,7 +361,7 @@ def timm_weights(name):
 
 
 def build_model(name, num_classes, pretrained=False):
-    """--model `name` with `num_classes` outputs, random or (`pretrained`) with its published weights and a new head."""
+    """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
     if name.startswith("timm/"):
         cfg = timm_weights(name)  # and import timm, or say how to install it
         import timm
@@ -301,9 +371,11 @@ def build_model(name, num_classes, pretrained=False):
         except Exception as err:  # not in the cache and offline, a damaged download
             if not pretrained:
                 raise
-            raise RecipeError(f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); "
-                              f"where there is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache "
-                              "(hf download; HF_HOME sets the folder), or pass --pretrained_path") from err
+            raise RecipeError(
+                f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); "
+                f"where there is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache "
+                "(hf download; HF_HOME sets the folder), or pass --pretrained_path"
+            ) from err
     if name == "resnet18_cifar":  # 32x32 inputs: a 7x7/2 stem and max-pool would discard 3/4 of them
         model = torchvision.models.resnet18(num_classes=num_classes)
         model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
@@ -323,18 +395,25 @@ def build_model(name, num_classes, pretrained=False):
             model = torchvision.models.get_model(name, weights=weights)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # offline, damaged, pickled code
         why = "not plain weights" if isinstance(err, pickle.UnpicklingError) else one_line(err)
-        raise RecipeError(f"--pretrained: torchvision's weights for --model {name} ({weights}) " + (
-            "cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded")
+        raise RecipeError(
+            f"--pretrained: torchvision's weights for --model {name} ({weights}) "
+            + ("cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded")
             + f" ({why}); download {weights.url} where there is network and put it at {path} (TORCH_HOME sets the "
-            "folder), or pass --pretrained_path") from err
+            "folder), or pass --pretrained_path"
+        ) from err
     for aux in ("AuxLogits", "aux1", "aux2"):  # the weights come with the auxiliary heads: drop them as above
         if getattr(model, aux, None) is not None:
             setattr(model, aux, None)
             model.aux_logits = False
     (head,) = head_names(model)
     old, (parent, _, leaf) = model.get_submodule(head), head.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, torch.nn.Linear(old.in_features, num_classes)
-            if isinstance(old, torch.nn.Linear) else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size))
+    setattr(
+        model.get_submodule(parent),
+        leaf,
+        torch.nn.Linear(old.in_features, num_classes)
+        if isinstance(old, torch.nn.Linear)
+        else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size),
+    )
     return model
 
 
@@ -361,20 +440,29 @@ def load_weights(model, path, name):
         state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only
     except Exception as err:  # safetensors', zip's and pickle's errors, a dict of other things: not weights
         why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
-        raise RecipeError(f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a "
-                          "state dict saved with torch.save") from err
+        raise RecipeError(
+            f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a "
+            "state dict saved with torch.save"
+        ) from err
     own = model.state_dict()
     head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
     new_head = sorted(k for k in head if k not in state or state[k].shape != own[k].shape)
     counted = lambda k: k not in head and "num_batches_tracked" not in k  # noqa: E731
-    misfits = {"missing": [k for k in own if k not in state and counted(k)],
-               "not in the model": [k for k in state if k not in own and counted(k)],
-               "of another shape": [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
-                                    for k in state if k in own and counted(k) and state[k].shape != own[k].shape]}
+    misfits = {
+        "missing": [k for k in own if k not in state and counted(k)],
+        "not in the model": [k for k in state if k not in own and counted(k)],
+        "of another shape": [
+            f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
+            for k in state
+            if k in own and counted(k) and state[k].shape != own[k].shape
+        ],
+    }
     if any(misfits.values()):
-        raise RecipeError(f"--pretrained_path {path}: does not fit --model {name} (" + "; ".join(
-            f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
-            + "); pass weights of that architecture, or the --model they belong to")
+        raise RecipeError(
+            f"--pretrained_path {path}: does not fit --model {name} ("
+            + "; ".join(f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
+            + "); pass weights of that architecture, or the --model they belong to"
+        )
     model.load_state_dict({k: v for k, v in state.items() if k not in new_head}, strict=False)
     new = f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else ""
     logger.info(f"loaded {path}{new}")
@@ -402,8 +490,10 @@ def load_model(args, num_classes):
                 if type(child) is torch.nn.BatchNorm2d:
                     setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(child.num_features, child.eps))
                     getattr(parent, name).load_state_dict(child.state_dict())
-        logger.info(f"--freeze_backbone: training {', '.join(head_names(model))} only, "
-                    f"{common.count_parameters(model, True):,} of {total:,} parameters")
+        logger.info(
+            f"--freeze_backbone: training {', '.join(head_names(model))} only, "
+            f"{common.count_parameters(model, True):,} of {total:,} parameters"
+        )
     return model
 
 
@@ -425,8 +515,11 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
                 if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
                     groups = max(g for g in range(1, 33) if child.num_features % g == 0)
                     norm = torch.nn.GroupNorm(groups, child.num_features)  # timm's BatchNormAct2d also activates:
-                    setattr(parent, name, torch.nn.Sequential(norm, child.drop, child.act) if hasattr(child, "act")
-                            else norm)
+                    setattr(
+                        parent,
+                        name,
+                        torch.nn.Sequential(norm, child.drop, child.act) if hasattr(child, "act") else norm,
+                    )
     return model
 
 
@@ -444,19 +537,28 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
 
         if not timm.is_model(name[5:]):
             close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
-            return (f"--model {name}: not a timm model" + (f" (did you mean timm/{' or timm/'.join(close)}?)" if close
-                                                           else "") + "; pass timm/ and a name from timm.list_models()")
+            return (
+                f"--model {name}: not a timm model"
+                + (f" (did you mean timm/{' or timm/'.join(close)}?)" if close else "")
+                + "; pass timm/ and a name from timm.list_models()"
+            )
         if ("." in name or pretrained) and timm_weights(name) is None:  # an unknown tag fails even without
-            return (f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
-                    f"timm.list_pretrained('{name[5:].split('.')[0]}*')")
+            return (
+                f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
+                f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+            )
     elif pretrained and name == "resnet18_cifar":
-        return ("--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 "
-                "(or another torchvision or timm/ model) with --pretrained, or --pretrained_path")
+        return (
+            "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 "
+            "(or another torchvision or timm/ model) with --pretrained, or --pretrained_path"
+        )
     elif name != "resnet18_cifar" and name not in models:
         close = difflib.get_close_matches(name, models, n=3)
-        return (f"--model {name}: not a torchvision classification model"
-                + (f" (did you mean {' or '.join(close)}?)" if close else "")
-                + "; pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)")
+        return (
+            f"--model {name}: not a torchvision classification model"
+            + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + "; pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)"
+        )
     try:
         with torch.device("meta"):
             model = build_model(name, 10)
@@ -471,8 +573,11 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
             if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
                 collapsed.append(f"a {type(module).__name__} strides over a single pixel")
 
-        hooks = [m.register_forward_pre_hook(check) for m in model.modules()
-                 if isinstance(m, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d))]
+        hooks = [
+            m.register_forward_pre_hook(check)
+            for m in model.modules()
+            if isinstance(m, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d))
+        ]
         try:
             model(torch.empty(batch, 3, size, size, device="meta"))
         except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size, ...
@@ -490,14 +595,20 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
         if fits is None:
             return None  # no size passes on the meta device: this model cannot be checked there
         if dataset != "imagefolder":
-            return (f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: "
-                    "use --model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size "
-                    f"{fits}")
-        return (f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size "
-                "it takes), or choose another --model")
+            return (
+                f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: "
+                "use --model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size "
+                f"{fits}"
+            )
+        return (
+            f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size "
+            "it takes), or choose another --model"
+        )
     if batch == 1 and fails(size, batch=1):
-        return (f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
-                "--per_device_train_batch_size 1; pass 2 or more")
+        return (
+            f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
+            "--per_device_train_batch_size 1; pass 2 or more"
+        )
     return None
 
 
@@ -507,8 +618,15 @@ def build_optimizer(args, model, lr, fused=False):
     groups = common.decay_groups(model, args.weight_decay)
     if args.head_lr_scale != 1:
         head = head_parameters(model)
-        groups = [{**g, "params": [p for p in g["params"] if (id(p) in head) == is_head],
-                   "lr": lr * args.head_lr_scale if is_head else lr} for is_head in (False, True) for g in groups]
+        groups = [
+            {
+                **g,
+                "params": [p for p in g["params"] if (id(p) in head) == is_head],
+                "lr": lr * args.head_lr_scale if is_head else lr,
+            }
+            for is_head in (False, True)
+            for g in groups
+        ]
         groups = [g for g in groups if g["params"]]
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
@@ -561,7 +679,9 @@ def main(argv=None):
         model.compile()
     optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
     scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, scheduler
+    )
     checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
     if resume_from:
         checkpoints.restore(resume_from, optimizer, scheduler)

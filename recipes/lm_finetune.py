@@ -22,8 +22,17 @@ from accelerate.utils import set_seed
 import common
 from common import RecipeError
 from common.args import fraction_below_one, non_negative_int, positive_int
-from common.text import (add_model_args, add_text_args, attn_implementation, check_model_args, check_text_args,
-                         evaluate_causal_lm, flops_per_token, lm_dataloaders, load_causal_lm)
+from common.text import (
+    add_model_args,
+    add_text_args,
+    attn_implementation,
+    check_model_args,
+    check_text_args,
+    evaluate_causal_lm,
+    flops_per_token,
+    lm_dataloaders,
+    load_causal_lm,
+)
 
 RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
@@ -53,30 +62,44 @@ def parse_args(argv=None):
     p = common.training_parser(__doc__.split("\n")[0])
     m = p.add_argument_group("model")
     add_model_args(m)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
-    m.add_argument("--torch_dtype", choices=["auto", "bfloat16", "float16", "float32"], default="float32",
-                   help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision")
-    m.add_argument("--attn_implementation", type=attn_implementation, default="sdpa",
-                   help="sdpa, flash_attention_2, eager, ...")
+    m.add_argument(
+        "--torch_dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="float32",
+        help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision",
+    )
+    m.add_argument(
+        "--attn_implementation", type=attn_implementation, default="sdpa", help="sdpa, flash_attention_2, eager, ..."
+    )
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--lora_r", type=non_negative_int, help="LoRA rank; 0 trains all weights")
     m.add_argument("--lora_alpha", type=positive_int)
     m.add_argument("--lora_dropout", type=fraction_below_one)
-    m.add_argument("--lora_target_modules", nargs="+",
-                   help="names of the model's linear layers (q_proj v_proj ...), or all-linear")
+    m.add_argument(
+        "--lora_target_modules",
+        nargs="+",
+        help="names of the model's linear layers (q_proj v_proj ...), or all-linear",
+    )
     add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
     args = common.parse(p, argv)
     check_model_args(p, args)
     if args.torch_dtype == "auto" and args.config_name:
-        p.error("--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
-                "a bf16 accelerate config for mixed precision), bfloat16 or float16")
+        p.error(
+            "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
+            "a bf16 accelerate config for mixed precision), bfloat16 or float16"
+        )
     if args.lora_r and args.config_name:
-        p.error("--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
-                "--model_name_or_path, or drop --lora_r")
+        p.error(
+            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
+            "--model_name_or_path, or drop --lora_r"
+        )
     if args.lora_r and args.resize_token_embeddings:
-        p.error("--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
-                "--lora_r, or use the model's own tokenizer without --resize_token_embeddings")
+        p.error(
+            "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
+            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings"
+        )
     check_text_args(p, args)
     return args
 
@@ -98,15 +121,27 @@ def build_model(args, model):
         targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         try:
-            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                                     lora_dropout=args.lora_dropout, target_modules=targets,
-                                                     task_type="CAUSAL_LM"))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=args.lora_r,
+                    lora_alpha=args.lora_alpha,
+                    lora_dropout=args.lora_dropout,
+                    target_modules=targets,
+                    task_type="CAUSAL_LM",
+                ),
+            )
         except ValueError as err:  # no module of those names, or one LoRA cannot wrap
-            found = "no module of that name" if type(err).__name__ == "NoMatchingPeftModuleError" else \
-                "not a layer LoRA can wrap"
-            raise RecipeError(f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
-                              f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
-                              "all-linear") from err
+            found = (
+                "no module of that name"
+                if type(err).__name__ == "NoMatchingPeftModuleError"
+                else "not a layer LoRA can wrap"
+            )
+            raise RecipeError(
+                f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
+                f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
+                "all-linear"
+            ) from err
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
     if args.torch_compile:  # in place, so state-dict names, checkpoints and save_pretrained stay unchanged
@@ -135,10 +170,13 @@ def main(argv=None):
     model = build_model(args, model)
     parameters = common.count_parameters(model)
     flops = flops_per_token(model, block_size, parameters)
-    optimizer = torch.optim.AdamW(common.decay_groups(model, args.weight_decay), lr=plan.learning_rate,
-                                  fused=accelerator.device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        common.decay_groups(model, args.weight_decay), lr=plan.learning_rate, fused=accelerator.device.type == "cuda"
+    )
     scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, scheduler
+    )
     checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
     if resume_from:
         checkpoints.restore(resume_from, optimizer, scheduler)
@@ -186,9 +224,18 @@ def main(argv=None):
     common.save_model(accelerator, model, args.output_dir, tokenizer)
     summary = log.summary(progress, tokens_per_sample=block_size)
     common.write_results(
-        accelerator, args, plan, **summary, **metrics, block_size=block_size, parameters=parameters,
+        accelerator,
+        args,
+        plan,
+        **summary,
+        **metrics,
+        block_size=block_size,
+        parameters=parameters,
         parameters_per_process=common.parameters_per_process(accelerator, model),
-        mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops) if summary["steady_tokens_per_second"] else None)
+        mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops)
+        if summary["steady_tokens_per_second"]
+        else None,
+    )
     accelerator.end_training()
 
 

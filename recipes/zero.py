@@ -1,9 +1,11 @@
 """Train a causal LM that does not fit in one GPU's memory: DeepSpeed ZeRO-3, optionally offloaded.
 
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/zero.py \\
-        --config_name meta-llama/Llama-3.2-1B --config_overrides hidden_size=4096,num_hidden_layers=32 --train_file data.jsonl
+        --config_name meta-llama/Llama-3.2-1B --config_overrides hidden_size=4096,num_hidden_layers=32 \\
+        --train_file data.jsonl
     accelerate launch --config_file accelerate_configs/zero3_offload.yaml recipes/zero.py \\
-        --model_name_or_path Qwen/Qwen2.5-7B --dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 --save_fp32
+        --model_name_or_path Qwen/Qwen2.5-7B --dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 \\
+        --save_fp32
 
 The Accelerator (and with it DeepSpeed's ZeRO-3 context) exists before the model, so the model is
 built or loaded already partitioned: no process ever holds all of it. Before training, DeepSpeed's
@@ -23,8 +25,15 @@ from accelerate.utils import DummyOptim, DummyScheduler, set_seed
 
 import common
 from common import RecipeError, logger
-from common.text import (add_model_args, add_text_args, check_model_args, check_text_args, evaluate_causal_lm,
-                         lm_dataloaders, load_causal_lm)
+from common.text import (
+    add_model_args,
+    add_text_args,
+    check_model_args,
+    check_text_args,
+    evaluate_causal_lm,
+    lm_dataloaders,
+    load_causal_lm,
+)
 
 RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
@@ -87,12 +96,21 @@ def memory_estimates(accelerator, model) -> dict:
         "zero3_offload_optimizer": zero3(total, largest, cpu_offload=True, cpu_offload_params=False, **where)[:2],
         "zero3_offload_all": zero3(total, largest, cpu_offload=True, **where)[:2],
     }
-    estimates = {**where, "parameters": total, "largest_layer_parameters": largest,
-                 **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()}}
-    logger.info(f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
-                f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
-                + "\n".join(f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
-                             for name, e in estimates.items() if isinstance(e, dict)))
+    estimates = {
+        **where,
+        "parameters": total,
+        "largest_layer_parameters": largest,
+        **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()},
+    }
+    logger.info(
+        f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
+        f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
+        + "\n".join(
+            f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
+            for name, e in estimates.items()
+            if isinstance(e, dict)
+        )
+    )
     return estimates
 
 
@@ -106,7 +124,9 @@ def build_optimizer(args, accelerator, model, plan, progress):
     else:
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=accelerator.device.type == "cuda")
     if "scheduler" in ds_config:
-        return optimizer, DummyScheduler(optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps)
+        return optimizer, DummyScheduler(
+            optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps
+        )
     return optimizer, common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
 
 
@@ -147,7 +167,9 @@ def main(argv=None):
     plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
     parameters = common.count_parameters(model)
     optimizer, scheduler = build_optimizer(args, accelerator, model, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, scheduler
+    )
     checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
     if resume_from:
         checkpoints.restore(resume_from, optimizer, scheduler)
@@ -197,9 +219,16 @@ def main(argv=None):
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
     common.write_results(
-        accelerator, args, plan, **log.summary(progress, tokens_per_sample=block_size), **metrics, block_size=block_size,
-        parameters=parameters, parameters_per_process=common.parameters_per_process(accelerator, model),
-        memory_estimate=estimates)
+        accelerator,
+        args,
+        plan,
+        **log.summary(progress, tokens_per_sample=block_size),
+        **metrics,
+        block_size=block_size,
+        parameters=parameters,
+        parameters_per_process=common.parameters_per_process(accelerator, model),
+        memory_estimate=estimates,
+    )
     accelerator.end_training()
 
 

@@ -37,6 +37,7 @@ GPU_SIZES_MIB, CPU_SIZES_MIB = "1,16,64,256", "1,4,16"
 
 # ---------------------------------------------------------------- the report
 
+
 def parse_gpus(csv_text: str) -> list[dict]:
     """Rows of `nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits`."""
     gpus = []
@@ -58,14 +59,16 @@ def visible_gpus(gpus: list[dict], cuda_visible_devices: str | None) -> list[dic
         ids.append(entry.strip())
     if all(i.isdigit() for i in ids):
         return [g for g in gpus if str(g["index"]) in ids]
-    return gpus[:len(ids)]  # UUIDs or MIG devices: the count is what matters here
+    return gpus[: len(ids)]  # UUIDs or MIG devices: the count is what matters here
 
 
 def gpu_warnings(gpus: list[dict]) -> list[str]:
     names = sorted({g["name"] for g in gpus})
     if len(names) > 1:
-        return [f"mixed GPU models ({', '.join(names)}): the slowest sets the pace of every step and the "
-                "smallest memory the batch size; give the job one model with CUDA_VISIBLE_DEVICES or --gres"]
+        return [
+            f"mixed GPU models ({', '.join(names)}): the slowest sets the pace of every step and the "
+            "smallest memory the batch size; give the job one model with CUDA_VISIBLE_DEVICES or --gres"
+        ]
     return []
 
 
@@ -80,7 +83,7 @@ def sys_pairs(topo_text: str, only: set[int] | None = None) -> list[tuple[int, i
         if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
             continue
         row = int(cells[0][3:])
-        for col, link in zip(columns, cells[1:1 + len(columns)]):
+        for col, link in zip(columns, cells[1 : 1 + len(columns)]):
             if link == "SYS" and row < col and (only is None or {row, col} <= only):
                 pairs.append((row, col))
     return pairs
@@ -90,22 +93,28 @@ def p2p_advice(pairs: list[tuple[int, int]]) -> list[str]:
     if not pairs:
         return []
     shown = ", ".join(f"GPU{a}-GPU{b}" for a, b in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
-    return [f"{shown} talk through the CPU interconnect (SYS): peer-to-peer over it hangs or corrupts data on "
-            "some systems; if the all-reduce hangs or NCCL fails at start-up, run with NCCL_P2P_DISABLE=1"]
+    return [
+        f"{shown} talk through the CPU interconnect (SYS): peer-to-peer over it hangs or corrupts data on "
+        "some systems; if the all-reduce hangs or NCCL fails at start-up, run with NCCL_P2P_DISABLE=1"
+    ]
 
 
 def ram_warnings(ram_gib: float, gpus: list[dict]) -> list[str]:
     memory = max((g["memory_gib"] or 0 for g in gpus), default=0)
     if gpus and ram_gib / len(gpus) < memory:
-        return [f"host RAM per GPU ({ram_gib / len(gpus):.0f} GiB) is less than one GPU's memory ({memory:.0f} GiB): "
-                "gathering full weights for a save, or CPU offload, may run out of host memory"]
+        return [
+            f"host RAM per GPU ({ram_gib / len(gpus):.0f} GiB) is less than one GPU's memory ({memory:.0f} GiB): "
+            "gathering full weights for a save, or CPU offload, may run out of host memory"
+        ]
     return []
 
 
 def process_warnings(num_processes: int | None, visible: int) -> list[str]:
     if num_processes and visible and num_processes > visible:
-        return [f"{num_processes} processes requested on this node but {visible} GPU(s) visible: pass "
-                f"--num_processes {visible}, or check CUDA_VISIBLE_DEVICES"]
+        return [
+            f"{num_processes} processes requested on this node but {visible} GPU(s) visible: pass "
+            f"--num_processes {visible}, or check CUDA_VISIBLE_DEVICES"
+        ]
     return []
 
 
@@ -143,17 +152,24 @@ def report(num_processes: int | None = None) -> tuple[list[str], list[str]]:
         warnings.append("nvidia-smi is installed but failed: is the NVIDIA driver loaded? (run nvidia-smi to see why)")
     warnings += gpu_warnings(gpus)
     if gpus and torch.cuda.device_count() == 0:
-        warnings.append(f"nvidia-smi lists {len(gpus)} GPU(s) but torch sees none: a CPU-only torch build, or a "
-                        f"driver too old for torch's CUDA {torch.version.cuda}")
+        warnings.append(
+            f"nvidia-smi lists {len(gpus)} GPU(s) but torch sees none: a CPU-only torch build, or a "
+            f"driver too old for torch's CUDA {torch.version.cuda}"
+        )
 
     driver = None
     if gpus:  # the newest CUDA the driver runs, from nvidia-smi's banner
         banner = re.search(r"CUDA Version:\s*([\d.]+)", _output(["nvidia-smi"]) or "")
         driver = gpus[0]["driver"] + (f" (up to CUDA {banner.group(1)})" if banner else "")
-    versions = {"driver": driver, "CUDA": torch.version.cuda,
-                "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None,
-                "torch": torch.__version__, "accelerate": _version("accelerate"), "deepspeed": _version("deepspeed"),
-                "python": platform.python_version()}
+    versions = {
+        "driver": driver,
+        "CUDA": torch.version.cuda,
+        "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None,
+        "torch": torch.__version__,
+        "accelerate": _version("accelerate"),
+        "deepspeed": _version("deepspeed"),
+        "python": platform.python_version(),
+    }
     lines.append("  versions:      " + ", ".join(f"{k} {v}" for k, v in versions.items() if v))
     if num_processes:
         where = "one per GPU" if len(gpus) == num_processes else (f"{len(gpus)} GPU(s) visible" if gpus else "on CPU")
@@ -169,13 +185,16 @@ def report(num_processes: int | None = None) -> tuple[list[str], list[str]]:
 
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     per = len(gpus) or num_processes or 1
-    lines.append(f"  host RAM:      {ram_gib:.1f} GiB, {ram_gib / per:.1f} GiB per {'GPU' if gpus else 'process'}; "
-                 f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs")
+    lines.append(
+        f"  host RAM:      {ram_gib:.1f} GiB, {ram_gib / per:.1f} GiB per {'GPU' if gpus else 'process'}; "
+        f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs"
+    )
     warnings += ram_warnings(ram_gib, gpus)
     return lines, warnings
 
 
 # ---------------------------------------------------------------- the all-reduce
+
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
     """(algbw, busbw) in GB/s of an all-reduce of `nbytes` that took `seconds`, as nccl-tests
@@ -190,7 +209,8 @@ def likely_causes(backend: str) -> str:
     causes = [
         f"the port (MASTER_PORT {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} taken by another "
         "job, or closed to the other nodes)",
-        "a firewall between the nodes (after the rendezvous every pair of processes connects directly, on other ports)",
+        "a firewall between the nodes (after the rendezvous every pair of processes connects directly, on other "
+        "ports)",
         f"the network interface (set {ifname} to the one the nodes share, e.g. eth0 or ib0"
         + ("; NCCL_IB_DISABLE=1 when InfiniBand is not set up)" if backend == "nccl" else ")"),
     ]
@@ -216,8 +236,11 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
     group = f"{world} processes ({world // local_world} node(s) x {local_world})"
     what = f"the all-reduce across {group}"
     # One line per node: the node's first process gives up first, and its launcher then stops the rest.
-    watchdog = threading.Timer(timeout + (0 if local_rank == 0 else 10), _give_up,
-                               [f"{what} did not complete within {timeout:g} s; {likely_causes(backend)}"])
+    watchdog = threading.Timer(
+        timeout + (0 if local_rank == 0 else 10),
+        _give_up,
+        [f"{what} did not complete within {timeout:g} s; {likely_causes(backend)}"],
+    )
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -225,8 +248,9 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         if backend == "nccl":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout), device_id=device if backend == "nccl" else None
+        )
 
         def timed(x, n):
             dist.barrier()
@@ -249,8 +273,10 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         ok = torch.tensor([float(bool((check == world * (world + 1) / 2).all()))], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     except Exception as err:  # noqa: BLE001 - any failure here is a setup problem to explain
-        _give_up(f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                 f"{likely_causes(backend)}")
+        _give_up(
+            f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            f"{likely_causes(backend)}"
+        )
     watchdog.cancel()
     if rank == 0:
         print(f"all_reduce, float32 sum, {backend}, {group}; busbw = algbw x 2(n-1)/n as in nccl-tests")
@@ -269,7 +295,9 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
     p.add_argument("--num_processes", type=int, help="processes requested on this node, for the report")
     p.add_argument("--timeout", type=float, default=60, help="seconds before a group that does not form fails")
-    p.add_argument("--sizes_mib", help=f"all-reduce sizes in MiB (default {GPU_SIZES_MIB} on GPUs, {CPU_SIZES_MIB} on CPU)")
+    p.add_argument(
+        "--sizes_mib", help=f"all-reduce sizes in MiB (default {GPU_SIZES_MIB} on GPUs, {CPU_SIZES_MIB} on CPU)"
+    )
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size")
     args = p.parse_args(argv)
     try:

@@ -64,6 +64,7 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
 
 # ---------------------------------------------------------------- config, show
 
+
 def mask(words: list[str]) -> list[str]:
     """Command words with credentials masked: the value of a flag named like a credential
     (--hub_token X, --hub_token=X, --wandb-api-key X) and any hub token or URL password."""
@@ -116,8 +117,12 @@ def read_config(path: str) -> list[str]:
         if kind is str and not (isinstance(value, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", value)):
             raise ValueError(f"{path}: {key} must be a name such as MULTI_GPU or DEEPSPEED, got {value!r}")
         values[key] = value
-    return [str(values["num_machines"]), str(values["num_processes"]), values["distributed_type"],
-            str(values["use_cpu"]).lower()]
+    return [
+        str(values["num_machines"]),
+        str(values["num_processes"]),
+        values["distributed_type"],
+        str(values["use_cpu"]).lower(),
+    ]
 
 
 # ---------------------------------------------------------------- run
@@ -162,9 +167,13 @@ class _QuietElastic(logging.Filter):
     """torch.distributed.elastic's log of a failed or stopped run repeats what the processes and
     the launcher's exit code say; keep its other messages, and say one of them in our words."""
 
-    DROP = ("Sending process %s closing signal %s", "Closing process %s via signal %s",
-            "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-            "Received %s death signal, shutting down workers", "Got termination signal: %s")
+    DROP = (
+        "Sending process %s closing signal %s",
+        "Closing process %s via signal %s",
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        "Received %s death signal, shutting down workers",
+        "Got termination signal: %s",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg in self.DROP:
@@ -172,9 +181,11 @@ class _QuietElastic(logging.Filter):
         if record.msg == "Unable to shutdown process %s via %s, forcefully exiting via %s" and len(record.args) == 3:
             pid, sig, _ = record.args
             timeout = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "30")
-            record.msg = (f"launch.sh: process {pid} had not exited {timeout} s after {getattr(sig, 'name', sig)} "
-                          f"({SHUTDOWN_TIMEOUT_ENV}): killed it; a checkpoint it had not finished is not used "
-                          "by --resume_from_checkpoint latest")
+            record.msg = (
+                f"launch.sh: process {pid} had not exited {timeout} s after {getattr(sig, 'name', sig)} "
+                f"({SHUTDOWN_TIMEOUT_ENV}): killed it; a checkpoint it had not finished is not used "
+                "by --resume_from_checkpoint latest"
+            )
             record.args = ()
             return True
         record.msg = f"launcher: {record.levelname.lower()}: {SECRET_VALUES.sub('***', record.getMessage())}"
@@ -191,7 +202,8 @@ def _quiet_logging() -> None:
     elastic.propagate = False
     # accelerate saying it picked --num_cpu_threads_per_process by itself asks nothing of the user
     logging.getLogger("accelerate.commands.launch").addFilter(
-        lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`"))
+        lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`")
+    )
 
 
 _exit_codes: dict = {}  # local rank -> exit code of the processes torch's agent closed last
@@ -315,14 +327,18 @@ def run(argv: list[str]) -> int:
             what = f"not every node joined within RDZV_TIMEOUT={timeout.group(1)} s"
         else:
             what = f"the nodes did not meet ({type(err).__name__}{': ' + detail if detail else ''})"
-        return _error(f"{what}; check that launch.sh started on every node of the job and that each reaches {head} "
-                      "(see ./launch.sh doctor)")
+        return _error(
+            f"{what}; check that launch.sh started on every node of the job and that each reaches {head} "
+            "(see ./launch.sh doctor)"
+        )
     except (ConnectionError, DistNetworkError) as err:  # accelerate's check of the port, or the store's bind
         text = str(err)
         if "utilizing it" in text or "EADDRINUSE" in text or "address already in use" in text.lower():
             port = args.main_process_port or os.environ.get("MASTER_PORT") or 29500
-            return _error(f"port {port} on this node is in use by another process; set MASTER_PORT to a free port "
-                          "(the same on every node)")
+            return _error(
+                f"port {port} on this node is in use by another process; set MASTER_PORT to a free port "
+                "(the same on every node)"
+            )
         raise
     return 0
 

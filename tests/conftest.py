@@ -49,15 +49,27 @@ def run(cmd, env=None, cwd=REPO, timeout=420, check=True):
         [str(c) for c in cmd], cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def accelerate_cpu(nproc, script, *args, env=None):
     """`accelerate launch --config_file accelerate_configs/cpu.yaml` with ACCELERATE_USE_CPU=true."""
     env = env or user_env(ACCELERATE_USE_CPU="true")
-    return [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml",
-            "--num_processes", nproc, "--main_process_port", env["MASTER_PORT"], script, *args], env
+    return [
+        BIN / "accelerate",
+        "launch",
+        "--config_file",
+        REPO / "accelerate_configs/cpu.yaml",
+        "--num_processes",
+        nproc,
+        "--main_process_port",
+        env["MASTER_PORT"],
+        script,
+        *args,
+    ], env
 
 
 def results(output_dir) -> dict:
@@ -84,8 +96,17 @@ def digits(tmp_path_factory):
 
 
 def digits_args(digits, output_dir, *extra):
-    return ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"],
-            "--output_dir", output_dir, *extra]
+    return [
+        "--dataset",
+        "imagefolder",
+        "--train_dir",
+        digits["train"],
+        "--val_dir",
+        digits["val"],
+        "--output_dir",
+        output_dir,
+        *extra,
+    ]
 
 
 NUMBERS = "zero one two three four five six seven eight nine".split()
@@ -105,13 +126,27 @@ def tiny_lm(tmp_path_factory):
     words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "count", "from", *NUMBERS]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=64)
-    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=64
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
     tokenizer.save_pretrained(root / "model")
-    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         eos_token_id=1, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(root / "model")
@@ -130,25 +165,82 @@ def tiny_lm(tmp_path_factory):
         with open(root / f"{name}.jsonl", "w") as f:  # chat_varied: 1 to 24 words, so blocks hold few or many targets
             for reply in replies:
                 words_ = count(3 + reply).split()
-                f.write(json.dumps({"messages": [{"role": "user", "content": "count from " + " ".join(words_[:3])},
-                                                 {"role": "assistant", "content": " ".join(words_[3:])}]}) + "\n")
-    return {"model": root / "model", "train": root / "train.jsonl", "validation": root / "validation.jsonl",
-            "chat": root / "chat.jsonl", "chat_varied": root / "chat_varied.jsonl"}
+                f.write(
+                    json.dumps(
+                        {
+                            "messages": [
+                                {"role": "user", "content": "count from " + " ".join(words_[:3])},
+                                {"role": "assistant", "content": " ".join(words_[3:])},
+                            ]
+                        }
+                    )
+                    + "\n"
+                )
+    return {
+        "model": root / "model",
+        "train": root / "train.jsonl",
+        "validation": root / "validation.jsonl",
+        "chat": root / "chat.jsonl",
+        "chat_varied": root / "chat_varied.jsonl",
+    }
 
 
 def lm_args(lm, output_dir, *extra):
-    return ["--model_name_or_path", lm["model"], "--train_file", lm["train"], "--validation_file", lm["validation"],
-            "--output_dir", output_dir, "--block_size", "32", "--per_device_train_batch_size", "8",
-            "--learning_rate", "3e-3", "--lr_scaling", "none", "--warmup_ratio", "0", *extra]
+    return [
+        "--model_name_or_path",
+        lm["model"],
+        "--train_file",
+        lm["train"],
+        "--validation_file",
+        lm["validation"],
+        "--output_dir",
+        output_dir,
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scaling",
+        "none",
+        "--warmup_ratio",
+        "0",
+        *extra,
+    ]
 
 
 # Chats whose replies hold 1 to 24 words (tiny_lm's chat_varied): a 32-token block's target tokens vary
 # from a few to most of it. No clipping and no weight decay, so an update is the gradient's alone.
 def chat_args(lm, output_dir, batch, *extra):
-    return ["--model_name_or_path", lm["model"], "--train_file", lm["chat_varied"], "--data_format", "chat",
-            "--validation_split_percentage", "10", "--output_dir", output_dir, "--block_size", "32",
-            "--per_device_train_batch_size", str(batch), "--learning_rate", "3e-3", "--lr_scaling", "none",
-            "--warmup_ratio", "0", "--max_grad_norm", "0", "--max_train_steps", "6", "--logging_steps", "1", *extra]
+    return [
+        "--model_name_or_path",
+        lm["model"],
+        "--train_file",
+        lm["chat_varied"],
+        "--data_format",
+        "chat",
+        "--validation_split_percentage",
+        "10",
+        "--output_dir",
+        output_dir,
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        str(batch),
+        "--learning_rate",
+        "3e-3",
+        "--lr_scaling",
+        "none",
+        "--warmup_ratio",
+        "0",
+        "--max_grad_norm",
+        "0",
+        "--max_train_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        *extra,
+    ]
 
 
 def update_distance(out, reference, initial) -> float:
@@ -188,8 +280,9 @@ def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, t
     process of one `rank` only. Returns the finished process and the seconds it took to end."""
     marker = Path(output_dir) / f"checkpoint-{after_step}" / "trainer_state.json"
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd], cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         try:
             while not marker.exists():
@@ -199,8 +292,11 @@ def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, t
             if rank is None:
                 os.killpg(proc.pid, sig)
             else:
-                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                         if p.environ().get("RANK") == str(rank) and str(REPO / "recipes") in " ".join(p.cmdline())]
+                ranks = [
+                    p
+                    for p in psutil.Process(proc.pid).children(recursive=True)
+                    if p.environ().get("RANK") == str(rank) and str(REPO / "recipes") in " ".join(p.cmdline())
+                ]
                 (target,) = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
                 target.send_signal(sig)
             sent = time.monotonic()

@@ -8,7 +8,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, REPO, results, run, user_env
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
@@ -95,8 +94,12 @@ def test_input_pipeline_compares_every_loader_setting_with_the_model(smoke):
     model = record["model_samples_per_second"]
     assert model > 0
     seen = {(r["path"], r["num_workers"], r["persistent_workers"]) for r in record["results"]}
-    assert seen == {("DataLoader", 0, False), ("DataLoader", 1, False), ("DataLoader", 1, True),
-                    ("--data_on_device", 0, False)}
+    assert seen == {
+        ("DataLoader", 0, False),
+        ("DataLoader", 1, False),
+        ("DataLoader", 1, True),
+        ("--data_on_device", 0, False),
+    }
     for row in record["results"]:
         assert len(row["samples_per_second_per_epoch"]) == 2 and min(row["samples_per_second_per_epoch"]) > 0
         assert row["loader_over_model"] == pytest.approx(row["samples_per_second"] / model)
@@ -110,7 +113,10 @@ def test_lm_reports_the_runs_tokens_per_second_and_memory(smoke):
     assert entry["config"] == "ddp" and entry["processes"] == res["world_size"] == 2
     assert entry["tokens_per_second"] == res["steady_tokens_per_second"] > 0
     assert entry["mfu"] is None  # CPU: no known peak
-    assert entry["peak_memory_gb_per_process"] == res["peak_memory_gb_per_process"] and min(res["peak_memory_gb_per_process"]) > 0
+    assert (
+        entry["peak_memory_gb_per_process"] == res["peak_memory_gb_per_process"]
+        and min(res["peak_memory_gb_per_process"]) > 0
+    )
     assert entry["parameters_per_process"] == [entry["parameters"]] * 2
 
 

@@ -23,20 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from conftest import BIN, REPO, error_lines, free_port, lm_args, run, user_env
 from safetensors.torch import load_file
+from test_fault import snapshot
 
 import common
 from common import RecipeError
 from common import checkpoint as ckpt
 from common.runtime import RunFinished
 
-from conftest import BIN, REPO, error_lines, free_port, lm_args, run, user_env
-from test_fault import snapshot
-
 LM = REPO / "recipes" / "lm_finetune.py"
 
 
 # In this process ----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def acc():
@@ -86,8 +86,9 @@ def damage(path, how):
 
 
 @pytest.mark.parametrize("how", ["truncated", "bytes altered", "no marker"])
-def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(acc, tmp_path, how,
-                                                                                                      caplog):
+def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(
+    acc, tmp_path, how, caplog
+):
     out = tmp_path / "run"
     for step in (2, 4, 6):
         save(acc, out, step, limit=2)
@@ -140,6 +141,7 @@ def crashing(monkeypatch, at):
                 raise Crash
             calls["n"] += 1
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "replace", counted(os.replace))
@@ -148,8 +150,9 @@ def crashing(monkeypatch, at):
 
 
 @pytest.mark.parametrize("before", ["an intact checkpoint-6 alone", "checkpoint-4 and a damaged checkpoint-6"])
-def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(acc, tmp_path, monkeypatch,
-                                                                                        before):
+def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(
+    acc, tmp_path, monkeypatch, before
+):
     def setup(out):
         if before.startswith("an intact"):
             save(acc, out, 6, limit=1)
@@ -192,8 +195,9 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
         assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-2"
     assert "ignoring damaged checkpoint" in caplog.text
     assert "model.safetensors does not match the sha256" in caplog.text
-    with pytest.raises(RecipeError,
-                       match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"):
+    with pytest.raises(
+        RecipeError, match="the checkpoint is damaged: model.safetensors does not match the sha256.*`latest`"
+    ):
         ckpt.resolve_checkpoint(out, str(out / "checkpoint-4"))
 
 
@@ -203,8 +207,9 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     common.save_model(acc[0], acc[1], out)
     ckpt.write_json(out / "results.json", {"steps": 4})
     before = snapshot(out)
-    with pytest.raises(RunFinished,
-                       match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"):
+    with pytest.raises(
+        RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"
+    ):
         common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert snapshot(out) == before and not (out / ckpt.LOCK_FILE).exists()
 
@@ -216,7 +221,8 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
         f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
         f"--resume_from_checkpoint {out / 'checkpoint-4'} with a larger --max_train_steps; to start over, pass "
-        "--overwrite_output_dir instead of --resume_from_checkpoint"]
+        "--overwrite_output_dir instead of --resume_from_checkpoint"
+    ]
 
     # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
     save(acc, out, 6)
@@ -241,8 +247,13 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
         (out / folder / "weights.bin").write_bytes(os.urandom(64))
     (out / "notes.txt").write_text("lr 3e-3 was too high")
     (out / "checkpoint-9.tar").write_bytes(b"an archive")
-    users = {k: v for k, v in snapshot(out).items() if not k.startswith(("checkpoint-2", "checkpoint-4"))
-             and Path(k).name not in written and k not in ("results.json", ckpt.MODEL_FILES)}
+    users = {
+        k: v
+        for k, v in snapshot(out).items()
+        if not k.startswith(("checkpoint-2", "checkpoint-4"))
+        and Path(k).name not in written
+        and k not in ("results.json", ckpt.MODEL_FILES)
+    }
 
     # Starting over and resuming at once contradict each other: refused before anything changes.
     before = snapshot(out)
@@ -254,8 +265,16 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     assert common.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True)) is None
     assert {k: v for k, v in snapshot(out).items() if k != ckpt.LOCK_FILE} == users
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune", "notes.txt", "checkpoint-9.tar",
-         ckpt.LOCK_FILE])  # the lock: this run holds it until it exits
+        [
+            "best-checkpoint-final",
+            "checkpoint-best",
+            "my-checkpoint-3",
+            "lm_finetune",
+            "notes.txt",
+            "checkpoint-9.tar",
+            ckpt.LOCK_FILE,
+        ]
+    )  # the lock: this run holds it until it exits
 
     # A later save replaces a save of other files entirely: no old shard or config stays beside it.
     common.save_model(acc[0], lm, out)
@@ -272,23 +291,32 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     save(acc, second, 4)
     ckpt.write_json(second / "results.json", {"steps": 4})
     before = snapshot(tmp_path)
-    with pytest.raises(RecipeError, match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. "
-                                          f"and --resume_from_checkpoint {first / 'checkpoint-2'} is another folder's "
-                                          "checkpoint; pass --overwrite_output_dir to start over there from it, or "
-                                          "another --output_dir"):
+    with pytest.raises(
+        RecipeError,
+        match=f"--output_dir {second} already holds a run .checkpoint-4, results.json. "
+        f"and --resume_from_checkpoint {first / 'checkpoint-2'} is another folder's "
+        "checkpoint; pass --overwrite_output_dir to start over there from it, or "
+        "another --output_dir",
+    ):
         common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
     assert snapshot(tmp_path) == before
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
     with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
         common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
-    assert common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4"))) == \
-        second / "checkpoint-4"
+    assert (
+        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4")))
+        == second / "checkpoint-4"
+    )
     ckpt._RunLock.release_all()
     assert snapshot(tmp_path) == before
     # Started over from the other folder's checkpoint: this folder's run is gone, the other one untouched.
-    assert common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2"),
-                                                     overwrite_output_dir=True)) == first / "checkpoint-2"
+    assert (
+        common.prepare_output_dir(
+            acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2"), overwrite_output_dir=True)
+        )
+        == first / "checkpoint-2"
+    )
     assert sorted(p.name for p in second.iterdir()) == [ckpt.LOCK_FILE]
     assert snapshot(first) == {k.removeprefix("first/"): v for k, v in before.items() if k.startswith("first/")}
 
@@ -305,12 +333,21 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
     ckpt._RunLock.release_all()
     assert snapshot(out) == before
 
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(out / ckpt.LOCK_FILE)!r}, os.O_RDWR)\n"
-        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({str(out / ckpt.LOCK_FILE)!r}, os.O_RDWR)\n"
+                "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+                "print('locked', flush=True)\n"
+                "time.sleep(120)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RecipeError, match=r"is in use by another run \(pid 1 on a node that was rebooted\); wait"):
@@ -341,6 +378,7 @@ def test_a_filesystem_without_locks_is_used_with_one_warning(acc, tmp_path, monk
 
 # Real launches ------------------------------------------------------------------------------------
 
+
 def lm(tiny_lm, out, *extra):
     return [BIN / "python", LM, *lm_args(tiny_lm, out, "--dataloader_num_workers", "0", *extra)]
 
@@ -366,9 +404,11 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
                 assert first.poll() is None and time.monotonic() < deadline, "the first run did not reach checkpoint-3"
                 time.sleep(0.05)
             first.send_signal(signal.SIGSTOP)  # frozen while it holds the lock: nothing changes under the test
-            line = refused(lm(tiny_lm, out, "--resume_from_checkpoint", "latest"), out,
-                           f"--output_dir {out} is in use by another run "
-                           f"(pid {first.pid} on {socket.gethostname()}, started ")
+            line = refused(
+                lm(tiny_lm, out, "--resume_from_checkpoint", "latest"),
+                out,
+                f"--output_dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, started ",
+            )
             assert line.endswith("wait for it to end, or pass another --output_dir")
         finally:
             first.kill()  # like the OOM killer: no exit handler runs
@@ -380,6 +420,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
 
 
 # A full disk --------------------------------------------------------------------------------------
+
 
 def checkpoint_bytes(path):
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
@@ -395,8 +436,9 @@ def small_disk(tmp_path):
             pytest.skip("mounting a tmpfs in this process needs root")
         folder = tmp_path / f"disk{len(mounted)}"
         folder.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True, text=True
+        )
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(folder)
@@ -427,15 +469,19 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
     save(acc, out, 2)
     save(acc, out, 4)
     before = snapshot(out)
-    with pytest.raises(RecipeError, match=f"^no space left on the filesystem of {out} to save the checkpoint "
-                                          f"{out / 'checkpoint-6'}: it needs about .* kB, .* kB free; free space "
-                                          "there or pass another --output_dir .the checkpoints already saved are "
-                                          "intact.$"):
+    with pytest.raises(
+        RecipeError,
+        match=f"^no space left on the filesystem of {out} to save the checkpoint "
+        f"{out / 'checkpoint-6'}: it needs about .* kB, .* kB free; free space "
+        "there or pass another --output_dir .the checkpoints already saved are "
+        "intact.$",
+    ):
         save(acc, out, 6)
     kept = [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
-    with pytest.raises(RecipeError,
-                       match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"):
+    with pytest.raises(
+        RecipeError, match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"
+    ):
         common.save_model(acc[0], acc[1], out)
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
     assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
@@ -453,19 +499,30 @@ def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line
     port = free_port()
     ranks = []
     for rank in (0, 1):
-        env = (f"ACCELERATE_USE_CPU=true RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
-               f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
+        env = (
+            f"ACCELERATE_USE_CPU=true RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+            f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+        )
         args = lm(tiny_lm, out, "--max_train_steps", "20", "--checkpointing_steps", "2", "--ddp_timeout", "60")
         cmd = " ".join(shlex.quote(str(c)) for c in args)
         ranks.append(f"env {env} timeout 240 {cmd} 2> {tmp_path}/rank{rank}.err & pid{rank}=$!")
     # 2.5 MB: two checkpoints of the tiny model (0.95 MB each) fit, not three.
-    script = (f"mount -t tmpfs -o size=2500k tmpfs {folder} || exit 99\n" + "\n".join(ranks) +
-              f"\nwait $pid0; rc0=$?; wait $pid1; rc1=$?; echo \"exit codes $rc0 $rc1\"; cp -a {folder}/. {after}/")
+    script = (
+        f"mount -t tmpfs -o size=2500k tmpfs {folder} || exit 99\n"
+        + "\n".join(ranks)
+        + f'\nwait $pid0; rc0=$?; wait $pid1; rc1=$?; echo "exit codes $rc0 $rc1"; cp -a {folder}/. {after}/'
+    )
     folder.mkdir()
     after.mkdir()
     try:
-        proc = subprocess.run(["unshare", "-rm", "bash", "-c", script], cwd=REPO, env=user_env(), capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            ["unshare", "-rm", "bash", "-c", script],
+            cwd=REPO,
+            env=user_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except FileNotFoundError:
         pytest.skip("no unshare here: cannot mount a small filesystem")
     if proc.returncode == 99 or proc.stderr.startswith("unshare:"):
@@ -476,8 +533,9 @@ def test_a_full_disk_while_saving_a_checkpoint_stops_every_process_with_one_line
     assert len(lines) == 1, stderr[0][-3000:] + stderr[1][-3000:]
     assert not any("Traceback" in text for text in stderr)
     failed = int(lines[0].split(f"to save the checkpoint {out}/checkpoint-")[1].split(":")[0])
-    assert lines[0].startswith(f"error: no space left on the filesystem of {out} to save the checkpoint "
-                               f"{out}/checkpoint-")
+    assert lines[0].startswith(
+        f"error: no space left on the filesystem of {out} to save the checkpoint {out}/checkpoint-"
+    )
     assert "it needs about " in lines[0] and "free; free space there or pass another --output_dir" in lines[0]
     saved = sorted(p.name for p in (after / "run").iterdir())
     assert failed >= 4 and saved == [f"checkpoint-{step}" for step in range(2, failed, 2)]  # no .tmp-, no results.json

@@ -9,15 +9,25 @@ import torch
 import torchvision
 from accelerate import PartialState
 from accelerate.utils import set_seed
+from conftest import (
+    BIN,
+    FAST_MODEL,
+    REPO,
+    accelerate_cpu,
+    digits_args,
+    error_lines,
+    interrupt,
+    load_recipe,
+    results,
+    run,
+    user_env,
+)
 from safetensors.torch import load_file, save_file
+from test_fault import snapshot
 
 from common.data import seeded_uniform
-from common.runtime import RecipeError
 from common.preemption import PREEMPTED_EXIT_CODE
-
-from conftest import (BIN, FAST_MODEL, REPO, accelerate_cpu, digits_args, error_lines, interrupt, load_recipe,
-                      results, run, user_env)
-from test_fault import snapshot
+from common.runtime import RecipeError
 
 RECIPE = REPO / "recipes" / "cifar.py"
 
@@ -41,7 +51,9 @@ def reevaluate(digits, output_dir):
 
 
 @pytest.mark.slow
-def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(digits, tmp_path):
+def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(
+    digits, tmp_path
+):
     """With --data_on_device (2 processes train through the image loaders in the tests below): the
     weights it saves reproduce its accuracy through the ImageFolder evaluation path."""
     out = tmp_path / "run"
@@ -67,7 +79,15 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{2 * per_epoch}", resumed / f"checkpoint-{2 * per_epoch}")
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
+    run(
+        [
+            REPO / "launch.sh",
+            "cifar",
+            "--num_processes",
+            "1",
+            *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest"),
+        ]
+    )
     assert results(resumed)["steps"] == 3 * per_epoch
     weights = load_file(resumed / "model.safetensors")
     for name in final:
@@ -76,10 +96,19 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     # ...and `latest` on the finished run (a requeued job that had finished) ends at once, exit 0,
     # saying so, and changes nothing: no step trained again, its weights and results.json kept.
     before = snapshot(out)
-    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1",
-                *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
+    proc = run(
+        [
+            REPO / "launch.sh",
+            "cifar",
+            "--num_processes",
+            "1",
+            *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest"),
+        ]
+    )
     (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
-    assert done.startswith(f"done: {out} holds a finished run (results.json, {3 * per_epoch} steps): nothing left to train")
+    assert done.startswith(
+        f"done: {out} holds a finished run (results.json, {3 * per_epoch} steps): nothing left to train"
+    )
     assert not error_lines(proc.stderr) and "resumed from" not in proc.stderr
     assert snapshot(out) == before
 
@@ -87,9 +116,14 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
 @pytest.mark.slow
 def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):
     out = tmp_path / "probe.json"
-    cmd, env = accelerate_cpu(2, REPO / "tests/probes/shard_probe.py", out,
-                              *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32",
-                                           "--dataloader_num_workers", "0"))
+    cmd, env = accelerate_cpu(
+        2,
+        REPO / "tests/probes/shard_probe.py",
+        out,
+        *digits_args(
+            digits, tmp_path / "unused", "--per_device_train_batch_size", "32", "--dataloader_num_workers", "0"
+        ),
+    )
     run(cmd, env=env)
     probe = json.loads(out.read_text())
     assert probe["world_size"] == 2
@@ -110,10 +144,24 @@ def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(dig
 def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path, how):
     out = tmp_path / "run"
     env = user_env()
-    launch = ["--multi_gpu", "--num_processes", "2"] if how.startswith("--multi_gpu") else \
-        ["--config_file", REPO / "accelerate_configs/cpu.yaml"]
-    proc = run([BIN / "accelerate", "launch", *launch, "--main_process_port", env["MASTER_PORT"], RECIPE,
-                *digits_args(digits, out, *FAST_MODEL)], env=env, check=False)
+    launch = (
+        ["--multi_gpu", "--num_processes", "2"]
+        if how.startswith("--multi_gpu")
+        else ["--config_file", REPO / "accelerate_configs/cpu.yaml"]
+    )
+    proc = run(
+        [
+            BIN / "accelerate",
+            "launch",
+            *launch,
+            "--main_process_port",
+            env["MASTER_PORT"],
+            RECIPE,
+            *digits_args(digits, out, *FAST_MODEL),
+        ],
+        env=env,
+        check=False,
+    )
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
@@ -140,7 +188,7 @@ def update_apart(a_dir, b_dir, start) -> float:
 
 
 def stop_step(proc) -> int:
-    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("preempted:")]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("preempted:")]
     return int(line.split("after step ")[1].split(";")[0])
 
 
@@ -159,8 +207,22 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     another split sums gradients in another order, and ReLU and max-pool ties on these upscaled
     digits grow that tenfold a step (measured: 2e-6 of the update after 1 step, 6% after 10). A
     replayed or skipped batch would be a whole step apart, about 8% of the update here."""
-    common_args = ["--model", "resnet18", "--image_size", "24", "--norm_layer", "group", "--gradient_accumulation_steps",
-                   "2", "--dataloader_num_workers", "1", "--max_train_steps", "13", "--learning_rate", "0.01"]
+    common_args = [
+        "--model",
+        "resnet18",
+        "--image_size",
+        "24",
+        "--norm_layer",
+        "group",
+        "--gradient_accumulation_steps",
+        "2",
+        "--dataloader_num_workers",
+        "1",
+        "--max_train_steps",
+        "13",
+        "--learning_rate",
+        "0.01",
+    ]
     two, one = ["--per_device_train_batch_size", "32"], ["--per_device_train_batch_size", "64"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     straight_one, other_way = tmp_path / "straight_one", tmp_path / "other_way"
@@ -169,8 +231,11 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     run([BIN / "python", RECIPE, *digits_args(digits, straight_one, *common_args, *one)])
     start = initial_weights("resnet18", 10)
 
-    launch = [REPO / "launch.sh", "cifar", *digits_args(digits, resumed, *common_args, *two, "--checkpointing_steps", "4",
-                                                          "--save_total_limit", "2")]
+    launch = [
+        REPO / "launch.sh",
+        "cifar",
+        *digits_args(digits, resumed, *common_args, *two, "--checkpointing_steps", "4", "--save_total_limit", "2"),
+    ]
     proc, _ = interrupt(launch, user_env(), resumed, after_step=8, sig=signal.SIGUSR1, rank=1)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
     stop = stop_step(proc)
@@ -188,12 +253,20 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     weights.write_bytes(weights.read_bytes()[:1000])
     shutil.copytree(resumed / f"checkpoint-{stop}", resumed / "checkpoint-50")
     (resumed / "checkpoint-50" / "trainer_state.json").unlink()
-    proc = run([BIN / "python", RECIPE, *digits_args(digits, resumed, *common_args, *one, "--resume_from_checkpoint",
-                                                     "latest")])
+    proc = run(
+        [
+            BIN / "python",
+            RECIPE,
+            *digits_args(digits, resumed, *common_args, *one, "--resume_from_checkpoint", "latest"),
+        ]
+    )
     assert f"checkpoint-{stop} at step {stop}" in proc.stderr
     assert "ignoring damaged checkpoint" in proc.stderr and "model.safetensors has 1000 bytes" in proc.stderr
     assert "ignoring incomplete checkpoint" in proc.stderr
-    assert "processes x per-device batch x accumulation 2 x 32 x 2 -> 1 x 64 x 2, effective batch 128 -> 128" in proc.stderr
+    assert (
+        "processes x per-device batch x accumulation 2 x 32 x 2 -> 1 x 64 x 2, effective batch 128 -> 128"
+        in proc.stderr
+    )
     assert update_apart(resumed, straight, start) < 1e-4
     for res in (results(resumed), results(straight)):  # epoch 0: 21 rounds of 64, the last step one round
         assert res["steps"] == 13 and res["samples_seen"] == 1344 + 2 * 128 and res["epochs"] > 1
@@ -201,8 +274,9 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     cmd = [BIN / "python", RECIPE, *digits_args(digits, other_way, *common_args, *one, "--checkpointing_steps", "4")]
     proc, _ = interrupt(cmd, user_env(), other_way, after_step=8)
     assert proc.returncode == PREEMPTED_EXIT_CODE and stop_step(proc) in (9, 10), proc.stderr[-3000:]
-    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, other_way, *common_args, *two, "--resume_from_checkpoint",
-                                                       "latest"))
+    cmd, env = accelerate_cpu(
+        2, RECIPE, *digits_args(digits, other_way, *common_args, *two, "--resume_from_checkpoint", "latest")
+    )
     proc = run(cmd, env=env)
     assert "1 x 64 x 2 -> 2 x 32 x 2, effective batch 128 -> 128" in proc.stderr
     assert results(other_way)["world_size"] == 2 and results(other_way)["steps"] == 13
@@ -217,8 +291,18 @@ def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "run"
     env = user_env()
-    run([BIN / "accelerate", "launch", "--num_processes", "1", "train.py",
-         *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "3")], env=env, cwd=project)
+    run(
+        [
+            BIN / "accelerate",
+            "launch",
+            "--num_processes",
+            "1",
+            "train.py",
+            *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "3"),
+        ],
+        env=env,
+        cwd=project,
+    )
     assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
 
 
@@ -226,23 +310,59 @@ def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
 def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_file(digits, tmp_path):
     out = tmp_path / "run"
     secrets = {"HF_TOKEN": "hf_" + "S3cr3t" * 6, "WANDB_API_KEY": "0123456789abcdef" * 2}
-    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1",
-                *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "4", "--logging_steps", "2",
-                             "--report_to", "tensorboard", "--checkpointing_steps", "4")], env=user_env(**secrets))
+    proc = run(
+        [
+            REPO / "launch.sh",
+            "cifar",
+            "--num_processes",
+            "1",
+            *digits_args(
+                digits,
+                out,
+                *FAST_MODEL,
+                "--max_train_steps",
+                "4",
+                "--logging_steps",
+                "2",
+                "--report_to",
+                "tensorboard",
+                "--checkpointing_steps",
+                "4",
+            ),
+        ],
+        env=user_env(**secrets),
+    )
     assert list((out / "cifar").rglob("events.out.tfevents.*"))
     written = [proc.stdout, proc.stderr] + [p.read_bytes().decode("latin-1") for p in out.rglob("*") if p.is_file()]
     for secret in secrets.values():
         assert not any(secret in text for text in written)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "cifar10 is not in"),
-    (["--dataset", "imagefolder", "--train_dir", "{tmp}/missing", "--val_dir", "{tmp}/missing"], "--train_dir"),
-    (["--resume_from_checkpoint", "{tmp}"], "not a complete checkpoint"),
-    (["--model", "no_such_net", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"], "--model no_such_net"),
-    (["--per_device_train_batch_size", "4096", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"],
-     "lower --per_device_train_batch_size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "cifar10 is not in"),
+        (["--dataset", "imagefolder", "--train_dir", "{tmp}/missing", "--val_dir", "{tmp}/missing"], "--train_dir"),
+        (["--resume_from_checkpoint", "{tmp}"], "not a complete checkpoint"),
+        (
+            ["--model", "no_such_net", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"],
+            "--model no_such_net",
+        ),
+        (
+            [
+                "--per_device_train_batch_size",
+                "4096",
+                "--dataset",
+                "imagefolder",
+                "--train_dir",
+                "{train}",
+                "--val_dir",
+                "{val}",
+            ],
+            "lower --per_device_train_batch_size",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, message):
     out = tmp_path / "run"
@@ -284,7 +404,7 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
     for i in index.tolist():
         padded = torch.nn.functional.pad(train.tensors[0][i].permute(2, 0, 1).float(), (4, 4, 4, 4))
         dy, dx = int(u[i, 0] * 9), int(u[i, 1] * 9)
-        window = padded[:, dy:dy + 32, dx:dx + 32]
+        window = padded[:, dy : dy + 32, dx : dx + 32]
         if u[i, 2] < 0.5:
             window, flips = window.flip(-1), flips + 1
         torch.testing.assert_close(crops[i], (window - mean) / std)
@@ -295,9 +415,12 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
 def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digits, tmp_path):
     """--data_on_device on CPU (it learns and resumes: the first test of this file runs with it)."""
     out = tmp_path / "probe.json"
-    cmd, env = accelerate_cpu(2, REPO / "tests/probes/shard_probe.py", out,
-                              *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32",
-                                           "--data_on_device"))
+    cmd, env = accelerate_cpu(
+        2,
+        REPO / "tests/probes/shard_probe.py",
+        out,
+        *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32", "--data_on_device"),
+    )
     run(cmd, env=env)
     probe = json.loads(out.read_text())
     for rank0, rank1 in probe["train"]:
@@ -320,8 +443,9 @@ def imagenet_resnet18(seed=0):
     return torchvision.models.resnet18().state_dict()
 
 
-def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_where_the_file_goes(monkeypatch,
-                                                                                                    tmp_path):
+def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_where_the_file_goes(
+    monkeypatch, tmp_path
+):
     cifar = load_recipe()
     PartialState()
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
@@ -331,10 +455,14 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
     cached = tmp_path / TORCHVISION_RESNET18
     with pytest.raises(RecipeError) as err:
         cifar.load_model(args, 10)
-    assert str(err.value).startswith("--pretrained: torchvision's weights for --model resnet18 "
-                                     "(ResNet18_Weights.IMAGENET1K_V1) are not in the cache and could not be downloaded")
-    assert f"download https://download.pytorch.org/models/resnet18-f37072fd.pth where there is network and put it at " \
-           f"{cached} (TORCH_HOME sets the folder)" in str(err.value)
+    assert str(err.value).startswith(
+        "--pretrained: torchvision's weights for --model resnet18 "
+        "(ResNet18_Weights.IMAGENET1K_V1) are not in the cache and could not be downloaded"
+    )
+    assert (
+        f"download https://download.pytorch.org/models/resnet18-f37072fd.pth where there is network and put it at "
+        f"{cached} (TORCH_HOME sets the folder)" in str(err.value)
+    )
     assert not list(tmp_path.rglob("*.pth*")), "a failed download left a file behind"
 
     weights = imagenet_resnet18()
@@ -351,7 +479,9 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
             return (cached.with_name("ran").write_text, ("code ran",))
 
     torch.save({"conv1.weight": Code()}, cached)
-    with pytest.raises(RecipeError, match=r"\(ResNet18_Weights.IMAGENET1K_V1\) cannot be loaded \(not plain weights\)"):
+    with pytest.raises(
+        RecipeError, match=r"\(ResNet18_Weights.IMAGENET1K_V1\) cannot be loaded \(not plain weights\)"
+    ):
         cifar.load_model(args, 10)
     assert not cached.with_name("ran").exists()
 
@@ -362,11 +492,14 @@ def fake_hub_cache(root, repo, state_dict):
     (folder / "snapshots" / ("0" * 40)).mkdir(parents=True)
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text("0" * 40)
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / "snapshots" / ("0" * 40) / "model.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in state_dict.items()}, folder / "snapshots" / ("0" * 40) / "model.safetensors"
+    )
 
 
-def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_their_weights(digits, monkeypatch,
-                                                                                           tmp_path):
+def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_their_weights(
+    digits, monkeypatch, tmp_path
+):
     timm = pytest.importorskip("timm")
     import huggingface_hub.constants
 
@@ -382,13 +515,15 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     efficientnet = cifar.build_model("timm/efficientnet_b0", 10)
     grouped = cifar.set_norm_layer(cifar.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
     assert activations(grouped) == activations(efficientnet) > 40 and not any(
-        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules())
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules()
+    )
 
     args = cifar.parse_args(["--model", "timm/resnet18.a1_in1k", "--pretrained", "--freeze_backbone"])
     with pytest.raises(RecipeError) as err:
         cifar.load_model(args, 10)
-    assert str(err.value).startswith("--pretrained: timm's weights for --model timm/resnet18.a1_in1k could not be "
-                                     "loaded (") and "fetch timm/resnet18.a1_in1k into the Hugging Face cache" in str(err.value)
+    assert str(err.value).startswith(
+        "--pretrained: timm's weights for --model timm/resnet18.a1_in1k could not be loaded ("
+    ) and "fetch timm/resnet18.a1_in1k into the Hugging Face cache" in str(err.value)
     torch.manual_seed(0)
     weights = timm.create_model("resnet18").state_dict()
     fake_hub_cache(tmp_path, "timm/resnet18.a1_in1k", weights)
@@ -401,8 +536,14 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
 
     # The inputs are normalized as the weights were trained: this one on [-1, 1], not with ImageNet's statistics.
-    args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--model", "timm/efficientnet_b0.ra4_e3600_r224_in1k",
-                                                         "--pretrained")])
+    args = cifar.parse_args(
+        [
+            str(a)
+            for a in digits_args(
+                digits, "unused", "--model", "timm/efficientnet_b0.ra4_e3600_r224_in1k", "--pretrained"
+            )
+        ]
+    )
     _, evals, _ = cifar.build_datasets(args)
     (normalize,) = [t for t in evals.transform.transforms if isinstance(t, torchvision.transforms.Normalize)]
     assert tuple(normalize.mean) == tuple(normalize.std) == (0.5, 0.5, 0.5)
@@ -417,11 +558,27 @@ def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_
     weights = imagenet_resnet18()
     file = tmp_path / "resnet18.safetensors"
     save_file({k: v.contiguous() for k, v in weights.items()}, file)
-    args = ["--model", "resnet18", "--pretrained_path", file, "--freeze_backbone", "--hflip", "0", "--max_train_steps",
-            "4", "--learning_rate", "0.4", "--dataloader_num_workers", "0"]
+    args = [
+        "--model",
+        "resnet18",
+        "--pretrained_path",
+        file,
+        "--freeze_backbone",
+        "--hflip",
+        "0",
+        "--max_train_steps",
+        "4",
+        "--learning_rate",
+        "0.4",
+        "--dataloader_num_workers",
+        "0",
+    ]
     out, resumed = tmp_path / "two", tmp_path / "resumed"
-    cmd, env = accelerate_cpu(2, RECIPE, *digits_args(digits, out, *args, "--per_device_train_batch_size", "16",
-                                                       "--checkpointing_steps", "2"))
+    cmd, env = accelerate_cpu(
+        2,
+        RECIPE,
+        *digits_args(digits, out, *args, "--per_device_train_batch_size", "16", "--checkpointing_steps", "2"),
+    )
     proc = run(cmd, env=env)
     assert "--freeze_backbone: training fc only, 5,130 of 11,181,642 parameters" in proc.stderr
     assert "fc.bias, fc.weight new: the file's head has other classes" in proc.stderr
@@ -439,8 +596,15 @@ def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_
 
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    run([BIN / "python", RECIPE, *digits_args(digits, resumed, *args, "--per_device_train_batch_size", "32",
-                                              "--resume_from_checkpoint", "latest")])
+    run(
+        [
+            BIN / "python",
+            RECIPE,
+            *digits_args(
+                digits, resumed, *args, "--per_device_train_batch_size", "32", "--resume_from_checkpoint", "latest"
+            ),
+        ]
+    )
     again = load_file(resumed / "model.safetensors")
     assert again.keys() == final.keys()
     for name in final:
@@ -454,13 +618,37 @@ def test_pretrained_with_a_faster_head_on_device_without_flip_or_crop(digits, tm
     (tmp_path / TORCHVISION_RESNET18).parent.mkdir(parents=True)
     torch.save(imagenet_resnet18(), tmp_path / TORCHVISION_RESNET18)
     out = tmp_path / "run"
-    run([BIN / "python", RECIPE, *digits_args(digits, out, "--model", "resnet18", "--pretrained", "--head_lr_scale", "10",
-                                              "--data_on_device", "--hflip", "0", "--no-random_crop", "--max_train_steps",
-                                              "2", "--checkpointing_steps", "1", "--per_device_train_batch_size", "32")],
-        env=user_env(TORCH_HOME=str(tmp_path), **NO_NETWORK))
+    run(
+        [
+            BIN / "python",
+            RECIPE,
+            *digits_args(
+                digits,
+                out,
+                "--model",
+                "resnet18",
+                "--pretrained",
+                "--head_lr_scale",
+                "10",
+                "--data_on_device",
+                "--hflip",
+                "0",
+                "--no-random_crop",
+                "--max_train_steps",
+                "2",
+                "--checkpointing_steps",
+                "1",
+                "--per_device_train_batch_size",
+                "32",
+            ),
+        ],
+        env=user_env(TORCH_HOME=str(tmp_path), **NO_NETWORK),
+    )
     optimizer = torch.load(out / "checkpoint-1" / "optimizer.bin", weights_only=True)
-    groups = [(group["lr"], [tuple(optimizer["state"][i]["momentum_buffer"].shape) for i in group["params"]])
-              for group in optimizer["param_groups"]]
+    groups = [
+        (group["lr"], [tuple(optimizer["state"][i]["momentum_buffer"].shape) for i in group["params"]])
+        for group in optimizer["param_groups"]
+    ]
     assert sum(len(shapes) for _, shapes in groups) == len(list(torchvision.models.resnet18().parameters()))
     (backbone_lr, _), (no_decay_lr, _), (head_lr, head), (bias_lr, bias) = groups  # backbone, then the head
     assert head == [(10, 512)] and bias == [(10,)] and backbone_lr == no_decay_lr > 0
@@ -483,8 +671,10 @@ def test_flip_and_crop_switches_change_what_the_model_sees(digits, size):
             mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (cifar.IMAGENET_MEAN, cifar.IMAGENET_STD))
             return train.__getitems__(index)[0], (train.tensors[0][index].permute(0, 3, 1, 2).float() - mean) / std
         train, evals, _ = cifar.build_datasets(args)
-        return (torch.stack([train[i][0] for i in index]),
-                torch.stack([evals.transform(train.dataset[i][0]) for i in index]))
+        return (
+            torch.stack([train[i][0] for i in index]),
+            torch.stack([evals.transform(train.dataset[i][0]) for i in index]),
+        )
 
     for device in ([], ["--data_on_device"]) if size == 32 else ([],):
         plain, evaluated = views("--hflip", "0", "--no-random_crop", *device)

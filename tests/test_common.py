@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from accelerate import Accelerator, PartialState
+from conftest import load_recipe
 from torch.utils.data import DataLoader, Dataset
 
 import common
@@ -15,7 +16,6 @@ from common.data import SeededTransform, set_epoch
 from common.metrics import public_args
 from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
 from common.training import Progress
-from conftest import load_recipe
 
 
 def test_effective_batch_size():
@@ -23,9 +23,16 @@ def test_effective_batch_size():
     assert effective_batch_size(32, 1, 1) == 32
 
 
-@pytest.mark.parametrize("rule, batch, expected", [
-    ("linear", 1024, 0.8), ("linear", 64, 0.05), ("sqrt", 512, 0.2), ("sqrt", 32, 0.05), ("none", 4096, 0.1),
-])
+@pytest.mark.parametrize(
+    "rule, batch, expected",
+    [
+        ("linear", 1024, 0.8),
+        ("linear", 64, 0.05),
+        ("sqrt", 512, 0.2),
+        ("sqrt", 32, 0.05),
+        ("none", 4096, 0.1),
+    ],
+)
 def test_scale_lr(rule, batch, expected):
     assert scale_lr(0.1, batch, 128, rule) == pytest.approx(expected)
 
@@ -36,8 +43,16 @@ def test_scale_lr_rejects_unknown_rule():
 
 
 def plan(**kw):
-    base = dict(num_samples=1400, per_device_batch_size=32, num_processes=2, gradient_accumulation_steps=1,
-                learning_rate=0.1, reference_batch_size=128, lr_scaling="linear", num_train_epochs=3)
+    base = dict(
+        num_samples=1400,
+        per_device_batch_size=32,
+        num_processes=2,
+        gradient_accumulation_steps=1,
+        learning_rate=0.1,
+        reference_batch_size=128,
+        lr_scaling="linear",
+        num_train_epochs=3,
+    )
     return plan_training(**{**base, **kw})
 
 
@@ -133,7 +148,7 @@ def test_seeded_transform_epoch_reaches_persistent_workers():
     loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
     for epoch in range(3):
         set_epoch(type("L", (), {"set_epoch": lambda s, e: None, "dataset": ds})(), epoch)
-        (from_worker, _), = list(loader)
+        ((from_worker, _),) = list(loader)
         expected = torch.stack([ds[i][0] for i in range(8)])  # computed here, in this process
         assert torch.equal(from_worker, expected), epoch
 
@@ -152,9 +167,21 @@ def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulat
     steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
     parser = common.training_parser("t")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
-    args = common.parse(parser, [
-        "--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-        "--num_train_epochs", "2", "--logging_steps", "1"])
+    args = common.parse(
+        parser,
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "2",
+            "--num_train_epochs",
+            "2",
+            "--logging_steps",
+            "1",
+        ],
+    )
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     model = torch.nn.Linear(4, 1)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
@@ -199,8 +226,10 @@ def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first
 
     def job_order(layout, sampler):
         world, batch = layout
-        shards = [BatchSamplerShard(BatchSampler(sampler, batch, drop_last=True), world, rank, even_batches=True)
-                  for rank in range(world)]
+        shards = [
+            BatchSamplerShard(BatchSampler(sampler, batch, drop_last=True), world, rank, even_batches=True)
+            for rank in range(world)
+        ]
         rounds = zip(*(iter(shard) for shard in shards))  # round r: every process's r-th batch
         return [sample for batches in rounds for batch in batches for sample in batch]
 
@@ -209,29 +238,49 @@ def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first
     sampler.set_epoch(epoch)
     order = sampler.order(epoch).tolist()
     assert sorted(order) == list(range(n)) and order != sorted(order)
-    assert job_order(first, sampler) == order[:len(job_order(first, sampler))]  # the job trains a prefix
+    assert job_order(first, sampler) == order[: len(job_order(first, sampler))]  # the job trains a prefix
 
     stop = 4 * first[0] * first[1]  # after 4 rounds
     sampler.resume_at(epoch, stop)
     resumed = job_order(then, sampler)
     trained = order[:stop] + resumed
-    assert trained == order[:len(trained)] and len(set(trained)) == len(trained)
+    assert trained == order[: len(trained)] and len(set(trained)) == len(trained)
     assert n - len(trained) < then[0] * then[1]  # only a tail shorter than a round is left
     sampler.set_epoch(epoch + 1)  # the next epoch starts at its beginning
-    assert job_order(then, sampler) == sampler.order(epoch + 1).tolist()[:len(job_order(then, sampler))]
+    assert job_order(then, sampler) == sampler.order(epoch + 1).tolist()[: len(job_order(then, sampler))]
 
 
 # Secrets ------------------------------------------------------------------------------------------
 
+
 def test_public_args_masks_credentials():
     import argparse
 
-    args = argparse.Namespace(hub_token="hf_" + "a" * 30, api_key="k", learning_rate=0.1, push_to_hub=True,
-                              dataset_name="https://user:pass@example.com/data", model_name_or_path="hf_" + "b" * 34,
-                              resume_from_checkpoint=None, tokenizer_name="gpt2", max_tokens=512,
-                              wandb_api_key="w", HF_TOKEN="t", client_secret="s")
+    args = argparse.Namespace(
+        hub_token="hf_" + "a" * 30,
+        api_key="k",
+        learning_rate=0.1,
+        push_to_hub=True,
+        dataset_name="https://user:pass@example.com/data",
+        model_name_or_path="hf_" + "b" * 34,
+        resume_from_checkpoint=None,
+        tokenizer_name="gpt2",
+        max_tokens=512,
+        wandb_api_key="w",
+        HF_TOKEN="t",
+        client_secret="s",
+    )
     shown = public_args(args)
-    assert shown == {"hub_token": "***", "api_key": "***", "learning_rate": 0.1, "push_to_hub": True,
-                     "dataset_name": "https://***@example.com/data", "model_name_or_path": "***",
-                     "tokenizer_name": "gpt2", "max_tokens": 512,  # named like, but not, credentials
-                     "wandb_api_key": "***", "HF_TOKEN": "***", "client_secret": "***"}
+    assert shown == {
+        "hub_token": "***",
+        "api_key": "***",
+        "learning_rate": 0.1,
+        "push_to_hub": True,
+        "dataset_name": "https://***@example.com/data",
+        "model_name_or_path": "***",
+        "tokenizer_name": "gpt2",
+        "max_tokens": 512,  # named like, but not, credentials
+        "wandb_api_key": "***",
+        "HF_TOKEN": "***",
+        "client_secret": "***",
+    }

@@ -7,7 +7,6 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
 from conftest import REPO
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -47,11 +46,13 @@ def test_cpu_config_is_the_multi_process_cpu_path():
 def test_multi_node_marks_what_to_fill_in():
     text = (REPO / "accelerate_configs/multi_node.yaml").read_text()
     for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes"):
-        (line,) = [l for l in text.splitlines() if l.startswith(f"{key}:")]
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"{key}:")]
         assert "FILL IN" in line, key
 
 
-@pytest.mark.parametrize("name, stage, offload", [("zero2", 2, "none"), ("zero3", 3, "none"), ("zero3_offload", 3, "cpu")])
+@pytest.mark.parametrize(
+    "name, stage, offload", [("zero2", 2, "none"), ("zero3", 3, "none"), ("zero3_offload", 3, "cpu")]
+)
 def test_zero_configs_leave_batch_and_accumulation_to_the_recipe(name, stage, offload):
     raw = yaml.safe_load((REPO / f"accelerate_configs/{name}.yaml").read_text())
     ds = raw["deepspeed_config"]
@@ -69,7 +70,9 @@ def test_fsdp_config_builds_an_fsdp2_full_shard_plugin(monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs/fsdp.yaml"), "train.py"])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "accelerate_configs/fsdp.yaml"), "train.py"]
+    )
     args, _, _ = _validate_launch_command(args)
     for key, value in prepare_multi_gpu_env(args).items():
         monkeypatch.setenv(key, value)

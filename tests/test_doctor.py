@@ -7,9 +7,8 @@ import re
 import stat
 import time
 
-import pytest
-
 import doctor
+import pytest
 from conftest import BIN, REPO, free_port, run, user_env
 
 # A two-socket PCIe server: GPU0-1 hang off CPU 0, GPU2-3 off CPU 1, so pairs across the sockets
@@ -130,8 +129,11 @@ esac
     env = user_env()
     env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
     out = run([BIN / "python", REPO / "scripts/doctor.py", "--report", "--num_processes", "8"], env=env).stdout
-    assert re.search(r"GPUs visible: +4 of 4 \(2 x NVIDIA A100-PCIE-40GB, 2 x NVIDIA A100-SXM4-80GB; "
-                     r"40.0 GiB / 80.0 GiB each; CUDA_VISIBLE_DEVICES unset\)", out), out
+    assert re.search(
+        r"GPUs visible: +4 of 4 \(2 x NVIDIA A100-PCIE-40GB, 2 x NVIDIA A100-SXM4-80GB; "
+        r"40.0 GiB / 80.0 GiB each; CUDA_VISIBLE_DEVICES unset\)",
+        out,
+    ), out
     assert "driver 535.129.03 (up to CUDA 12.2), CUDA " in out
     assert ", NCCL " in out and ", torch " in out and ", accelerate " in out and ", deepspeed " in out
     assert "topology:      nvidia-smi topo -m" in out and "GPU2\tSYS\tSYS\t X" in out and "Legend" not in out
@@ -164,8 +166,14 @@ def test_doctor_on_cpu_times_a_gloo_allreduce():
 def test_a_group_that_cannot_form_fails_with_the_causes():
     """Rank 0 of 2 whose peer never comes: it gives up after --timeout seconds and names the
     likely causes; it does not wait for torch's 30-minute default."""
-    env = user_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+    env = user_env(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     tic = time.monotonic()
     proc = run([BIN / "python", REPO / "scripts/doctor.py", "--timeout", "5"], env=env, check=False, timeout=60)
     assert proc.returncode == 1 and time.monotonic() - tic < 30

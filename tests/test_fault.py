@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.checkpoint import checkpoint_damage
 from common.preemption import PREEMPTED_EXIT_CODE
-
-from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
@@ -25,8 +24,15 @@ LM = REPO / "recipes" / "lm_finetune.py"
 
 def snapshot(folder: Path) -> dict:
     """Every file under `folder` with a digest of its bytes ({} when the folder does not exist)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()} if Path(folder).exists() else {}
+    return (
+        {
+            str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*"))
+            if p.is_file()
+        }
+        if Path(folder).exists()
+        else {}
+    )
 
 
 def refused(cmd, output_dir, message, env=None):
@@ -50,23 +56,37 @@ def lm_checkpoint(tiny_lm, tmp_path_factory):
 
 # A process that dies ----------------------------------------------------------------------------
 
+
 def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_path):
     """SIGKILL (the OOM killer, a lost node) on one rank: the other is stopped by the launcher
     within TORCH_ELASTIC_SHUTDOWN_TIMEOUT, not after the 10-minute collective timeout, and the
     checkpoints already written stay intact."""
     out = tmp_path / "run"
-    cmd = [REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--max_train_steps", "500", "--checkpointing_steps", "3")]
-    proc, took = interrupt(cmd, user_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20"), out, after_step=3, sig=signal.SIGKILL, rank=1)
+    cmd = [
+        REPO / "launch.sh",
+        "lm_finetune",
+        *lm_args(tiny_lm, out, "--max_train_steps", "500", "--checkpointing_steps", "3"),
+    ]
+    proc, took = interrupt(
+        cmd, user_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="20"), out, after_step=3, sig=signal.SIGKILL, rank=1
+    )
     assert proc.returncode not in (0, PREEMPTED_EXIT_CODE), proc.stderr[-2000:]
     assert took < 20 + 15, f"the job took {took:.0f} s to end after a process died"
     assert checkpoint_damage(out / "checkpoint-3") is None
     assert not (out / "results.json").exists()
 
 
-def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(tiny_lm, lm_uninterrupted,
-                                                                                          tmp_path):
+def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(
+    tiny_lm, lm_uninterrupted, tmp_path
+):
     args, straight, restarted = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "restarted"
-    cmd = [REPO / "launch.sh", "lm_finetune", "--max_restarts", "1", *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3")]
+    cmd = [
+        REPO / "launch.sh",
+        "lm_finetune",
+        "--max_restarts",
+        "1",
+        *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3"),
+    ]
     proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=signal.SIGKILL, rank=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restart 1 of this job (--max_restarts): resuming from the latest checkpoint" in proc.stderr
@@ -81,6 +101,7 @@ def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninter
 
 # Bad input ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_images(digits, tmp_path):
     """Two classes of digits, 8 training and 4 validation images each."""
@@ -94,17 +115,34 @@ def small_images(digits, tmp_path):
 
 
 def cifar(images, out, *extra):
-    return [BIN / "python", REPO / "recipes" / "cifar.py", "--dataset", "imagefolder", "--train_dir", images / "train",
-            "--val_dir", images / "val", "--model", "resnet18", "--per_device_train_batch_size", "4",
-            "--output_dir", out, *extra]
+    return [
+        BIN / "python",
+        REPO / "recipes" / "cifar.py",
+        "--dataset",
+        "imagefolder",
+        "--train_dir",
+        images / "train",
+        "--val_dir",
+        images / "val",
+        "--model",
+        "resnet18",
+        "--per_device_train_batch_size",
+        "4",
+        "--output_dir",
+        out,
+        *extra,
+    ]
 
 
 def test_a_corrupt_image_is_named(small_images, tmp_path):
     """The file is met in a DataLoader worker, mid-epoch; the error names it."""
     bad = small_images / "train" / "1" / "scan.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really an image" * 10)
-    line = refused(cifar(small_images, tmp_path / "run", "--dataloader_num_workers", "1"), tmp_path / "run",
-                   f"{bad}: unreadable image")
+    line = refused(
+        cifar(small_images, tmp_path / "run", "--dataloader_num_workers", "1"),
+        tmp_path / "run",
+        f"{bad}: unreadable image",
+    )
     assert "remove or replace the file" in line
 
 
@@ -116,8 +154,11 @@ def test_an_image_folder_without_images_is_refused(small_images, tmp_path):
 
 def test_an_output_dir_holding_a_run_is_not_overwritten_without_a_flag(tiny_lm, lm_checkpoint, tmp_path):
     out = lm_checkpoint.parent  # checkpoint-2, results.json and the saved model
-    refused([BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "2")], out,
-            f"--output_dir {out} already holds a run (checkpoint-2, config.json")
+    refused(
+        [BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "2")],
+        out,
+        f"--output_dir {out} already holds a run (checkpoint-2, config.json",
+    )
 
 
 def test_overwrite_output_dir_starts_over_and_drops_the_old_checkpoints(tiny_lm, lm_checkpoint, tmp_path):
@@ -131,12 +172,20 @@ def test_overwrite_output_dir_starts_over_and_drops_the_old_checkpoints(tiny_lm,
 def test_an_unwritable_output_dir_is_refused_before_training(tiny_lm, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    refused([BIN / "python", LM, *lm_args(tiny_lm, blocker / "run")], tmp_path, f"cannot write to --output_dir {blocker / 'run'}")
+    refused(
+        [BIN / "python", LM, *lm_args(tiny_lm, blocker / "run")],
+        tmp_path,
+        f"cannot write to --output_dir {blocker / 'run'}",
+    )
 
 
 def test_a_checkpoint_of_another_recipe_is_refused(tiny_lm, lm_checkpoint, tmp_path):
     out = tmp_path / "run"
-    cmd = [BIN / "python", REPO / "recipes" / "zero.py", *lm_args(tiny_lm, out, "--resume_from_checkpoint", lm_checkpoint)]
+    cmd = [
+        BIN / "python",
+        REPO / "recipes" / "zero.py",
+        *lm_args(tiny_lm, out, "--resume_from_checkpoint", lm_checkpoint),
+    ]
     refused(cmd, lm_checkpoint.parent, "was written by recipes/lm_finetune.py, this is recipes/zero.py")
     assert not out.exists()
 
@@ -172,11 +221,16 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_lm, tmp_pa
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>").save_pretrained(model)
-    refused([BIN / "python", LM, *lm_args({**tiny_lm, "model": model}, tmp_path / "run")], tmp_path / "run",
-            f"the tokenizer has {len(words)} tokens but the model's vocabulary has {AutoConfig.from_pretrained(model).vocab_size}")
+    refused(
+        [BIN / "python", LM, *lm_args({**tiny_lm, "model": model}, tmp_path / "run")],
+        tmp_path / "run",
+        f"the tokenizer has {len(words)} tokens but the model's vocabulary has "
+        f"{AutoConfig.from_pretrained(model).vocab_size}",
+    )
 
 
 # Signals outside the step loop, a diverging loss, and resuming with other settings -------------------
+
 
 def short_epochs(tmp_path, lm, eval_lines=6000):
     """Training text of 16 blocks of 32 tokens (2 steps an epoch at batch 8) and a validation set of
@@ -190,7 +244,8 @@ def short_epochs(tmp_path, lm, eval_lines=6000):
 
 
 def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_the_final_one_lets_it_finish(
-        tiny_lm, tmp_path):
+    tiny_lm, tmp_path
+):
     """Through launch.sh, 2 processes. A signal while a mid-run evaluation runs: every process leaves
     the evaluation at the same batch, the state of the step just trained is saved, exit 75 (a long
     evaluation must not turn a clean preemption into a job killed after the launcher's grace
@@ -198,8 +253,18 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
     outputs instead, and launch.sh exits 0."""
     lm = short_epochs(tmp_path, tiny_lm)
     out = tmp_path / "run"
-    args = lm_args(lm, out, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
-                   "--num_train_epochs", "2", "--checkpointing_steps", "2")
+    args = lm_args(
+        lm,
+        out,
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "1",
+        "--num_train_epochs",
+        "2",
+        "--checkpointing_steps",
+        "2",
+    )
     launch = [REPO / "launch.sh", "lm_finetune"]
     proc, _ = interrupt([*launch, *args], user_env(), out, after_step=2)  # epoch 0's last step
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
@@ -211,8 +276,18 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
     assert results(out)["steps"] == 4
 
     final = tmp_path / "final"
-    args = lm_args(lm, final, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
-                   "--num_train_epochs", "1", "--checkpointing_steps", "2")
+    args = lm_args(
+        lm,
+        final,
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "1",
+        "--num_train_epochs",
+        "1",
+        "--checkpointing_steps",
+        "2",
+    )
     proc, _ = interrupt([*launch, *args], user_env(), final, after_step=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 0:" in proc.stderr and "preempted" not in proc.stderr
@@ -222,8 +297,24 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
 
 def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_checkpoint_of_it(tiny_lm, tmp_path):
     out = tmp_path / "run"
-    cmd = [BIN / "python", LM, *lm_args(tiny_lm, out, "--learning_rate", "1e30", "--max_grad_norm", "0",
-                                        "--max_train_steps", "20", "--checkpointing_steps", "1", "--logging_steps", "5")]
+    cmd = [
+        BIN / "python",
+        LM,
+        *lm_args(
+            tiny_lm,
+            out,
+            "--learning_rate",
+            "1e30",
+            "--max_grad_norm",
+            "0",
+            "--max_train_steps",
+            "20",
+            "--checkpointing_steps",
+            "1",
+            "--logging_steps",
+            "5",
+        ),
+    ]
     proc = run(cmd, check=False)
     lines = error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
@@ -233,6 +324,7 @@ def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_checkpoint_o
     saved = sorted(out.glob("checkpoint-*"))
     assert len(saved) < 20  # it stopped
     from safetensors.torch import load_file
+
     for checkpoint in saved:  # every checkpoint that was written holds finite weights
         assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values()), checkpoint
 
@@ -244,10 +336,28 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
     out = tmp_path / "run"
     shutil.copytree(lm_checkpoint, out / lm_checkpoint.name)
     base = ["--max_train_steps", "4", "--lr_scheduler_type", "constant", "--logging_steps", "1"]
-    refused([BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--seed", "7", "--resume_from_checkpoint", "latest")],
-            out, "was written with --seed 42, which fixes the order of the data it has not trained yet; resume with --seed 42")
-    proc = run([BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--learning_rate", "1e-3", "--weight_decay", "0.1",
-                                             "--resume_from_checkpoint", "latest")])
+    refused(
+        [BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--seed", "7", "--resume_from_checkpoint", "latest")],
+        out,
+        "was written with --seed 42, which fixes the order of the data it has not trained yet; resume with --seed 42",
+    )
+    proc = run(
+        [
+            BIN / "python",
+            LM,
+            *lm_args(
+                tiny_lm,
+                out,
+                *base,
+                "--learning_rate",
+                "1e-3",
+                "--weight_decay",
+                "0.1",
+                "--resume_from_checkpoint",
+                "latest",
+            ),
+        ]
+    )
     assert "with this run's optimizer settings: learning rate 0.003 -> 0.001, weight_decay 0.0 -> 0.1" in proc.stderr
     res = results(out)
     assert res["learning_rate"] == 1e-3 and [h["lr"] for h in res["log_history"]] == [1e-3, 1e-3]

@@ -15,11 +15,11 @@ import zlib
 
 import numpy as np
 import pytest
+from conftest import BIN, REPO, error_lines, lm_args, load_recipe, run
 from PIL import Image
 
 from common.runtime import RecipeError
 from common.text import chat_example, data_sources, load_raw_datasets, tokenize_and_pack
-from conftest import BIN, REPO, error_lines, lm_args, load_recipe, run
 
 RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
 BASE = {  # the least each recipe's parser needs; paths are not read at parse time
@@ -53,8 +53,10 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--weight_decay", "-1"], "--weight_decay: -1 is out of range: pass a number at least 0"),
     (["--max_grad_norm", "-1"], "--max_grad_norm: -1 is out of range"),
     (["--max_grad_norm", "nan"], "--max_grad_norm: nan is not a finite number"),
-    (["--per_device_train_batch_size", "0"],
-     "--per_device_train_batch_size: 0 is out of range: pass a whole number at least 1"),
+    (
+        ["--per_device_train_batch_size", "0"],
+        "--per_device_train_batch_size: 0 is out of range: pass a whole number at least 1",
+    ),
     (["--per_device_train_batch_size", "2.5"], "'2.5' is not a whole number; pass a whole number at least 1"),
     (["--per_device_eval_batch_size", "-1"], "--per_device_eval_batch_size: -1 is out of range"),
     (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps: 0 is out of range"),
@@ -64,8 +66,10 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--save_total_limit", "0"], "--save_total_limit: 0 is out of range"),
     (["--reference_batch_size", "0"], "--reference_batch_size: 0 is out of range"),
     (["--ddp_timeout", "0"], "--ddp_timeout: 0 is out of range"),
-    (["--dataloader_num_workers", "-1"],
-     "--dataloader_num_workers: -1 is out of range: pass a whole number at least 0"),
+    (
+        ["--dataloader_num_workers", "-1"],
+        "--dataloader_num_workers: -1 is out of range: pass a whole number at least 0",
+    ),
     (["--warmup_steps", "-1"], "--warmup_steps: -1 is out of range"),
     (["--warmup_steps", "10", "--max_train_steps", "10"], "--warmup_steps 10 leaves no step after the warmup"),
     (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
@@ -73,16 +77,20 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--seed", "abc"], "'abc' is not a whole number"),
     (["--checkpointing_steps", "0"], "to save no checkpoints, omit --checkpointing_steps"),
     (["--checkpointing_steps", "often"], "'often' is neither a number of steps nor 'epoch'"),
-    (["--lr_scheduler_type", "reduce_lr_on_plateau"],
-     "not a schedule this recipe can drive; choose from linear, cosine, cosine_with_restarts, polynomial, constant"),
+    (
+        ["--lr_scheduler_type", "reduce_lr_on_plateau"],
+        "not a schedule this recipe can drive; choose from linear, cosine, cosine_with_restarts, polynomial, constant",
+    ),
     (["--lr_scheduler_type", "cosine_with_min_lr"], "not a schedule this recipe can drive"),
     (["--lr_scheduler_type", "warmup_stable_decay"], "not a schedule this recipe can drive"),
     (["--lr_scaling", "cubic"], "--lr_scaling: invalid choice: 'cubic'"),
     (["--report_to", "neptune"], "'neptune' is not a tracker accelerate knows; choose from none, all, "),
     (["--output_dir", ""], "--output_dir: must not be empty"),
-    (["--per_device_batch_size", "8"],
-     "unrecognized arguments: --per_device_batch_size 8 (did you mean --per_device_eval_batch_size or "
-     "--per_device_train_batch_size?)"),
+    (
+        ["--per_device_batch_size", "8"],
+        "unrecognized arguments: --per_device_batch_size 8 (did you mean --per_device_eval_batch_size or "
+        "--per_device_train_batch_size?)",
+    ),
 ]
 
 RECIPE_ONLY = [
@@ -92,24 +100,42 @@ RECIPE_ONLY = [
     ("cifar", ["--label_smoothing", "nan"], "--label_smoothing: nan is not a finite number"),
     ("cifar", ["--momentum", "0"], "--nesterov needs --momentum above 0; pass --no-nesterov"),
     ("cifar", ["--dataset", "cifar1000"], "--dataset: invalid choice: 'cifar1000'"),
-    ("cifar", ["--dataset", "imagefolder", "--train_dir", "t"],
-     "--dataset imagefolder needs --train_dir and --val_dir"),
-    ("cifar", ["--train_dir", "t", "--val_dir", "v"],
-     "read with --dataset imagefolder, not cifar10; add --dataset imagefolder"),
+    (
+        "cifar",
+        ["--dataset", "imagefolder", "--train_dir", "t"],
+        "--dataset imagefolder needs --train_dir and --val_dir",
+    ),
+    (
+        "cifar",
+        ["--train_dir", "t", "--val_dir", "v"],
+        "read with --dataset imagefolder, not cifar10; add --dataset imagefolder",
+    ),
     ("cifar", ["--image_size", "64"], "--image_size applies to --dataset imagefolder; cifar10 images are 32 px"),
     ("cifar", [*FOLDER, "--image_size", "0"], "--image_size: 0 is out of range"),
-    ("cifar", [*FOLDER, "--image_size", "128", "--data_on_device"],
-     "for images of 64 px or less, not --image_size 128"),
-    ("cifar", ["--model", "resnt18"],
-     "--model resnt18: not a torchvision classification model (did you mean resnet18"),
+    (
+        "cifar",
+        [*FOLDER, "--image_size", "128", "--data_on_device"],
+        "for images of 64 px or less, not --image_size 128",
+    ),
+    (
+        "cifar",
+        ["--model", "resnt18"],
+        "--model resnt18: not a torchvision classification model (did you mean resnet18",
+    ),
     ("cifar", ["--model", "fasterrcnn_resnet50_fpn"], "not a torchvision classification model"),
     ("cifar", ["--model", "vit_b_16"], "--model vit_b_16 cannot take cifar10's 32x32 images"),
     ("cifar", [*FOLDER, "--model", "vit_b_16", "--image_size", "64"], "pass --image_size 224"),
-    ("cifar", [*FOLDER, "--model", "resnet18", "--image_size", "8"],
-     "--model resnet18 cannot take 8x8 images (a Conv2d strides over a single pixel); pass --image_size 32"),
+    (
+        "cifar",
+        [*FOLDER, "--model", "resnet18", "--image_size", "8"],
+        "--model resnet18 cannot take 8x8 images (a Conv2d strides over a single pixel); pass --image_size 32",
+    ),
     ("cifar", [*FOLDER, "--model", "resnet18_cifar", "--image_size", "4"], "pass --image_size 8"),
-    ("cifar", [*FOLDER, "--model", "resnet18", "--per_device_train_batch_size", "1"],
-     "leaves batch norm one value per channel with --per_device_train_batch_size 1; pass 2 or more"),
+    (
+        "cifar",
+        [*FOLDER, "--model", "resnet18", "--per_device_train_batch_size", "1"],
+        "leaves batch norm one value per channel with --per_device_train_batch_size 1; pass 2 or more",
+    ),
     ("cifar", ["--hflip", "1.5"], "--hflip: 1.5 is out of range: pass a number at least 0 and at most 1"),
     ("cifar", ["--hflip", "-0.5"], "--hflip: -0.5 is out of range"),
     ("cifar", ["--hflip", "nan"], "--hflip: nan is not a finite number"),
@@ -118,45 +144,85 @@ RECIPE_ONLY = [
     ("cifar", ["--head_lr_scale", "0"], "--head_lr_scale: 0 is out of range: pass a number greater than 0"),
     ("cifar", ["--head_lr_scale", "inf"], "--head_lr_scale: inf is not a finite number"),
     ("cifar", ["--pretrained_path", ""], "--pretrained_path: must not be empty"),
-    ("cifar", ["--model", "resnet18", "--pretrained", "--pretrained_path", "w.safetensors"],
-     "pass --pretrained (published weights) or --pretrained_path (a file), not both"),
-    ("cifar", ["--model", "resnet18", "--freeze_backbone"],
-     "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path"),
+    (
+        "cifar",
+        ["--model", "resnet18", "--pretrained", "--pretrained_path", "w.safetensors"],
+        "pass --pretrained (published weights) or --pretrained_path (a file), not both",
+    ),
+    (
+        "cifar",
+        ["--model", "resnet18", "--freeze_backbone"],
+        "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path",
+    ),
     ("cifar", ["--model", "resnet18", "--head_lr_scale", "10"], "add --pretrained or --pretrained_path"),
-    ("cifar", ["--model", "resnet18", "--pretrained", "--freeze_backbone", "--head_lr_scale", "10"],
-     "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale"),
-    ("cifar", ["--model", "resnet18", "--pretrained", "--norm_layer", "group"],
-     "--norm_layer group replaces the BatchNorm layers, and the weights loaded into them"),
-    ("cifar", ["--pretrained"], "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass "
-     "--model resnet18"),
+    (
+        "cifar",
+        ["--model", "resnet18", "--pretrained", "--freeze_backbone", "--head_lr_scale", "10"],
+        "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale",
+    ),
+    (
+        "cifar",
+        ["--model", "resnet18", "--pretrained", "--norm_layer", "group"],
+        "--norm_layer group replaces the BatchNorm layers, and the weights loaded into them",
+    ),
+    (
+        "cifar",
+        ["--pretrained"],
+        "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18",
+    ),
     ("cifar", ["--model", "timm/resnt18"], "--model timm/resnt18: not a timm model (did you mean timm/resnet18"),
-    ("cifar", ["--model", "timm/resnet18.no_such_tag"], "--model timm/resnet18.no_such_tag: timm has no pretrained "
-     "weights of that name; pass timm/ and a name from timm.list_pretrained('resnet18*')"),
-    ("cifar", ["--model", "timm/botnet50ts_256", "--pretrained", *FOLDER, "--image_size", "256"],
-     "--model timm/botnet50ts_256: timm has no pretrained weights of that name"),
-    ("lm_finetune", ["--validation_split_percentage", "0"], "--validation_split_percentage: 0 is out of range: pass a "
-     "number greater than 0 and below 100"),
+    (
+        "cifar",
+        ["--model", "timm/resnet18.no_such_tag"],
+        "--model timm/resnet18.no_such_tag: timm has no pretrained "
+        "weights of that name; pass timm/ and a name from timm.list_pretrained('resnet18*')",
+    ),
+    (
+        "cifar",
+        ["--model", "timm/botnet50ts_256", "--pretrained", *FOLDER, "--image_size", "256"],
+        "--model timm/botnet50ts_256: timm has no pretrained weights of that name",
+    ),
+    (
+        "lm_finetune",
+        ["--validation_split_percentage", "0"],
+        "--validation_split_percentage: 0 is out of range: pass a number greater than 0 and below 100",
+    ),
     ("lm_finetune", ["--validation_split_percentage", "100"], "greater than 0 and below 100"),
     ("lm_finetune", ["--block_size", "1"], "--block_size: 1 is out of range: pass a whole number at least 2"),
     ("lm_finetune", ["--lora_r", "-1"], "--lora_r: -1 is out of range"),
     ("lm_finetune", ["--lora_alpha", "0"], "--lora_alpha: 0 is out of range"),
-    ("lm_finetune", ["--lora_dropout", "1"],
-     "--lora_dropout: 1 is out of range: pass a number at least 0 and below 1"),
+    (
+        "lm_finetune",
+        ["--lora_dropout", "1"],
+        "--lora_dropout: 1 is out of range: pass a number at least 0 and below 1",
+    ),
     ("lm_finetune", ["--preprocessing_num_workers", "0"], "--preprocessing_num_workers: 0 is out of range"),
-    ("lm_finetune", ["--attn_implementation", "flash"],
-     "'flash' is not an attention implementation; choose from eager"),
+    (
+        "lm_finetune",
+        ["--attn_implementation", "flash"],
+        "'flash' is not an attention implementation; choose from eager",
+    ),
     ("lm_finetune", ["--torch_dtype", "float8"], "--torch_dtype: invalid choice"),
     ("lm_finetune", ["--text_column", " "], "--text_column: must not be empty"),
-    ("lm_finetune", ["--dataset_name", "wikitext"],
-     "pass --dataset_name or --train_file (with --validation_file), not both"),
+    (
+        "lm_finetune",
+        ["--dataset_name", "wikitext"],
+        "pass --dataset_name or --train_file (with --validation_file), not both",
+    ),
     ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name needs --dataset_name"),
     ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
     ("lm_finetune", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
     ("lm_finetune", ["--config_name", "c"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
-    ("lm_finetune", ["--config_overrides", "hidden_size=64"],
-     "--config_overrides changes the config of --config_name (from scratch), not pretrained weights"),
-    ("lm_finetune", ["--lora_r", "8", "--resize_token_embeddings"],
-     "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves"),
+    (
+        "lm_finetune",
+        ["--config_overrides", "hidden_size=64"],
+        "--config_overrides changes the config of --config_name (from scratch), not pretrained weights",
+    ),
+    (
+        "lm_finetune",
+        ["--lora_r", "8", "--resize_token_embeddings"],
+        "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves",
+    ),
     ("lm_finetune", ["--resize_token_embeddings", "yes"], "unrecognized arguments: yes"),
     ("zero", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
     ("zero", ["--model_name_or_path", "m"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
@@ -179,17 +245,31 @@ def test_recipe_argument_out_of_range_is_one_error_line(capsys, recipe, argv, me
 
 def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
     config = ["--config_name", "m", "--train_file", "t.jsonl"]
-    for argv, message in ((["--lora_r", "8"], "--lora_r trains an adapter on pretrained weights, and --config_name makes "
-                                              "a new, random model"),
-                          (["--torch_dtype", "auto"], "--torch_dtype auto is the dtype of pretrained weights")):
+    for argv, message in (
+        (
+            ["--lora_r", "8"],
+            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model",
+        ),
+        (["--torch_dtype", "auto"], "--torch_dtype auto is the dtype of pretrained weights"),
+    ):
         with pytest.raises(SystemExit):
             RECIPES["lm_finetune"].parse_args([*config, *argv])
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         RECIPES["lm_finetune"].parse_args(["--train_file", "t.jsonl"])
     assert "error: pass --model_name_or_path (pretrained) or --config_name (from scratch)" in capsys.readouterr().err
-    args = RECIPES["lm_finetune"].parse_args([*config, "--config_overrides", "num_hidden_layers=1", "--tokenizer_name",
-                                              "t", "--resize_token_embeddings", "--torch_dtype", "bfloat16"])
+    args = RECIPES["lm_finetune"].parse_args(
+        [
+            *config,
+            "--config_overrides",
+            "num_hidden_layers=1",
+            "--tokenizer_name",
+            "t",
+            "--resize_token_embeddings",
+            "--torch_dtype",
+            "bfloat16",
+        ]
+    )
     assert args.config_name == "m" and args.model_name_or_path is None and args.resize_token_embeddings
 
 
@@ -205,9 +285,15 @@ def test_every_option_an_error_or_a_docstring_names_exists(capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--help"])
         options[name] = set(re.findall(FLAG, capsys.readouterr().out))
-    assert {"--pretrained_path", "--no-random_crop"} <= options["cifar"] and "--resize_token_embeddings" in options["zero"]
-    for path, recipes in (("recipes/cifar.py", ["cifar"]), ("recipes/lm_finetune.py", ["lm_finetune"]),
-                          ("recipes/zero.py", ["zero"]), ("common/text.py", ["lm_finetune", "zero"])):
+    assert {"--pretrained_path", "--no-random_crop"} <= options["cifar"] and "--resize_token_embeddings" in options[
+        "zero"
+    ]
+    for path, recipes in (
+        ("recipes/cifar.py", ["cifar"]),
+        ("recipes/lm_finetune.py", ["lm_finetune"]),
+        ("recipes/zero.py", ["zero"]),
+        ("common/text.py", ["lm_finetune", "zero"]),
+    ):
         named = set(re.findall(FLAG, (REPO / path).read_text())) - {"--config_file"}  # accelerate launch's
         for recipe in recipes:
             missing = named - options[recipe] - ({"--attn_implementation"} if path == "common/text.py" else set())
@@ -221,43 +307,62 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
     line = parse_error(capsys, "zero", ["--config_name", "", "--model_name_or_path", "m"])
     assert "--config_name: must not be empty" in line
     with pytest.raises(SystemExit):
-        RECIPES["zero"].parse_args(["--model_name_or_path", "m", "--train_file", "t.jsonl",
-                                    "--config_overrides", "a=1"])
+        RECIPES["zero"].parse_args(
+            ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
+        )
     assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
 
 
 def test_a_tracker_that_is_not_installed_is_refused():
     from accelerate.tracking import get_available_trackers
 
-    missing = next(t for t in ("wandb", "mlflow", "aim", "clearml", "dvclive", "swanlab", "trackio", "comet_ml")
-                   if t not in {x.value for x in get_available_trackers()})
+    missing = next(
+        t
+        for t in ("wandb", "mlflow", "aim", "clearml", "dvclive", "swanlab", "trackio", "comet_ml")
+        if t not in {x.value for x in get_available_trackers()}
+    )
     with pytest.raises(SystemExit) as exit_:
         RECIPES["cifar"].parse_args(["--report_to", missing])
     assert exit_.value.code == 2
 
 
 def test_valid_arguments_still_parse():
-    cifar = RECIPES["cifar"].parse_args(["--checkpointing_steps", "epoch", "--lr_scheduler_type",
-                                         "constant_with_warmup", "--report_to", "tensorboard",
-                                         "--seed", str(2**32 - 1), "--warmup_ratio", "1"])
+    cifar = RECIPES["cifar"].parse_args(
+        [
+            "--checkpointing_steps",
+            "epoch",
+            "--lr_scheduler_type",
+            "constant_with_warmup",
+            "--report_to",
+            "tensorboard",
+            "--seed",
+            str(2**32 - 1),
+            "--warmup_ratio",
+            "1",
+        ]
+    )
     assert cifar.checkpointing_steps == "epoch" and cifar.seed == 2**32 - 1
     assert RECIPES["cifar"].parse_args(["--checkpointing_steps", "500"]).checkpointing_steps == "500"
     assert RECIPES["cifar"].parse_args([*FOLDER, "--model", "resnet50", "--image_size", "64"]).model == "resnet50"
-    lm = RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"], "--validation_split_percentage", "0.5",
-                                            "--attn_implementation", "flash_attention_2"])
+    lm = RECIPES["lm_finetune"].parse_args(
+        [*BASE["lm_finetune"], "--validation_split_percentage", "0.5", "--attn_implementation", "flash_attention_2"]
+    )
     assert lm.validation_split_percentage == 0.5
     zero = RECIPES["zero"].parse_args([*BASE["zero"], "--config_overrides", "hidden_size=64,num_hidden_layers=1"])
     assert zero.config_overrides == "hidden_size=64,num_hidden_layers=1"
 
 
-@pytest.mark.parametrize("argv, secret", [
-    (["--hub_token", HF_TOKEN], HF_TOKEN),
-    (["--hub_token", "plain-secret-value"], "plain-secret-value"),
-    (["--api_key=k3y-v4lue"], "k3y-v4lue"),
-    (["--password", "pw"], "pw"),  # short: masked as a whole argument, not wherever "pw" occurs
-    (["--learning_rate", HF_TOKEN], HF_TOKEN),  # a token pasted into the wrong flag
-    (["--unknown", "https://user:pa55word@example.com/x"], "pa55word"),
-])
+@pytest.mark.parametrize(
+    "argv, secret",
+    [
+        (["--hub_token", HF_TOKEN], HF_TOKEN),
+        (["--hub_token", "plain-secret-value"], "plain-secret-value"),
+        (["--api_key=k3y-v4lue"], "k3y-v4lue"),
+        (["--password", "pw"], "pw"),  # short: masked as a whole argument, not wherever "pw" occurs
+        (["--learning_rate", HF_TOKEN], HF_TOKEN),  # a token pasted into the wrong flag
+        (["--unknown", "https://user:pa55word@example.com/x"], "pa55word"),
+    ],
+)
 def test_parse_errors_never_print_a_credential(capsys, argv, secret):
     line = parse_error(capsys, "cifar", argv)
     assert secret not in line and "***" in line, line
@@ -272,6 +377,7 @@ def test_only_the_first_process_prints_a_parse_error(capsys, monkeypatch):
 
 
 # --- data files ---------------------------------------------------------------------------------
+
 
 def write(path, content):
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -314,9 +420,14 @@ def tokenizer(tiny_lm):
 def load_error(tokenizer, data_format="text", **files) -> str:
     with pytest.raises(RecipeError) as err:
         raw = load_raw_datasets(**files)
-        tokenize_and_pack(raw, tokenizer, data_format=data_format, text_column="text", block_size=32,
-                          sources=data_sources(files.get("dataset_name"), files.get("train_file"),
-                                               files.get("validation_file")))
+        tokenize_and_pack(
+            raw,
+            tokenizer,
+            data_format=data_format,
+            text_column="text",
+            block_size=32,
+            sources=data_sources(files.get("dataset_name"), files.get("train_file"), files.get("validation_file")),
+        )
     return str(err.value)
 
 
@@ -330,7 +441,8 @@ def test_a_broken_data_file_is_one_error_naming_it(tmp_path, tokenizer, name, co
 def test_data_files_that_are_not_files(tmp_path, tokenizer):
     (tmp_path / "folder.jsonl").mkdir()
     assert "is a folder; pass a data file, or the folder as --dataset_name" in load_error(
-        tokenizer, train_file=tmp_path / "folder.jsonl")
+        tokenizer, train_file=tmp_path / "folder.jsonl"
+    )
     assert "--dataset_name ./no/such: no such folder" in load_error(tokenizer, dataset_name="./no/such")
     (tmp_path / "nodata").mkdir()
     error = load_error(tokenizer, dataset_name=str(tmp_path / "nodata"))
@@ -338,9 +450,11 @@ def test_data_files_that_are_not_files(tmp_path, tokenizer):
     train = write(tmp_path / "train.jsonl", jsonl(COUNTS))
     valid = write(tmp_path / "valid.csv", "text\none two\n")
     assert f"--validation_file {valid} is csv but --train_file {train} is json; pass both in one format" in load_error(
-        tokenizer, train_file=train, validation_file=valid)
+        tokenizer, train_file=train, validation_file=valid
+    )
     assert "--validation_split_percentage 0 leaves a split empty" in load_error(
-        tokenizer, train_file=train, validation_split_percentage=0)
+        tokenizer, train_file=train, validation_split_percentage=0
+    )
 
 
 CONVERSATIONS = [  # (messages, the error's text)
@@ -350,10 +464,14 @@ CONVERSATIONS = [  # (messages, the error's text)
     (["hello", "there"], "message 1 is 'hello', not an object"),
     ([{"content": "count from one"}, {"role": "assistant", "content": "two"}], "message 1 has no role"),
     ([{"role": "user", "content": "count from one"}], "no assistant message, so nothing to train on"),
-    ([{"role": "user", "content": 5}, {"role": "assistant", "content": "two"}],
-     "message 1's content is 5 (int), not a string"),
-    ([{"role": "user", "content": [{"type": "text", "text": "one"}]}, {"role": "assistant", "content": "two"}],
-     "(list), not a string: join its text parts into one string"),
+    (
+        [{"role": "user", "content": 5}, {"role": "assistant", "content": "two"}],
+        "message 1's content is 5 (int), not a string",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "one"}]}, {"role": "assistant", "content": "two"}],
+        "(list), not a string: join its text parts into one string",
+    ),
     ([{"role": "user"}, {"role": "assistant", "content": "two"}], "message 1 has no content"),
 ]
 
@@ -390,9 +508,11 @@ def test_chat_data_needs_a_tokenizer_with_a_chat_template_that_accepts_it(tmp_pa
 
 # --- model files --------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def broken_model(tiny_lm, tmp_path):
     """broken_model(how) -> a copy of the tiny model's folder, damaged `how`."""
+
     def make(how):
         folder = tmp_path / how
         shutil.copytree(tiny_lm["model"], folder)
@@ -410,17 +530,21 @@ def broken_model(tiny_lm, tmp_path):
         elif how == "bad_tokenizer":
             (folder / "tokenizer.json").write_text("{not json")
         return folder
+
     return make
 
 
-@pytest.mark.parametrize("how, message", [
-    ("truncated", "model.safetensors is damaged (Error while deserializing header"),
-    ("garbage", "model.safetensors is damaged"),
-    ("no_config", "no config.json in the folder; pass the folder that save_pretrained wrote"),
-    ("bad_config", "config.json is damaged"),
-    ("no_weights", "OSError: Error no file named model.safetensors"),
-    ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "model.safetensors is damaged (Error while deserializing header"),
+        ("garbage", "model.safetensors is damaged"),
+        ("no_config", "no config.json in the folder; pass the folder that save_pretrained wrote"),
+        ("bad_config", "config.json is damaged"),
+        ("no_weights", "OSError: Error no file named model.safetensors"),
+        ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
+    ],
+)
 @pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
 def test_a_damaged_model_folder_is_one_error_naming_it(broken_model, tmp_path, recipe, how, message):
     folder = broken_model(how)
@@ -434,18 +558,38 @@ def test_a_damaged_model_folder_is_one_error_naming_it(broken_model, tmp_path, r
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed here")
 def test_an_attention_implementation_that_is_not_installed(tiny_lm):
     lm = RECIPES["lm_finetune"]
-    args = lm.parse_args(["--model_name_or_path", str(tiny_lm["model"]), "--train_file", "t.jsonl",
-                          "--attn_implementation", "flash_attention_2"])
-    with pytest.raises(RecipeError, match="--attn_implementation flash_attention_2 cannot be used here .* pass "
-                                          "--attn_implementation sdpa"):
+    args = lm.parse_args(
+        [
+            "--model_name_or_path",
+            str(tiny_lm["model"]),
+            "--train_file",
+            "t.jsonl",
+            "--attn_implementation",
+            "flash_attention_2",
+        ]
+    )
+    with pytest.raises(
+        RecipeError,
+        match="--attn_implementation flash_attention_2 cannot be used here .* pass --attn_implementation sdpa",
+    ):
         lm.load_model_and_tokenizer(args)
 
 
 def test_lora_targets_that_the_model_lacks(tiny_lm):
     lm = RECIPES["lm_finetune"]
     for targets, found in ((["qproj", "vproj"], "no module of that name"), (["model"], "not a layer LoRA can wrap")):
-        args = lm.parse_args(["--model_name_or_path", str(tiny_lm["model"]), "--train_file", "t.jsonl",
-                              "--lora_r", "4", "--lora_target_modules", *targets])
+        args = lm.parse_args(
+            [
+                "--model_name_or_path",
+                str(tiny_lm["model"]),
+                "--train_file",
+                "t.jsonl",
+                "--lora_r",
+                "4",
+                "--lora_target_modules",
+                *targets,
+            ]
+        )
         model, _ = lm.load_model_and_tokenizer(args)
         with pytest.raises(RecipeError) as err:
             lm.build_model(args, model)
@@ -454,17 +598,21 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
         assert f"name its linear layers ({layers}) or pass all-linear" in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ("num_hiden_layers=3", "config has no num_hiden_layers (did you mean num_hidden_layers?)"),
-    ("hidden_size=abc", "invalid literal for int()"),
-    ("num_attention_heads=3", "does not run (RuntimeError: The size of tensor a (3) must match"),
-    ("hidden_size=-1", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
-    ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ("num_hiden_layers=3", "config has no num_hiden_layers (did you mean num_hidden_layers?)"),
+        ("hidden_size=abc", "invalid literal for int()"),
+        ("num_attention_heads=3", "does not run (RuntimeError: The size of tensor a (3) must match"),
+        ("hidden_size=-1", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
+        ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
+    ],
+)
 def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
     zero = RECIPES["zero"]
-    args = zero.parse_args(["--config_name", str(tiny_lm["model"]), "--config_overrides", overrides,
-                            "--train_file", "t.jsonl"])
+    args = zero.parse_args(
+        ["--config_name", str(tiny_lm["model"]), "--config_overrides", overrides, "--train_file", "t.jsonl"]
+    )
     with pytest.raises(RecipeError) as err:
         zero.build_model(args)
     assert str(err.value).startswith(f"--config_overrides {overrides}: ") and message in str(err.value), str(err.value)
@@ -472,13 +620,22 @@ def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
 
 def test_config_overrides_that_work_build_the_model(tiny_lm):
     zero = RECIPES["zero"]
-    args = zero.parse_args(["--config_name", str(tiny_lm["model"]), "--config_overrides",
-                            "hidden_size=32,num_hidden_layers=1", "--train_file", "t.jsonl"])
+    args = zero.parse_args(
+        [
+            "--config_name",
+            str(tiny_lm["model"]),
+            "--config_overrides",
+            "hidden_size=32,num_hidden_layers=1",
+            "--train_file",
+            "t.jsonl",
+        ]
+    )
     model, _ = zero.build_model(args)
     assert model.config.hidden_size == 32 and len(model.model.layers) == 1
 
 
 # --- images -------------------------------------------------------------------------------------
+
 
 def test_16_bit_images_are_scaled_not_clipped(digits, tmp_path):
     """PIL's convert("RGB") clips 16-bit greyscale at 255: the digits would become 2 grey levels."""
@@ -526,21 +683,33 @@ def image_folder(root, classes, images=2):
     return root
 
 
-@pytest.mark.parametrize("train, val, message", [
-    (["a", "b"], ["a", "b", "c"], "have different class folders (only in --val_dir: c); give both the same class"),
-    (["a", "b", "c"], ["a", "b"], "(only in --train_dir: c)"),
-    (["a"], ["a"], "has 1 class folder; a classifier needs two or more"),
-])
+@pytest.mark.parametrize(
+    "train, val, message",
+    [
+        (["a", "b"], ["a", "b", "c"], "have different class folders (only in --val_dir: c); give both the same class"),
+        (["a", "b", "c"], ["a", "b"], "(only in --train_dir: c)"),
+        (["a"], ["a"], "has 1 class folder; a classifier needs two or more"),
+    ],
+)
 def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
     cifar = RECIPES["cifar"]
-    args = cifar.parse_args(["--dataset", "imagefolder", "--train_dir", str(image_folder(tmp_path / "train", train)),
-                             "--val_dir", str(image_folder(tmp_path / "val", val))])
+    args = cifar.parse_args(
+        [
+            "--dataset",
+            "imagefolder",
+            "--train_dir",
+            str(image_folder(tmp_path / "train", train)),
+            "--val_dir",
+            str(image_folder(tmp_path / "val", val)),
+        ]
+    )
     with pytest.raises(RecipeError) as err:
         cifar.load_images(args)
     assert message in str(err.value)
 
 
 # --- the whole path, as users launch it ---------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tiny_lm, tmp_path):
@@ -554,12 +723,18 @@ def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tin
     weights.write_bytes(weights.read_bytes()[:1000])
     recipe = REPO / "recipes" / "lm_finetune.py"
     cases = [
-        ([REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, tmp_path / "a", "--train_file", bad)],
-         f"--train_file {bad}: cannot be read as json (ArrowInvalid: JSON parse error"),
-        ([BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "b", "--model_name_or_path", model)],
-         f"--model_name_or_path {model}: model.safetensors is damaged"),
-        ([BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "c", "--num_train_epochs", "0")],
-         "--num_train_epochs: 0 is out of range"),
+        (
+            [REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, tmp_path / "a", "--train_file", bad)],
+            f"--train_file {bad}: cannot be read as json (ArrowInvalid: JSON parse error",
+        ),
+        (
+            [BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "b", "--model_name_or_path", model)],
+            f"--model_name_or_path {model}: model.safetensors is damaged",
+        ),
+        (
+            [BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / "c", "--num_train_epochs", "0")],
+            "--num_train_epochs: 0 is out of range",
+        ),
     ]
     for (cmd, message), out in zip(cases, "abc"):
         proc = run(cmd, check=False, timeout=300)
@@ -574,6 +749,7 @@ def test_launched_data_and_model_mistakes_give_one_line_exit_2_and_no_output(tin
 
 
 # --- weights ------------------------------------------------------------------------------------
+
 
 def test_a_timm_model_without_timm_installed_is_one_line_naming_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "timm", None)  # what `import timm` meets where it is not installed
@@ -599,7 +775,9 @@ def weight_files(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in resnet50.items()}, root / "resnet50.safetensors")
     resnet18 = torchvision.models.resnet18(num_classes=10).state_dict()
     torch.save({f"module.{k}": v for k, v in resnet18.items()}, root / "ddp.pt")  # as a DDP-wrapped model names them
-    save_file({k: v.contiguous() for k, v in resnet18.items() if not k.startswith("fc.")}, root / "no_head.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in resnet18.items() if not k.startswith("fc.")}, root / "no_head.safetensors"
+    )
     write(root / "garbage.pt", np.random.default_rng(0).bytes(4096))
     write(root / "garbage.safetensors", np.random.default_rng(0).bytes(4096))
     torch.save({"conv1.weight": _Code()}, root / "code.pt")
@@ -608,17 +786,27 @@ def weight_files(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name, message", [
-    ("resnet50.safetensors", "does not fit --model resnet18 (165 tensor(s) not in the model, such as layer1.0.bn3.bias; "
-     "23 tensor(s) of another shape, such as layer1.0.conv1.weight (64, 64, 1, 1) in the file, (64, 64, 3, 3) here); "
-     "pass weights of that architecture"),
-    ("garbage.pt", "not a file of weights (not plain tensors); pass a .safetensors file or a state dict saved with"),
-    ("garbage.safetensors", "not a file of weights (Error while deserializing header"),
-    ("code.pt", "not a file of weights (not plain tensors)"),
-    ("list.pt", "not a file of weights (not plain tensors)"),
-    ("folder.pt", "no such file"),
-    ("missing.pt", "no such file"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "resnet50.safetensors",
+            "does not fit --model resnet18 (165 tensor(s) not in the model, such as layer1.0.bn3.bias; "
+            "23 tensor(s) of another shape, such as layer1.0.conv1.weight (64, 64, 1, 1) in the file, "
+            "(64, 64, 3, 3) here); "
+            "pass weights of that architecture",
+        ),
+        (
+            "garbage.pt",
+            "not a file of weights (not plain tensors); pass a .safetensors file or a state dict saved with",
+        ),
+        ("garbage.safetensors", "not a file of weights (Error while deserializing header"),
+        ("code.pt", "not a file of weights (not plain tensors)"),
+        ("list.pt", "not a file of weights (not plain tensors)"),
+        ("folder.pt", "no such file"),
+        ("missing.pt", "no such file"),
+    ],
+)
 def test_pretrained_path_that_is_not_weights_of_the_model_is_one_line(weight_files, capsys, name, message):
     from accelerate import PartialState
 
@@ -639,8 +827,13 @@ def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_fil
 
     PartialState()
     cifar = RECIPES["cifar"]
-    model = cifar.load_model(cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10)
-    saved = load_file(weight_files / name) if name.endswith(".safetensors") else \
-        {k.removeprefix("module."): v for k, v in torch.load(weight_files / name, weights_only=True).items()}
+    model = cifar.load_model(
+        cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10
+    )
+    saved = (
+        load_file(weight_files / name)
+        if name.endswith(".safetensors")
+        else {k.removeprefix("module."): v for k, v in torch.load(weight_files / name, weights_only=True).items()}
+    )
     loaded = model.state_dict()
     assert set(saved) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in saved.items())

@@ -14,7 +14,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import REPO, digits_args, lm_args, results, run, user_env
 
 LAUNCH = REPO / "launch.sh"
@@ -23,6 +22,7 @@ LAUNCH = REPO / "launch.sh"
 @pytest.fixture
 def gpus(tmp_path):
     """gpus(n) -> an environment whose nvidia-smi reports n GPUs."""
+
     def make(n, **extra):
         bin_dir = tmp_path / f"bin{n}"
         bin_dir.mkdir(exist_ok=True)
@@ -33,12 +33,13 @@ def gpus(tmp_path):
         env = user_env(**extra)
         env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
         return env
+
     return make
 
 
 def dry_run(env, *args):
     proc = run([LAUNCH, "cifar", "--dry_run", *args], env=env)
-    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("+ ")]
     return line
 
 
@@ -52,10 +53,16 @@ def test_help():
     assert "--per_device_train_batch_size" in proc.stdout
 
 
-@pytest.mark.parametrize("n, config, extra", [
-    (1, "1gpu.yaml", ""), (2, "2gpu.yaml", ""), (4, "4gpu.yaml", ""), (8, "8gpu.yaml", ""),
-    (3, "2gpu.yaml", "--num_processes 3"),
-])
+@pytest.mark.parametrize(
+    "n, config, extra",
+    [
+        (1, "1gpu.yaml", ""),
+        (2, "2gpu.yaml", ""),
+        (4, "4gpu.yaml", ""),
+        (8, "8gpu.yaml", ""),
+        (3, "2gpu.yaml", "--num_processes 3"),
+    ],
+)
 def test_config_follows_the_gpus_present(gpus, n, config, extra):
     line = dry_run(gpus(n), "--learning_rate", "0.2")
     assert f"accelerate_configs/{config}" in line and "ACCELERATE_USE_CPU" not in line
@@ -91,14 +98,16 @@ def test_overrides_and_master_port(gpus):
 
 def one_error(proc, text):
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and text in lines[0], proc.stderr
     return lines[0]
 
 
 def test_more_processes_than_gpus_is_refused(gpus):
-    line = one_error(run([LAUNCH, "cifar", "--num_processes", "4"], env=gpus(2), check=False),
-                     "4 processes requested on this node but only 2 GPU(s) are visible")
+    line = one_error(
+        run([LAUNCH, "cifar", "--num_processes", "4"], env=gpus(2), check=False),
+        "4 processes requested on this node but only 2 GPU(s) are visible",
+    )
     assert "--num_processes 2" in line
 
 
@@ -114,6 +123,7 @@ def test_unknown_config_and_recipe():
 
 
 # ---------------------------------------------------------------- launch.sh's own input
+
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
@@ -152,16 +162,28 @@ INVALID = [
     (["cifar", "--config", "--num_processes", "2"], {}, "--config needs a value"),
     (["cifar", "--config="], {}, "--config needs a value"),
     (["cifar", "--config", "16gpu"], {}, f"unknown config '16gpu' (available: {CONFIG_NAMES})"),
-    (["cifar", "--config", "../accelerate_configs/cpu"], {},
-     f"unknown config '../accelerate_configs/cpu': a name from accelerate_configs/ (available: {CONFIG_NAMES})"),
+    (
+        ["cifar", "--config", "../accelerate_configs/cpu"],
+        {},
+        f"unknown config '../accelerate_configs/cpu': a name from accelerate_configs/ (available: {CONFIG_NAMES})",
+    ),
     (["cifar", "--config", "cpu yaml"], {}, r"unknown config cpu\ yaml: a name from accelerate_configs/"),
     (["cifar", "--config", ".yaml"], {}, "unknown config '.yaml': a name from accelerate_configs/"),
-    (["cifar", "--config", "broken"], {},
-     "accelerate_configs/broken.yaml: num_processes must be a whole number from 1, got 'two'"),
-    (["cifar", "--config", "fsdp"], {},
-     "config 'fsdp' is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3"),
-    (["cifar", "--config", "4gpu"], {},
-     "config '4gpu' needs 4 GPU(s) on this node but none is visible; use --config cpu"),
+    (
+        ["cifar", "--config", "broken"],
+        {},
+        "accelerate_configs/broken.yaml: num_processes must be a whole number from 1, got 'two'",
+    ),
+    (
+        ["cifar", "--config", "fsdp"],
+        {},
+        "config 'fsdp' is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3",
+    ),
+    (
+        ["cifar", "--config", "4gpu"],
+        {},
+        "config '4gpu' needs 4 GPU(s) on this node but none is visible; use --config cpu",
+    ),
     (["cifar"], {"MASTER_PORT": "0"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '0'"),
     (["cifar"], {"MASTER_PORT": "65536"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '65536'"),
     (["cifar"], {"MASTER_PORT": "29500x"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '29500x'"),
@@ -210,14 +232,20 @@ def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, npro
     not_a_checkpoint.mkdir()
     out = tmp_path / "run"
     secrets = {"HF_TOKEN": TOKEN, "WANDB_API_KEY": "0123456789abcdef" * 2}
-    args = digits_args(digits, out, "--resume_from_checkpoint", not_a_checkpoint,
-                       "--data_dir", f"https://user:{PASSWORD}@example.org/{TOKEN}")
+    args = digits_args(
+        digits,
+        out,
+        "--resume_from_checkpoint",
+        not_a_checkpoint,
+        "--data_dir",
+        f"https://user:{PASSWORD}@example.org/{TOKEN}",
+    )
     proc = run([LAUNCH, "cifar", "--num_processes", nproc, *args], env=cpu_env(**secrets), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    (line,) = [l for l in proc.stderr.splitlines() if "error" in l.lower() and not l.startswith("+ ")]
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower() and not ln.startswith("+ ")]
     assert line.startswith(f"error: --resume_from_checkpoint {not_a_checkpoint}: ")
     no_noise(proc.stdout + proc.stderr)
-    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
     assert command.endswith(" --data_dir 'https://***@example.org/***'")
     for secret in (TOKEN, PASSWORD, *secrets.values()):
         assert secret not in proc.stdout + proc.stderr
@@ -227,8 +255,9 @@ def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, npro
 def start(args, env):
     """launch.sh in a session of its own, as a terminal or a Slurm step runs it; its output in files."""
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([str(a) for a in [LAUNCH, *args]], cwd=REPO, env=env, stdout=out, stderr=err, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(a) for a in [LAUNCH, *args]], cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+    )
     return proc, out, err
 
 
@@ -309,8 +338,11 @@ def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tm
     out = tmp_path / "run"
     proc, stdout, err = start(["lm_finetune", *lm_args(tiny_lm, out)], cpu_env())
     try:  # the training processes exist and are still starting (importing torch takes seconds)
-        wait_until(lambda: any("recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3]) for p in processes_of(out)), 120,
-                   "no training process")
+        wait_until(
+            lambda: any("recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3]) for p in processes_of(out)),
+            120,
+            "no training process",
+        )
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
         wait_until(lambda: not processes_of(out), 30, "processes still running")
@@ -320,7 +352,7 @@ def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tm
         proc.kill()
         proc.wait()
     text = read(err)
-    lines = [l for l in text.splitlines() if not l.startswith("+ ")]
+    lines = [line for line in text.splitlines() if not line.startswith("+ ")]
     assert lines == ["launch.sh: stopped by Ctrl-C; the processes ended without saving a checkpoint (exit 130)"], text
     assert not out.exists()
 
@@ -350,11 +382,18 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     assert proc.returncode == 75, text[-3000:]
     no_noise(text)
     checkpoint = newest_checkpoint(out)
-    said = [l for l in text.splitlines() if l.startswith("launch.sh:")]
-    assert said[-1] == (f"launch.sh: stopped by Ctrl-C after saving {checkpoint}; run the same command with "
-                        "--resume_from_checkpoint latest to continue (exit 75)"), text[-3000:]
-    assert said[:-1] in ([], ["launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
-                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 s)"]), said
+    said = [line for line in text.splitlines() if line.startswith("launch.sh:")]
+    assert said[-1] == (
+        f"launch.sh: stopped by Ctrl-C after saving {checkpoint}; run the same command with "
+        "--resume_from_checkpoint latest to continue (exit 75)"
+    ), text[-3000:]
+    assert said[:-1] in (
+        [],
+        [
+            "launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 s)"
+        ],
+    ), said
     assert f"after step {checkpoint.name.split('-')[1]}; saved {checkpoint}. " in text
     assert not processes_of(out)
 
@@ -365,10 +404,11 @@ def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
     ZeRO launch it by hand."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero2"
-    proc = run([LAUNCH, "lm_finetune", "--config", "zero2", *lm_args(tiny_lm, out, "--max_train_steps", "3")],
-               env=cpu_env())
+    proc = run(
+        [LAUNCH, "lm_finetune", "--config", "zero2", *lm_args(tiny_lm, out, "--max_train_steps", "3")], env=cpu_env()
+    )
     assert "launch.sh: no GPU visible: DeepSpeed runs on CPU, 2 process(es) on this node, fp32" in proc.stderr
-    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
     assert "accelerate_configs/zero2.yaml --mixed_precision no --num_processes 2 " in command
     res = results(out)
     assert (res["distributed_type"], res["world_size"], res["mixed_precision"]) == ("DEEPSPEED", 2, "no")

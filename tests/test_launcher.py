@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 import launcher
-from common import metrics
+import pytest
 from conftest import REPO
+
+from common import metrics
 
 LAUNCHER = REPO / "scripts" / "launcher.py"
 TOKEN = "hf_" + "Zx9" * 10
@@ -27,29 +27,44 @@ def test_secret_rules_are_those_of_results_json():
         assert (ours.pattern, ours.flags) == (theirs.pattern, theirs.flags), f"{name} differs from common/metrics.py"
 
 
-@pytest.mark.parametrize("words, shown", [
-    (["--hub_token", TOKEN, "--lr", "1"], ["--hub_token", "***", "--lr", "1"]),
-    ([f"--hub_token={TOKEN}"], ["--hub_token=***"]),
-    (["--wandb-api-key", "0123abcd", "--x"], ["--wandb-api-key", "***", "--x"]),
-    (["--api_key", "k", "--client_secret", "s", "--db_password", "p"], ["--api_key", "***", "--client_secret", "***",
-                                                                       "--db_password", "***"]),
-    (["--model_name_or_path", TOKEN], ["--model_name_or_path", "***"]),  # a hub token as any value
-    (["--dataset_name", "https://user:pa55@host.org/d"], ["--dataset_name", "https://***@host.org/d"]),
-    (["HF_TOKEN=" + TOKEN, "accelerate"], ["HF_TOKEN=***", "accelerate"]),
-    # named like, but not, credentials; a flag without a value before the next flag
-    (["--tokenizer_name", "gpt2", "--max_tokens", "512"], ["--tokenizer_name", "gpt2", "--max_tokens", "512"]),
-    (["--use_auth_token", "--push_to_hub"], ["--use_auth_token", "--push_to_hub"]),
-    (["--hub_token"], ["--hub_token"]),
-])
+@pytest.mark.parametrize(
+    "words, shown",
+    [
+        (["--hub_token", TOKEN, "--lr", "1"], ["--hub_token", "***", "--lr", "1"]),
+        ([f"--hub_token={TOKEN}"], ["--hub_token=***"]),
+        (["--wandb-api-key", "0123abcd", "--x"], ["--wandb-api-key", "***", "--x"]),
+        (
+            ["--api_key", "k", "--client_secret", "s", "--db_password", "p"],
+            ["--api_key", "***", "--client_secret", "***", "--db_password", "***"],
+        ),
+        (["--model_name_or_path", TOKEN], ["--model_name_or_path", "***"]),  # a hub token as any value
+        (["--dataset_name", "https://user:pa55@host.org/d"], ["--dataset_name", "https://***@host.org/d"]),
+        (["HF_TOKEN=" + TOKEN, "accelerate"], ["HF_TOKEN=***", "accelerate"]),
+        # named like, but not, credentials; a flag without a value before the next flag
+        (["--tokenizer_name", "gpt2", "--max_tokens", "512"], ["--tokenizer_name", "gpt2", "--max_tokens", "512"]),
+        (["--use_auth_token", "--push_to_hub"], ["--use_auth_token", "--push_to_hub"]),
+        (["--hub_token"], ["--hub_token"]),
+    ],
+)
 def test_mask(words, shown):
     assert launcher.mask(words) == shown
 
 
 def test_show_quotes_for_the_shell():
-    line = launcher.show(["ACCELERATE_USE_CPU=true", "/a b/accelerate", "launch", "--rdzv_conf",
-                          "is_host=1,join_timeout=60", "--hub_token", TOKEN])
-    assert line == ("+ ACCELERATE_USE_CPU=true '/a b/accelerate' launch --rdzv_conf is_host=1,join_timeout=60 "
-                    "--hub_token '***'")
+    line = launcher.show(
+        [
+            "ACCELERATE_USE_CPU=true",
+            "/a b/accelerate",
+            "launch",
+            "--rdzv_conf",
+            "is_host=1,join_timeout=60",
+            "--hub_token",
+            TOKEN,
+        ]
+    )
+    assert line == (
+        "+ ACCELERATE_USE_CPU=true '/a b/accelerate' launch --rdzv_conf is_host=1,join_timeout=60 --hub_token '***'"
+    )
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -59,21 +74,28 @@ def test_configs_read_as_yaml(path):
     raw = yaml.safe_load(path.read_text())
     machines, processes, distributed_type, use_cpu = launcher.read_config(str(path))
     assert (int(machines), int(processes), distributed_type, use_cpu) == (
-        raw["num_machines"], raw["num_processes"], raw["distributed_type"], str(raw["use_cpu"]).lower())
+        raw["num_machines"],
+        raw["num_processes"],
+        raw["distributed_type"],
+        str(raw["use_cpu"]).lower(),
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num_processes: two\n", "num_processes must be a whole number from 1, got 'two'"),
-    ("num_processes: 0\n", "num_processes must be a whole number from 1, got 0"),
-    ("num_machines: true\n", "num_machines must be a whole number from 1, got True"),
-    ("num_processes:\n", "num_processes must be a whole number from 1, got None"),
-    ("use_cpu: 'yes'\n", "use_cpu must be true or false, got 'yes'"),
-    ("distributed_type: multi gpu; rm -rf /\n", "distributed_type must be a name such as MULTI_GPU"),
-    ("- a list\n", "not an accelerate config"),
-    ("", "not an accelerate config"),
-    ("num_processes: [2\n", "not a readable YAML file (expected ',' or ']', but got '<stream end>' at line 2)"),
-    ("a: 1\n\tb: 2\n", "not a readable YAML file (found character '\\t' that cannot start any token at line 2)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num_processes: two\n", "num_processes must be a whole number from 1, got 'two'"),
+        ("num_processes: 0\n", "num_processes must be a whole number from 1, got 0"),
+        ("num_machines: true\n", "num_machines must be a whole number from 1, got True"),
+        ("num_processes:\n", "num_processes must be a whole number from 1, got None"),
+        ("use_cpu: 'yes'\n", "use_cpu must be true or false, got 'yes'"),
+        ("distributed_type: multi gpu; rm -rf /\n", "distributed_type must be a name such as MULTI_GPU"),
+        ("- a list\n", "not an accelerate config"),
+        ("", "not an accelerate config"),
+        ("num_processes: [2\n", "not a readable YAML file (expected ',' or ']', but got '<stream end>' at line 2)"),
+        ("a: 1\n\tb: 2\n", "not a readable YAML file (found character '\\t' that cannot start any token at line 2)"),
+    ],
+)
 def test_bad_configs_are_named(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -116,8 +138,13 @@ def wait_for(path: Path, seconds: float = 30) -> bool:
 def test_a_process_gets_sigterm_when_its_parent_is_killed(tmp_path):
     done, ready = tmp_path / "done", tmp_path / "ready"
     child = CHILD.format(scripts=str(REPO / "scripts"), done=str(done), ready=str(ready), parent=None)
-    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
-                               f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)"])
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)",
+        ]
+    )
     try:
         assert wait_for(ready), "the child did not start"
         assert not done.exists()
@@ -142,6 +169,7 @@ def test_a_parent_already_gone_sends_the_signal_at_once(tmp_path):
 
 # ---------------------------------------------------------------- exit codes
 
+
 def failure(exitcode, timestamp, pid=100):
     return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, pid=pid)
 
@@ -163,10 +191,17 @@ def test_exit_codes(capsys):
     assert said == "launch.sh: process rank 1 (pid 7) was killed by SIGKILL (out of memory? see dmesg)\n"
 
 
-@pytest.mark.parametrize("codes, expected", [
-    ({0: 0, 1: 0}, 0),  # the processes finished (the signal came during the final save)
-    ({0: 75, 1: 75}, 75), ({0: 2, 1: -15}, 2), ({0: -15, 1: -15}, 143), ({}, 143), ({0: 1, 1: -15}, 1),
-])
+@pytest.mark.parametrize(
+    "codes, expected",
+    [
+        ({0: 0, 1: 0}, 0),  # the processes finished (the signal came during the final save)
+        ({0: 75, 1: 75}, 75),
+        ({0: 2, 1: -15}, 2),
+        ({0: -15, 1: -15}, 143),
+        ({}, 143),
+        ({0: 1, 1: -15}, 1),
+    ],
+)
 def test_a_stopped_launch_ends_with_what_its_processes_did(monkeypatch, codes, expected):
     monkeypatch.setattr(launcher, "_exit_codes", codes)
     assert launcher._stopped_code(signal.SIGTERM) == expected
@@ -194,10 +229,14 @@ def test_quiet_elastic_log():
 
     assert not quiet.filter(record("Sending process %s closing signal %s", 12, "SIGTERM"))
     assert not quiet.filter(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 12, "python"))
-    killed = record("Unable to shutdown process %s via %s, forcefully exiting via %s", 12, signal.SIGTERM,
-                    signal.SIGKILL)
+    killed = record(
+        "Unable to shutdown process %s via %s, forcefully exiting via %s", 12, signal.SIGTERM, signal.SIGKILL
+    )
     assert quiet.filter(killed)
-    assert re.fullmatch(r"launch\.sh: process 12 had not exited \d+ s after SIGTERM "
-                        r"\(TORCH_ELASTIC_SHUTDOWN_TIMEOUT\): killed it; .*", killed.getMessage())
+    assert re.fullmatch(
+        r"launch\.sh: process 12 had not exited \d+ s after SIGTERM "
+        r"\(TORCH_ELASTIC_SHUTDOWN_TIMEOUT\): killed it; .*",
+        killed.getMessage(),
+    )
     other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
     assert quiet.filter(other) and other.getMessage() == "launcher: warning: something new in https://***@host/"

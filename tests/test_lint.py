@@ -17,8 +17,12 @@ def test_ruff_finds_nothing_and_the_tree_is_formatted():
 
 
 def test_pyflakes_finds_nothing():
-    proc = subprocess.run([sys.executable, "-m", "pyflakes", "recipes", "common", "tests", "scripts", "benchmarks"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyflakes", "recipes", "common", "tests", "scripts", "benchmarks"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -6,10 +6,22 @@ import shutil
 
 import pytest
 import torch
+from conftest import (
+    BIN,
+    LM_INTERRUPTED_ARGS,
+    REPO,
+    accelerate_cpu,
+    chat_args,
+    error_lines,
+    interrupt,
+    lm_args,
+    load_recipe,
+    results,
+    run,
+    update_distance,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (BIN, LM_INTERRUPTED_ARGS, REPO, accelerate_cpu, chat_args, error_lines, interrupt, lm_args,
-                      load_recipe, results, run, update_distance)
 from common.runtime import RecipeError
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, tokenize_and_pack
 from common.training import target_tokens, window_tokens
@@ -27,12 +39,13 @@ def eval_loss(model_dir, lm, block_size=32, model=None, chat=False):
         raw = load_raw_datasets(train_file=lm["chat_varied"], validation_split_percentage=10, seed=42)
     else:
         raw = load_raw_datasets(train_file=lm["train"], validation_file=lm["validation"])
-    blocks = tokenize_and_pack(raw, tokenizer, data_format="chat" if chat else "text", text_column="text",
-                               block_size=block_size)["validation"]
+    blocks = tokenize_and_pack(
+        raw, tokenizer, data_format="chat" if chat else "text", text_column="text", block_size=block_size
+    )["validation"]
     total, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(blocks), 16):
-            ids, labels = blocks[i:i + 16]["input_ids"], blocks[i:i + 16]["labels"][:, 1:]
+            ids, labels = blocks[i : i + 16]["input_ids"], blocks[i : i + 16]["labels"][:, 1:]
             logits = model(input_ids=ids).logits[:, :-1]
             total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="sum").item()
             tokens += int((labels != IGNORE_INDEX).sum())
@@ -65,8 +78,11 @@ def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(ti
     shutil.copy(tiny_lm["train"], folder / "train.jsonl")
     shutil.copy(tiny_lm["validation"], folder / "validation.jsonl")
     out = tmp_path / "run"
-    args = [a for a in lm_args(tiny_lm, out, "--num_train_epochs", "2", "--gradient_checkpointing")
-            if str(a) not in ("--train_file", "--validation_file", str(tiny_lm["train"]), str(tiny_lm["validation"]))]
+    args = [
+        a
+        for a in lm_args(tiny_lm, out, "--num_train_epochs", "2", "--gradient_checkpointing")
+        if str(a) not in ("--train_file", "--validation_file", str(tiny_lm["train"]), str(tiny_lm["validation"]))
+    ]
     cmd, env = accelerate_cpu(1, RECIPE, *args, "--dataset_name", folder)
     run(cmd, env=env)
     res = results(out)
@@ -109,8 +125,20 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
     curves = {}
     for nproc, batch in ((1, 8), (2, 4)):
         out = tmp_path / f"{nproc}x{batch}"
-        cmd, env = accelerate_cpu(nproc, RECIPE, *lm_args(tiny_lm, out, "--per_device_train_batch_size", str(batch),
-                                                           "--max_train_steps", "12", "--logging_steps", "1"))
+        cmd, env = accelerate_cpu(
+            nproc,
+            RECIPE,
+            *lm_args(
+                tiny_lm,
+                out,
+                "--per_device_train_batch_size",
+                str(batch),
+                "--max_train_steps",
+                "12",
+                "--logging_steps",
+                "1",
+            ),
+        )
         run(cmd, env=env)
         res = results(out)
         assert res["world_size"] == nproc and res["effective_batch_size"] == 8
@@ -126,7 +154,8 @@ def test_two_processes_with_batch_b_follow_one_process_with_batch_2b(tiny_lm, tm
 # most of it. No clipping and no weight decay, so the update is the gradient's alone.
 @pytest.mark.slow
 def test_every_target_token_weighs_the_same_however_a_step_is_split_into_processes_and_accumulation(
-        tiny_lm, chat_reference, tmp_path):
+    tiny_lm, chat_reference, tmp_path
+):
     """The step's loss is its target tokens' summed loss over their number, across every micro-batch
     and process (transformers' num_items_in_batch), so 2 processes x batch 2 and 1 process x batch 2 x
     accumulation 2 make the same update as 1 x 4. A mean per micro-batch, averaged, does not: it
@@ -148,14 +177,19 @@ def test_every_target_token_weighs_the_same_however_a_step_is_split_into_process
 def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zero_update(tiny_lm):
     from accelerate import PartialState
 
-    labels = torch.tensor([[5, -100, -100, -100],  # the first position is never a target: 0
-                           [-100, -100, 7, -100],  # 1
-                           [3, 4, 5, 6]])  # 3
+    labels = torch.tensor(
+        [
+            [5, -100, -100, -100],  # the first position is never a target: 0
+            [-100, -100, 7, -100],  # 1
+            [3, 4, 5, 6],
+        ]
+    )  # 3
     assert target_tokens(labels) == 4 and [int(target_tokens(row)) for row in labels] == [0, 1, 3]
 
     class Single:  # the one-process accelerator window_tokens reduces with
         def reduce(self, tensor, reduction):
             return tensor
+
     PartialState()
     empty = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "labels": torch.full((1, 4), -100)}
     tokens = window_tokens(Single(), [empty, empty])
@@ -168,8 +202,9 @@ def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zer
 
 
 @pytest.mark.slow
-def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_weights(tiny_lm, lm_uninterrupted,
-                                                                                       tmp_path):
+def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_weights(
+    tiny_lm, lm_uninterrupted, tmp_path
+):
     """SIGTERM to every process of a 2-process `accelerate launch` job, as Slurm and Ctrl-C's neighbours
     send it: each process finishes the step, they save one checkpoint and exit 75. Resumed with
     `latest` in ONE process with the per-device batch doubled (a requeue that got fewer GPUs), the
@@ -182,28 +217,42 @@ def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_we
     assert 4 < stop < 14 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr
     files = json.loads((resumed / f"checkpoint-{stop}" / "trainer_state.json").read_text())["files"]
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)  # both processes stopped at this step
-    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16",
-                                                 "--resume_from_checkpoint", "latest")])
+    proc = run(
+        [
+            BIN / "python",
+            RECIPE,
+            *lm_args(
+                tiny_lm, resumed, *args, "--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"
+            ),
+        ]
+    )
     assert "2 x 8 x 2 -> 1 x 16 x 2, effective batch 32 -> 32" in proc.stderr
     a, b = results(straight), results(resumed)
     assert a["steps"] == b["steps"] == 14 and a["epochs"] > 2  # the resumed part crossed epoch boundaries
     assert b["world_size"] == 1 and b["log_history"][0]["step"] == stop + 1
     for after, before in zip(b["log_history"], a["log_history"][stop:], strict=True):  # the same curve after the stop
         assert after["step"] == before["step"] and after["samples_seen"] == before["samples_seen"]
-        assert after["lr"] == pytest.approx(before["lr"]) and after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
+        assert after["lr"] == pytest.approx(before["lr"]) and after["train_loss"] == pytest.approx(
+            before["train_loss"], rel=1e-5
+        )
     assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
     assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
 
 
 @pytest.mark.slow
 def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_epoch_where_they_were(
-        tiny_lm, lm_uninterrupted, tmp_path):
+    tiny_lm, lm_uninterrupted, tmp_path
+):
     """2 processes x 8 x accumulation 2 (32 a step), stopped by SIGTERM, resumed in 1 process x 8 x 2
     (16 a step) under --lr_scaling linear: one line says what changed; the run trains the samples
     --max_train_steps meant (in twice the steps), the learning rate is halved, and the schedule
     continues from the samples already seen: at every sample count both runs log, the resumed
     run's learning rate is half the uninterrupted run's (no warmup or decay replayed)."""
-    args, straight, resumed = (*LM_INTERRUPTED_ARGS, "--lr_scaling", "linear"), tmp_path / "straight", tmp_path / "resumed"
+    args, straight, resumed = (
+        (*LM_INTERRUPTED_ARGS, "--lr_scaling", "linear"),
+        tmp_path / "straight",
+        tmp_path / "resumed",
+    )
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args))
     run(cmd, env=env)
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
@@ -211,7 +260,7 @@ def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_ep
     stop = max(int(p.name.split("-")[1]) for p in resumed.glob("checkpoint-*"))
     assert 4 < stop < 14 and f"preempted: stopped by SIGTERM after step {stop}" in proc.stderr
     proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, resumed, *args, "--resume_from_checkpoint", "latest")])
-    (line,) = [l for l in proc.stderr.splitlines() if "with another layout" in l]
+    (line,) = [ln for ln in proc.stderr.splitlines() if "with another layout" in ln]
     a, b = results(straight), results(resumed)
     assert "2 x 8 x 2 -> 1 x 8 x 2, effective batch 32 -> 16" in line
     assert f"learning rate {a['learning_rate']:.4g} -> {a['learning_rate'] / 2:.4g} (linear)" in line
@@ -227,12 +276,22 @@ def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_ep
 
 def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
-    messages = [{"role": "user", "content": "count from one two three"},
-                {"role": "assistant", "content": "four five"}]
+    messages = [{"role": "user", "content": "count from one two three"}, {"role": "assistant", "content": "four five"}]
     row = chat_example(tokenizer, messages)
     tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
-    assert tokens == ["<|user|>", "count", "from", "one", "two", "three", "<|end|>",
-                      "<|assistant|>", "four", "five", "<|end|>"]
+    assert tokens == [
+        "<|user|>",
+        "count",
+        "from",
+        "one",
+        "two",
+        "three",
+        "<|end|>",
+        "<|assistant|>",
+        "four",
+        "five",
+        "<|end|>",
+    ]
     trained = [t for t, label in zip(tokens, row["labels"]) if label != IGNORE_INDEX]
     assert trained == ["four", "five", "<|end|>"]
     assert [label for label in row["labels"] if label != IGNORE_INDEX] == tokenizer.convert_tokens_to_ids(trained)
@@ -243,9 +302,32 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     from peft import PeftModel
 
     out = tmp_path / "run"
-    run([REPO / "launch.sh", "lm_finetune", "--num_processes", "1", "--model_name_or_path", tiny_lm["model"],
-         "--train_file", tiny_lm["chat"], "--data_format", "chat", "--output_dir", out, "--block_size", "32",
-         "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--lora_r", "8", "--max_train_steps", "10"])
+    run(
+        [
+            REPO / "launch.sh",
+            "lm_finetune",
+            "--num_processes",
+            "1",
+            "--model_name_or_path",
+            tiny_lm["model"],
+            "--train_file",
+            tiny_lm["chat"],
+            "--data_format",
+            "chat",
+            "--output_dir",
+            out,
+            "--block_size",
+            "32",
+            "--per_device_train_batch_size",
+            "4",
+            "--learning_rate",
+            "3e-3",
+            "--lora_r",
+            "8",
+            "--max_train_steps",
+            "10",
+        ]
+    )
     res = results(out)
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
@@ -256,17 +338,24 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     assert lora and any(p.abs().sum() > 0 for p in lora.values()), "lora_B starts at zero; training moved it"
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--text_column", "body"], "--text_column body: not in the data (columns: text)"),
-    (["--block_size", "128"], "--block_size 128 is larger than the model accepts (64)"),
-    (["--model_name_or_path", "/no/such/model"], "--model_name_or_path /no/such/model: no such folder"),
-    (["--validation_file", "/no/such.jsonl"], "--validation_file /no/such.jsonl: no such file"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--text_column", "body"], "--text_column body: not in the data (columns: text)"),
+        (["--block_size", "128"], "--block_size 128 is larger than the model accepts (64)"),
+        (["--model_name_or_path", "/no/such/model"], "--model_name_or_path /no/such/model: no such folder"),
+        (["--validation_file", "/no/such.jsonl"], "--validation_file /no/such.jsonl: no such file"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     out = tmp_path / "run"
     # Input validation needs no launcher: one case goes through launch.sh, the rest straight to python.
-    launcher = [REPO / "launch.sh", "lm_finetune", "--num_processes", "1"] if "--text_column" in extra else [BIN / "python", RECIPE]
+    launcher = (
+        [REPO / "launch.sh", "lm_finetune", "--num_processes", "1"]
+        if "--text_column" in extra
+        else [BIN / "python", RECIPE]
+    )
     proc = run([*launcher, *lm_args(tiny_lm, out), *extra], check=False)
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
@@ -275,8 +364,9 @@ def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
 
 
 @pytest.mark.slow
-def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_saves_the_new_vocabulary(tiny_lm,
-                                                                                                         tmp_path):
+def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_saves_the_new_vocabulary(
+    tiny_lm, tmp_path
+):
     """--tokenizer_name with 2 more tokens than the model's 17: refused in one line naming
     --resize_token_embeddings; with it, the embeddings and the output layer grow to 19 rows (the 17
     pretrained ones kept), training uses the new tokens, and the saved folder loads with from_pretrained
@@ -296,14 +386,31 @@ def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_
     args = lm.parse_args(argv)
     model, loaded = lm.load_model_and_tokenizer(args)
     assert len(loaded) == 19 and model.config.vocab_size == 17
-    with pytest.raises(RecipeError, match="the tokenizer has 19 tokens but the model's vocabulary has 17 "
-                                          r"\(config.vocab_size\): pass --resize_token_embeddings"):
+    with pytest.raises(
+        RecipeError,
+        match="the tokenizer has 19 tokens but the model's vocabulary has 17 "
+        r"\(config.vocab_size\): pass --resize_token_embeddings",
+    ):
         lm_dataloaders(args, None, loaded, model.config)
 
     out = tmp_path / "run"
-    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--train_file", data, "--tokenizer_name",
-                                                 tmp_path / "tokenizer", "--resize_token_embeddings",
-                                                 "--max_train_steps", "4")])
+    proc = run(
+        [
+            BIN / "python",
+            RECIPE,
+            *lm_args(
+                tiny_lm,
+                out,
+                "--train_file",
+                data,
+                "--tokenizer_name",
+                tmp_path / "tokenizer",
+                "--resize_token_embeddings",
+                "--max_train_steps",
+                "4",
+            ),
+        ]
+    )
     assert "--resize_token_embeddings: 17 -> 19 embeddings" in proc.stderr
     saved = AutoModelForCausalLM.from_pretrained(out)
     assert saved.config.vocab_size == 19 and saved.get_input_embeddings().weight.shape == (19, 64)
@@ -322,8 +429,12 @@ def test_config_name_trains_a_new_model_built_from_the_config(tiny_lm, tmp_path)
     """--config_name (with --config_overrides, as zero.py takes them): the model is the config's, one layer
     here, randomly initialized (its weights are not the folder's), trained and saved loadable."""
     out = tmp_path / "run"
-    args = [str(a) for a in lm_args(tiny_lm, out, "--config_overrides", "num_hidden_layers=1", "--max_train_steps", "4",
-                                    "--logging_steps", "1")]
+    args = [
+        str(a)
+        for a in lm_args(
+            tiny_lm, out, "--config_overrides", "num_hidden_layers=1", "--max_train_steps", "4", "--logging_steps", "1"
+        )
+    ]
     args[args.index("--model_name_or_path")] = "--config_name"
     run([BIN / "python", RECIPE, *args])
     saved = AutoModelForCausalLM.from_pretrained(out)

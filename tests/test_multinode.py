@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import FAST_MODEL, REPO, digits_args, free_port, results, user_env
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
@@ -16,16 +15,33 @@ LAUNCH = REPO / "launch.sh"
 
 
 def node_env(node, port, **extra) -> dict:
-    return user_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NNODES="2", SLURM_STEP_NUM_TASKS="2",
-                    SLURM_NODEID=str(node), SLURM_JOB_NODELIST="node-[0-1]", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), **extra)
+    return user_env(
+        SLURM_JOB_ID="77",
+        SLURM_STEP_ID="0",
+        SLURM_NNODES="2",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_NODEID=str(node),
+        SLURM_JOB_NODELIST="node-[0-1]",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
+    )
 
 
 def two_nodes(*args, timeout=300):
     """Start both nodes' launchers at once and wait for both; returns their completed processes."""
     port = free_port()
-    procs = [subprocess.Popen([LAUNCH, *args], cwd=REPO, env=node_env(node, port), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [LAUNCH, *args],
+            cwd=REPO,
+            env=node_env(node, port),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for node in (0, 1)
+    ]
     outs = []
     try:
         for proc in procs:
@@ -43,7 +59,7 @@ def test_cifar_trains_across_two_nodes(digits, tmp_path):
     args = digits_args(digits, tmp_path / "out", *FAST_MODEL, "--max_train_steps", "5")
     outs = two_nodes("cifar", "--config", "cpu", "--num_processes", "1", *args)
     for node, (_, _, err) in enumerate(outs):
-        (line,) = [l for l in err.splitlines() if l.startswith("+ ")]
+        (line,) = [ln for ln in err.splitlines() if ln.startswith("+ ")]
         assert f"--num_processes 2 --num_machines 2 --machine_rank {node} --main_process_ip 127.0.0.1 " in line
     res = results(tmp_path / "out")
     assert res["world_size"] == 2 and res["steps"] == 5 and res["eval_samples"] == digits["n_val"], res
@@ -63,11 +79,12 @@ def test_unreachable_head_fails_in_bounded_time_with_one_line():
     seconds (60 by default; 10 here, to keep the test short), then names the likely causes."""
     tic = time.monotonic()
     env = node_env(1, free_port(), RDZV_TIMEOUT="10")
-    proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [LAUNCH, "cifar", "--config", "cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     elapsed = time.monotonic() - tic
     assert proc.returncode == 2 and 8 < elapsed < 90, (proc.returncode, elapsed)  # it waited, then gave up
-    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
     assert line.startswith("launch.sh: error: node 1 cannot reach the head node 127.0.0.1:") and "after 10 s" in line
     for cause in ("launcher started", "firewall", "MASTER_ADDR", "./launch.sh doctor"):
         assert cause in line
@@ -78,21 +95,37 @@ def test_a_head_left_alone_or_on_a_taken_port_fails_with_one_line():
     line instead of torch's RendezvousTimeoutError traceback. And the job's port already taken on
     the head (another job): one line at once."""
     tic = time.monotonic()
-    proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"], cwd=REPO,
-                          env=node_env(0, free_port(), RDZV_TIMEOUT="5"), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"],
+        cwd=REPO,
+        env=node_env(0, free_port(), RDZV_TIMEOUT="5"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and time.monotonic() - tic > 4, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr
-    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
-    assert line.startswith("launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s; check that launch.sh "
-                           "started on every node of the job and that each reaches 127.0.0.1:"), line
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line.startswith(
+        "launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s; check that launch.sh "
+        "started on every node of the job and that each reaches 127.0.0.1:"
+    ), line
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"], cwd=REPO,
-                              env=node_env(0, port), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"],
+            cwd=REPO,
+            env=node_env(0, port),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    (line,) = [l for l in proc.stderr.splitlines() if "error" in l]
-    assert line == (f"launch.sh: error: port {port} on this node is in use by another process; set MASTER_PORT to a "
-                    "free port (the same on every node)")
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line == (
+        f"launch.sh: error: port {port} on this node is in use by another process; set MASTER_PORT to a "
+        "free port (the same on every node)"
+    )

@@ -15,9 +15,8 @@ import stat
 import sys
 from pathlib import Path
 
-import pytest
-
 import doctor
+import pytest
 from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
 from make_digits import write_digits
 from test_slurm import sbatch, sbatch_line
@@ -49,8 +48,12 @@ def bash(script, cwd, env=None):
 def test_every_readme_command_is_covered():
     covered = set(SETUP.splitlines()) | set(QUICKSTART.splitlines()) | set(COPY.splitlines())
     for line in COMMANDS:
-        assert (line in covered or line.startswith("accelerate launch ") or launch_sh_args(line) is not None
-                or sbatch_line(line) is not None), line
+        assert (
+            line in covered
+            or line.startswith("accelerate launch ")
+            or launch_sh_args(line) is not None
+            or sbatch_line(line) is not None
+        ), line
 
 
 def test_setup_commands_are_what_ci_runs():
@@ -78,8 +81,10 @@ def test_quick_start_and_copy_run_as_written(checkout):
 
 # What each recipe cannot fetch on a machine with no network: the data, or (fine-tuning the digits) the weights.
 OFFLINE_ERRORS = {"recipes/cifar.py": "cifar10 is not in data and could not be downloaded"}
-OFFLINE_WEIGHTS = ("--pretrained: torchvision's weights for --model resnet18 (ResNet18_Weights.IMAGENET1K_V1) are "
-                   "not in the cache and could not be downloaded")
+OFFLINE_WEIGHTS = (
+    "--pretrained: torchvision's weights for --model resnet18 (ResNet18_Weights.IMAGENET1K_V1) are "
+    "not in the cache and could not be downloaded"
+)
 
 
 @pytest.mark.slow
@@ -113,8 +118,9 @@ def is_doctor(line):
     return launch_sh_args(line) is not None and launch_sh_args(line)[1][:1] == ["doctor"]
 
 
-@pytest.mark.parametrize("line", [c for c in COMMANDS
-                                  if launch_sh_args(c) and c not in QUICKSTART and not is_doctor(c)])
+@pytest.mark.parametrize(
+    "line", [c for c in COMMANDS if launch_sh_args(c) and c not in QUICKSTART and not is_doctor(c)]
+)
 def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
     extra_env, args = launch_sh_args(line)
     smi = tmp_path / "nvidia-smi"
@@ -123,7 +129,7 @@ def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
     env = user_env(**extra_env)
     env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
     proc = run(["./launch.sh", *args, "--dry_run"], cwd=checkout, env=env)
-    (command,) = [l for l in proc.stderr.splitlines() if l.startswith("+ ")]
+    (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
     config = args[args.index("--config") + 1] if "--config" in args else "8gpu"
     assert f"accelerate_configs/{config}.yaml" in command
     if "MASTER_PORT" in extra_env:
@@ -137,7 +143,7 @@ def parse_recipe_args(args):
     for option in ("--config", "--num_processes", "--max_restarts"):  # launch.sh's own options, not the recipe's
         if option in recipe_args:
             at = recipe_args.index(option)
-            del recipe_args[at:at + 2]
+            del recipe_args[at : at + 2]
     return (doctor.parse_args if args[0] == "doctor" else load_recipe(args[0]).parse_args)(recipe_args)
 
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run, user_env
 
 LAUNCH = REPO / "launch.sh"
@@ -52,23 +51,40 @@ def slurm_env(tmp_path, nodes, gpus=8, **extra) -> dict:
     bin_dir = tmp_path / "fakebin"
     bin_dir.mkdir(exist_ok=True)
     executable(bin_dir / "srun", FAKE_SRUN)
-    executable(bin_dir / "nvidia-smi", "#!/bin/sh\n" + "".join(
-        f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n' for i in range(gpus)))
+    executable(
+        bin_dir / "nvidia-smi",
+        "#!/bin/sh\n" + "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n' for i in range(gpus)),
+    )
     env = user_env()
     del env["MASTER_PORT"]
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    env.update(SLURM_JOB_ID=JOB_ID, SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes),
-               SLURM_JOB_NODELIST=node_list(nodes), SLURM_NODELIST=node_list(nodes), SLURM_NODEID="0",
-               SLURM_PROCID="0", SLURM_NTASKS_PER_NODE="1", SLURM_SUBMIT_DIR=str(REPO),
-               FAKE_SLURM_LOG=str(tmp_path / "srun.log"))
+    env.update(
+        SLURM_JOB_ID=JOB_ID,
+        SLURM_NNODES=str(nodes),
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_JOB_NODELIST=node_list(nodes),
+        SLURM_NODELIST=node_list(nodes),
+        SLURM_NODEID="0",
+        SLURM_PROCID="0",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_SUBMIT_DIR=str(REPO),
+        FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
+    )
     env.update(extra)
     return env
 
 
 def step_env(env, node, nodes) -> dict:
     """`env` as the srun task on node `node` of a one-task-per-node step sees it."""
-    return {**env, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NUM_TASKS": str(nodes),
-            "SLURM_STEP_NODELIST": env["SLURM_JOB_NODELIST"], "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)}
+    return {
+        **env,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_NODES": str(nodes),
+        "SLURM_STEP_NUM_TASKS": str(nodes),
+        "SLURM_STEP_NODELIST": env["SLURM_JOB_NODELIST"],
+        "SLURM_NODEID": str(node),
+        "SLURM_PROCID": str(node),
+    }
 
 
 def commands(stderr: str) -> list:
@@ -91,13 +107,15 @@ def sbatch(template: Path, args, tmp_path, nodes=None, gpus=None, env=None):
     options = directives(template)
     nodes = nodes or int(options["nodes"])
     gpus = gpus or int(options["gres"].split(":")[-1])
-    env = env or slurm_env(tmp_path, nodes, gpus, SLURM_CPUS_PER_TASK=options["cpus-per-task"],
-                           SLURM_GPUS_ON_NODE=str(gpus))
+    env = env or slurm_env(
+        tmp_path, nodes, gpus, SLURM_CPUS_PER_TASK=options["cpus-per-task"], SLURM_GPUS_ON_NODE=str(gpus)
+    )
     proc = run(["bash", template, *args, "--dry_run"], env=env)
     return commands(proc.stderr), env
 
 
 # ---------------------------------------------------------------- launch.sh under Slurm
+
 
 @pytest.mark.parametrize("node", [0, 1, 2, 3])
 def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node):
@@ -110,10 +128,17 @@ def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node):
     assert line.rstrip().endswith("recipes/cifar.py --learning_rate 0.2") and "ACCELERATE_USE_CPU" not in line
 
 
-@pytest.mark.parametrize("nodelist, head", [
-    ("gpu-[01-03,07]", "gpu-01"), ("a[7-9],b[1-2]", "a7"), ("n12,n3", "n12"),
-    ("rack[2-3]-gpu[08-09]", "rack2-gpu08"), ("node-[5]-ib,node-6-ib", "node-5-ib"), ("gpu[001-128]", "gpu001"),
-])
+@pytest.mark.parametrize(
+    "nodelist, head",
+    [
+        ("gpu-[01-03,07]", "gpu-01"),
+        ("a[7-9],b[1-2]", "a7"),
+        ("n12,n3", "n12"),
+        ("rack[2-3]-gpu[08-09]", "rack2-gpu08"),
+        ("node-[5]-ib,node-6-ib", "node-5-ib"),
+        ("gpu[001-128]", "gpu001"),
+    ],
+)
 def test_head_node_from_slurm_compressed_node_list(tmp_path, nodelist, head):
     env = step_env(slurm_env(tmp_path, 2, SLURM_JOB_NODELIST=nodelist), 1, 2)
     del env["SLURM_STEP_NODELIST"]
@@ -122,8 +147,10 @@ def test_head_node_from_slurm_compressed_node_list(tmp_path, nodelist, head):
 
 def test_scontrol_expands_the_node_list_when_present(tmp_path):
     env = step_env(slurm_env(tmp_path, 2), 1, 2)
-    executable(tmp_path / "fakebin/scontrol",
-               '#!/bin/sh\n[ "$*" = "show hostnames gpu-[01-02]" ] && printf "gpu-01.cluster\\ngpu-02.cluster\\n"\n')
+    executable(
+        tmp_path / "fakebin/scontrol",
+        '#!/bin/sh\n[ "$*" = "show hostnames gpu-[01-02]" ] && printf "gpu-01.cluster\\ngpu-02.cluster\\n"\n',
+    )
     assert "--main_process_ip gpu-01.cluster " in dry_run(env, "cifar")
 
 
@@ -178,6 +205,7 @@ def test_outside_srun_and_several_tasks_per_node_are_refused(tmp_path):
 
 # ---------------------------------------------------------------- the sbatch templates
 
+
 def test_templates_exist_and_pass_bash_n():
     assert {p.name for p in TEMPLATES} == {"single_node.sbatch", "multi_node.sbatch", "requeue.sbatch"}
     for template in TEMPLATES:
@@ -219,12 +247,19 @@ def test_requeue_template_stops_the_step_at_a_checkpoint_and_requeues_on_usr1(tm
     env = slurm_env(tmp_path, 2, SLURM_CPUS_PER_TASK="64")
     started = tmp_path / "started"
     # A long training step that, like launch.sh, saves and exits 75 on USR1.
-    executable(tmp_path / "fakebin/srun", f"#!/bin/bash\ntrap 'echo USR1 > {tmp_path}/step.log; exit 75' USR1\n"
-                                          f"touch {started}\nsleep 60 & wait\n")
+    executable(
+        tmp_path / "fakebin/srun",
+        f"#!/bin/bash\ntrap 'echo USR1 > {tmp_path}/step.log; exit 75' USR1\ntouch {started}\nsleep 60 & wait\n",
+    )
     executable(tmp_path / "fakebin/scontrol", f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.log\n')
     log = tmp_path / "job.out"  # a file, not a pipe: the fake step would hold a pipe open
-    proc = subprocess.Popen(["bash", REPO / "slurm/requeue.sbatch", "cifar", "--checkpointing_steps", "500"],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", REPO / "slurm/requeue.sbatch", "cifar", "--checkpointing_steps", "500"],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         for _ in range(300):  # the step runs: the trap is set
             if started.exists():
@@ -250,4 +285,4 @@ def sbatch_line(line):
     if not words or words[0] != "sbatch":
         return None
     at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
-    return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1:]
+    return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1 :]

@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import BIN, REPO, chat_args, error_lines, interrupt, lm_args, results, run, update_distance, user_env
 from test_fault import snapshot
 from test_lm_finetune import eval_loss
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
@@ -22,8 +21,20 @@ def deepspeed(config, nproc, *args, check=True, command=False):
     """`accelerate launch --config_file accelerate_configs/<config>.yaml`, fp32 (CPUs lack fast bf16)."""
     env = user_env()
     config_file = config if str(config).endswith(".yaml") else REPO / f"accelerate_configs/{config}.yaml"
-    cmd = [BIN / "accelerate", "launch", "--config_file", config_file, "--num_processes", nproc,
-           "--mixed_precision", "no", "--main_process_port", env["MASTER_PORT"], RECIPE, *args]
+    cmd = [
+        BIN / "accelerate",
+        "launch",
+        "--config_file",
+        config_file,
+        "--num_processes",
+        nproc,
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        env["MASTER_PORT"],
+        RECIPE,
+        *args,
+    ]
     return (cmd, env) if command else run(cmd, env=env, check=check)
 
 
@@ -69,20 +80,28 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
     assert state["world_size"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])
     before = snapshot(checkpoint)
 
-    proc = deepspeed("zero3", 1, *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16",
-                                          "--resume_from_checkpoint", "latest"))
+    proc = deepspeed(
+        "zero3",
+        1,
+        *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"),
+    )
     assert f"{checkpoint.name} was written by 2 processes, this run has 1: converting its ZeRO state" in proc.stderr
     assert snapshot(checkpoint) == before and not list(resumed.glob(".universal-*"))
     a, b = results(straight), results(resumed)
     assert a["effective_batch_size"] == b["effective_batch_size"] == 32 and b["world_size"] == 1
-    assert [h["train_loss"] for h in b["log_history"]] == pytest.approx([h["train_loss"] for h in a["log_history"][stop:]], rel=1e-5)
+    assert [h["train_loss"] for h in b["log_history"]] == pytest.approx(
+        [h["train_loss"] for h in a["log_history"][stop:]], rel=1e-5
+    )
     assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
 
 
 def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, tmp_path):
     config = tmp_path / "zero2_gas4.yaml"
-    config.write_text((REPO / "accelerate_configs/zero2.yaml").read_text().replace(
-        "  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n"))
+    config.write_text(
+        (REPO / "accelerate_configs/zero2.yaml")
+        .read_text()
+        .replace("  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n")
+    )
     proc = deepspeed(config, 1, *lm_args(tiny_lm, tmp_path / "run", "--max_train_steps", "2"), check=False)
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)
@@ -94,15 +113,54 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
 
 def zero_recipe(config, nproc, *args, check=True):
     env = user_env()
-    config_args = ["--config_file", config] if str(config).endswith(".yaml") else ["--use_deepspeed", "--deepspeed_config_file", config]
-    return run([BIN / "accelerate", "launch", *config_args, "--num_processes", nproc, "--mixed_precision", "no",
-                "--main_process_port", env["MASTER_PORT"], ZERO_RECIPE, *args], env=env, check=check)
+    config_args = (
+        ["--config_file", config]
+        if str(config).endswith(".yaml")
+        else ["--use_deepspeed", "--deepspeed_config_file", config]
+    )
+    return run(
+        [
+            BIN / "accelerate",
+            "launch",
+            *config_args,
+            "--num_processes",
+            nproc,
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            env["MASTER_PORT"],
+            ZERO_RECIPE,
+            *args,
+        ],
+        env=env,
+        check=check,
+    )
 
 
 def zero_args(lm, output_dir, *extra):
-    return ["--train_file", lm["train"], "--validation_file", lm["validation"], "--output_dir", output_dir,
-            "--block_size", "32", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3",
-            "--lr_scaling", "none", "--warmup_ratio", "0", "--max_train_steps", "6", "--logging_steps", "1", *extra]
+    return [
+        "--train_file",
+        lm["train"],
+        "--validation_file",
+        lm["validation"],
+        "--output_dir",
+        output_dir,
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scaling",
+        "none",
+        "--warmup_ratio",
+        "0",
+        "--max_train_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        *extra,
+    ]
 
 
 def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_and_32_bit(tiny_lm, tmp_path):
@@ -112,8 +170,16 @@ def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_an
 
     out = tmp_path / "run"
     overrides = "num_hidden_layers=3,hidden_size=96,intermediate_size=192"
-    zero_recipe(REPO / "accelerate_configs/zero3.yaml", 2, "--config_name", tiny_lm["model"],
-                "--config_overrides", overrides, "--save_fp32", *zero_args(tiny_lm, out))
+    zero_recipe(
+        REPO / "accelerate_configs/zero3.yaml",
+        2,
+        "--config_name",
+        tiny_lm["model"],
+        "--config_overrides",
+        overrides,
+        "--save_fp32",
+        *zero_args(tiny_lm, out),
+    )
     res = results(out)
     assert res["world_size"] == 2 and res["distributed_type"] == "DEEPSPEED" and res["steps"] == 6
 
@@ -145,12 +211,22 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
     """torch_adam: DeepSpeed's own CPU Adam is a C++ op it builds on first use (a minute in CI);
     this test is about who drives training, not which kernel does the update."""
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
+                "scheduler": {
+                    "type": "WarmupLR",
+                    "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3},
+                },
+            }
+        )
+    )
     out = tmp_path / "run"
     zero_recipe(config, 2, "--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out))
     res = results(out)
@@ -162,8 +238,16 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
 
 
 def test_zero_recipe_bad_input(tiny_lm, tmp_path):
-    proc = zero_recipe(REPO / "accelerate_configs/zero3.yaml", 1, "--config_name", tiny_lm["model"],
-                       "--config_overrides", "num_hiden_layers=3", *zero_args(tiny_lm, tmp_path / "run"), check=False)
+    proc = zero_recipe(
+        REPO / "accelerate_configs/zero3.yaml",
+        1,
+        "--config_name",
+        tiny_lm["model"],
+        "--config_overrides",
+        "num_hiden_layers=3",
+        *zero_args(tiny_lm, tmp_path / "run"),
+        check=False,
+    )
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)
     assert "num_hiden_layers" in line

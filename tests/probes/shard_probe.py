@@ -10,12 +10,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-import common  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import gather_object  # noqa: E402
-from common.training import Progress, accumulation_windows  # noqa: E402
 from conftest import load_recipe  # noqa: E402
+
+import common  # noqa: E402
+from common.training import Progress, accumulation_windows  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 cifar = load_recipe()
@@ -35,11 +36,16 @@ train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
 record = {"world_size": accelerator.num_processes, "train": [], "eval": []}
 progress = Progress()
 for epoch in range(2):  # as the recipe iterates: windows of one optimizer step
-    mine = [i for window in accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress)
-            for _, labels in window for i in labels.tolist()]
+    mine = [
+        i
+        for window in accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress)
+        for _, labels in window
+        for i in labels.tolist()
+    ]
     record["train"].append(gather_object([mine]))  # one list per process
 for _, labels in eval_dl:
     record["eval"] += accelerator.gather_for_metrics(labels).tolist()
 if accelerator.is_main_process:
     Path(out).write_text(json.dumps(record))
-accelerator.end_training()  # destroys the process group, as the recipes do: gloo left to the interpreter's exit can abort
+# Destroys the process group, as the recipes do: gloo left to the interpreter's exit can abort.
+accelerator.end_training()
