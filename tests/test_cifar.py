@@ -284,25 +284,34 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
 
 
 @pytest.mark.slow
-def test_copied_recipe_runs_from_its_own_folder(digits, tmp_path):
+def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_originals_checkpoint(digits, tmp_path):
+    """The README's copy flow: train.py and common/ in a project of their own. A checkpoint names the
+    recipe by its RECIPE constant, not its file name, so the copy continues a run of recipes/cifar.py."""
+    original, out = tmp_path / "original", tmp_path / "run"
+    run(
+        [
+            BIN / "python",
+            RECIPE,
+            *digits_args(digits, original, *FAST_MODEL, "--max_train_steps", "2", "--checkpointing_steps", "2"),
+        ]
+    )
     project = tmp_path / "myproject"
     project.mkdir()
     shutil.copy(RECIPE, project / "train.py")
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    out = tmp_path / "run"
-    env = user_env()
-    run(
+    cmd = ["--max_train_steps", "3", "--resume_from_checkpoint", original / "checkpoint-2"]
+    proc = run(
         [
             BIN / "accelerate",
             "launch",
             "--num_processes",
             "1",
             "train.py",
-            *digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "3"),
+            *digits_args(digits, out, *FAST_MODEL, *cmd),
         ],
-        env=env,
         cwd=project,
     )
+    assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
     assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
 
 
