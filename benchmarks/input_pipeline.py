@@ -138,7 +138,7 @@ def main(argv=None):
                 loader_rate(loader, args.epochs, args.max_batches, device)
             )
             del loader  # ends its workers
-        loader = common.make_dataloader(on_device, args.per_device_train_batch_size, train=True)
+        loader = common.make_dataloader(on_device, args.per_device_train_batch_size, train=True, seed=recipe.seed)
         measured.setdefault(("device", 0, False, False), []).append(
             loader_rate(loader, args.epochs, args.max_batches, device)
         )

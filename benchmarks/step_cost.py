@@ -72,7 +72,7 @@ def recipe(steps, accelerator, out):
         ],
     )
     data, model, optimizer = make()
-    train_dl = common.make_dataloader(data, BATCH, train=True, num_workers=0)
+    train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
     plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
     scheduler = common.make_scheduler(optimizer, "constant", plan, progress)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)

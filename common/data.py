@@ -40,7 +40,7 @@ def default_num_workers() -> int:
 
 
 def make_dataloader(
-    dataset, batch_size: int, *, train: bool, seed: int = 0, num_workers: int | None = None, collate_fn=None
+    dataset, batch_size: int, *, train: bool, seed: int | None = None, num_workers: int | None = None, collate_fn=None
 ):
     """A DataLoader with the defaults a data-parallel job wants.
 
@@ -58,7 +58,7 @@ def make_dataloader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochSampler(len(dataset), seed) if train else None,
+        sampler=EpochSampler(len(dataset), seed) if train else None,  # the run's --seed: it fixes the order
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() and not on_device,
@@ -83,6 +83,8 @@ class EpochSampler(Sampler):
     """
 
     def __init__(self, num_samples: int, seed: int):
+        if not isinstance(seed, int):
+            raise TypeError("EpochSampler needs the run's --seed: the order of the data follows it")
         self.num_samples, self.seed, self.epoch = num_samples, seed, 0
         self._resume_epoch, self._resume_sample = 0, 0
 

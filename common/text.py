@@ -684,6 +684,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         data["train"],
         args.per_device_train_batch_size,
         train=True,
+        seed=args.seed,
         num_workers=workers,
         collate_fn=default_data_collator,
     )

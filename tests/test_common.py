@@ -185,7 +185,7 @@ def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulat
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     model = torch.nn.Linear(4, 1)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
-    train_dl = common.make_dataloader(data, 2, train=True, num_workers=0)
+    train_dl = common.make_dataloader(data, 2, train=True, seed=0, num_workers=0)
     plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
     assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (4, 8, 28)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)

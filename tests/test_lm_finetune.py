@@ -444,3 +444,23 @@ def test_config_name_trains_a_new_model_built_from_the_config(tiny_lm, tmp_path)
     assert (a - b).norm() > 0.5 * b.norm()  # another draw, not the folder's weights trained for 4 steps
     res = results(out)
     assert res["steps"] == 4 and len(res["log_history"]) == 4 and math.isfinite(res["eval_loss"])
+
+
+def test_the_lm_data_order_follows_the_seed(tiny_lm, tmp_path):
+    """The training order is the EpochSampler's, seeded by the run's --seed (a resume refuses another)."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig
+
+    from common.text import lm_dataloaders
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    config = AutoConfig.from_pretrained(tiny_lm["model"])
+    lm_finetune = load_recipe("lm_finetune")
+    orders = []
+    for seed in (7, 8):
+        args = lm_finetune.parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "unused", "--seed", str(seed))])
+        train, _, _ = lm_dataloaders(args, accelerator, tokenizer, config)
+        assert train.sampler.seed == seed
+        orders.append(train.sampler.order(0).tolist())
+    assert orders[0] != orders[1]
