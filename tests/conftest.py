@@ -185,14 +185,14 @@ def tiny_lm(tmp_path_factory):
     }
 
 
-def lm_args(lm, output_dir, *extra):
+def lm_args(lm, output_dir, *extra, data=None):
+    """lm_finetune's arguments for the tiny model; `data`: the data arguments (default: the counting
+    text and its validation file)."""
+    data = data or ["--train_file", lm["train"], "--validation_file", lm["validation"]]
     return [
         "--model_name_or_path",
         lm["model"],
-        "--train_file",
-        lm["train"],
-        "--validation_file",
-        lm["validation"],
+        *data,
         "--output_dir",
         output_dir,
         "--block_size",
@@ -212,27 +212,12 @@ def lm_args(lm, output_dir, *extra):
 # Chats whose replies hold 1 to 24 words (tiny_lm's chat_varied): a 32-token block's target tokens vary
 # from a few to most of it. No clipping and no weight decay, so an update is the gradient's alone.
 def chat_args(lm, output_dir, batch, *extra):
-    return [
-        "--model_name_or_path",
-        lm["model"],
-        "--train_file",
-        lm["chat_varied"],
-        "--data_format",
-        "chat",
-        "--validation_split_percentage",
-        "10",
-        "--output_dir",
+    chats = ["--train_file", lm["chat_varied"], "--data_format", "chat", "--validation_split_percentage", "10"]
+    return lm_args(
+        lm,
         output_dir,
-        "--block_size",
-        "32",
         "--per_device_train_batch_size",
         str(batch),
-        "--learning_rate",
-        "3e-3",
-        "--lr_scaling",
-        "none",
-        "--warmup_ratio",
-        "0",
         "--max_grad_norm",
         "0",
         "--max_train_steps",
@@ -240,7 +225,8 @@ def chat_args(lm, output_dir, batch, *extra):
         "--logging_steps",
         "1",
         *extra,
-    ]
+        data=chats,
+    )
 
 
 def update_distance(out, reference, initial) -> float:

@@ -17,22 +17,28 @@ RECIPE = REPO / "recipes" / "lm_finetune.py"
 CURVE = ["--max_train_steps", "8", "--logging_steps", "1"]
 
 
-def deepspeed(config, nproc, *args, check=True, command=False):
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml`, fp32 (CPUs lack fast bf16)."""
+def deepspeed(config, nproc, *args, recipe=RECIPE, check=True, command=False):
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml` (or a YAML path, or a DeepSpeed
+    JSON config), fp32 (CPUs lack fast bf16)."""
     env = user_env()
-    config_file = config if str(config).endswith(".yaml") else REPO / f"accelerate_configs/{config}.yaml"
+    if str(config).endswith(".json"):
+        config_args = ["--use_deepspeed", "--deepspeed_config_file", config]
+    else:
+        config_args = [
+            "--config_file",
+            config if str(config).endswith(".yaml") else REPO / f"accelerate_configs/{config}.yaml",
+        ]
     cmd = [
         BIN / "accelerate",
         "launch",
-        "--config_file",
-        config_file,
+        *config_args,
         "--num_processes",
         nproc,
         "--mixed_precision",
         "no",
         "--main_process_port",
         env["MASTER_PORT"],
-        RECIPE,
+        recipe,
         *args,
     ]
     return (cmd, env) if command else run(cmd, env=env, check=check)
@@ -112,55 +118,12 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
 
 
 def zero_recipe(config, nproc, *args, check=True):
-    env = user_env()
-    config_args = (
-        ["--config_file", config]
-        if str(config).endswith(".yaml")
-        else ["--use_deepspeed", "--deepspeed_config_file", config]
-    )
-    return run(
-        [
-            BIN / "accelerate",
-            "launch",
-            *config_args,
-            "--num_processes",
-            nproc,
-            "--mixed_precision",
-            "no",
-            "--main_process_port",
-            env["MASTER_PORT"],
-            ZERO_RECIPE,
-            *args,
-        ],
-        env=env,
-        check=check,
-    )
+    return deepspeed(config, nproc, *args, recipe=ZERO_RECIPE, check=check)
 
 
 def zero_args(lm, output_dir, *extra):
-    return [
-        "--train_file",
-        lm["train"],
-        "--validation_file",
-        lm["validation"],
-        "--output_dir",
-        output_dir,
-        "--block_size",
-        "32",
-        "--per_device_train_batch_size",
-        "8",
-        "--learning_rate",
-        "3e-3",
-        "--lr_scaling",
-        "none",
-        "--warmup_ratio",
-        "0",
-        "--max_train_steps",
-        "6",
-        "--logging_steps",
-        "1",
-        *extra,
-    ]
+    """lm_args less the pretrained model: zero.py takes --config_name or --model_name_or_path."""
+    return lm_args(lm, output_dir, "--max_train_steps", "6", "--logging_steps", "1", *extra)[2:]
 
 
 def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_and_32_bit(tiny_lm, tmp_path):
