@@ -2,12 +2,13 @@
 (SLURM_NODEID 0 and 1), one process per node, meeting at 127.0.0.1 on one port through c10d. And a
 node whose head cannot be reached fails in bounded time with one clear line, instead of hanging."""
 
+import shutil
 import socket
 import subprocess
 import time
 
 import pytest
-from conftest import FAST_MODEL, REPO, digits_args, free_port, results, user_env
+from conftest import REPO, digits_args, free_port, results, run, user_env
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
@@ -55,14 +56,47 @@ def two_nodes(*args, timeout=300):
     return outs
 
 
-def test_cifar_trains_across_two_nodes(digits, tmp_path):
-    args = digits_args(digits, tmp_path / "out", *FAST_MODEL, "--max_train_steps", "5")
-    outs = two_nodes("cifar", "--config", "cpu", "--num_processes", "1", *args)
+def test_cifar_trains_across_two_nodes_and_a_requeue_onto_one_node_continues_it(digits, tmp_path):
+    """Two nodes of 1 process x 16 train 5 steps with a checkpoint at 3. The job requeued onto one node
+    (one launch.sh, 1 process x 32: the same effective batch) resumes `latest` where the two stopped."""
+    out = tmp_path / "out"
+    args = digits_args(digits, out, "--model", "resnet18", "--max_train_steps", "5", "--checkpointing_steps", "3")
+    outs = two_nodes("cifar", "--config", "cpu", "--num_processes", "1", *args, "--per_device_train_batch_size", "16")
     for node, (_, _, err) in enumerate(outs):
         (line,) = [ln for ln in err.splitlines() if ln.startswith("+ ")]
         assert f"--num_processes 2 --num_machines 2 --machine_rank {node} --main_process_ip 127.0.0.1 " in line
-    res = results(tmp_path / "out")
+    res = results(out)
     assert res["world_size"] == 2 and res["steps"] == 5 and res["eval_samples"] == digits["n_val"], res
+
+    shutil.rmtree(out / "checkpoint-5", ignore_errors=True)  # the requeue finds the step-3 checkpoint newest
+    (out / "results.json").unlink()
+    env = user_env(
+        SLURM_JOB_ID="77",
+        SLURM_STEP_ID="0",
+        SLURM_NNODES="1",
+        SLURM_STEP_NUM_TASKS="1",
+        SLURM_NODEID="0",
+        SLURM_JOB_NODELIST="node-0",
+    )
+    proc = run(
+        [
+            LAUNCH,
+            "cifar",
+            "--config",
+            "cpu",
+            "--num_processes",
+            "1",
+            *args,
+            "--per_device_train_batch_size",
+            "32",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        env=env,
+    )
+    assert "2 x 16 x 1 -> 1 x 32 x 1, effective batch 32 -> 32" in proc.stderr
+    res = results(out)
+    assert res["world_size"] == 1 and res["steps"] == 5 and res["samples_seen"] == 5 * 32
 
 
 def test_doctor_allreduce_across_two_nodes():
