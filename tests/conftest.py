@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -258,6 +259,13 @@ def lm_uninterrupted(tiny_lm, tmp_path_factory):
     cmd, env = accelerate_cpu(2, REPO / "recipes" / "lm_finetune.py", *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS))
     run(cmd, env=env)
     return out
+
+
+def preempted_at(stderr, sig="SIGTERM"):
+    """The step of the `preempted:` line a run stopped by `sig` printed (None without one). The stop
+    may land in an evaluation (the end of an epoch), which the line names."""
+    found = re.search(rf"^preempted: stopped by {sig} (?:during evaluation )?after step (\d+); saved ", stderr, re.M)
+    return int(found.group(1)) if found else None
 
 
 def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, timeout=300):
