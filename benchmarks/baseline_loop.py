@@ -30,6 +30,7 @@ from benchlib import load_recipe
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 import common
+from common import vision
 from common.data import default_num_workers
 from common.scaling import scale_lr
 
@@ -89,7 +90,7 @@ def main():
         collate_fn=(lambda batch: batch) if on_device else None,
     )
 
-    model = cifar.build_model(args.model, num_classes).to(device)
+    model = vision.build_model(args.model, num_classes).to(device)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:

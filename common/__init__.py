@@ -1,6 +1,7 @@
 """What the recipes share: launch checks, data loading, LR scaling and the schedule, the training
-step's bookkeeping, checkpoints, stopping on a signal, and the results record. Nothing
-recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
+step's bookkeeping, checkpoints, stopping on a signal, and the results record; images and image
+models in common.vision, text data and causal LMs in common.text. Nothing recipe-specific. This is
+what the recipes import; tests import what they test from the submodules."""
 
 from .args import parse, training_parser
 from .checkpoint import prepare_output_dir, save_model

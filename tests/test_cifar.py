@@ -25,6 +25,7 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 from test_fault import snapshot
 
+from common import vision
 from common.data import seeded_uniform
 from common.preemption import PREEMPTED_EXIT_CODE
 from common.runtime import RecipeError
@@ -37,7 +38,7 @@ def reevaluate(digits, output_dir):
     cifar = load_recipe()
     args = cifar.parse_args([str(a) for a in digits_args(digits, output_dir)])
     _, evals, num_classes = cifar.build_datasets(args)
-    model = cifar.build_model("resnet18", num_classes)
+    model = vision.build_model("resnet18", num_classes)
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
     model.eval()
     loader = torch.utils.data.DataLoader(evals, batch_size=128)
@@ -171,9 +172,8 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
 
 def initial_weights(*model_args, seed=42):
     """The weights a run starts from: the recipe seeds every process before it builds the model."""
-    cifar = load_recipe()
     set_seed(seed)
-    model = cifar.set_norm_layer(cifar.build_model(*model_args), "group", on_gpu=False)
+    model = vision.set_norm_layer(vision.build_model(*model_args), "group", on_gpu=False)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -517,12 +517,12 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     scratch = cifar.load_model(cifar.parse_args(["--model", "timm/resnet18"]), 10)
-    assert isinstance(scratch, timm.models.ResNet) and cifar.head_names(scratch) == ["fc"]
+    assert isinstance(scratch, timm.models.ResNet) and vision.head_names(scratch) == ["fc"]
     assert scratch(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
     activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
-    efficientnet = cifar.build_model("timm/efficientnet_b0", 10)
-    grouped = cifar.set_norm_layer(cifar.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    efficientnet = vision.build_model("timm/efficientnet_b0", 10)
+    grouped = vision.set_norm_layer(vision.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
     assert activations(grouped) == activations(efficientnet) > 40 and not any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules()
     )

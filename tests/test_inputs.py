@@ -18,6 +18,7 @@ import pytest
 from conftest import BIN, REPO, error_lines, lm_args, load_recipe, run
 from PIL import Image
 
+from common import vision
 from common.runtime import RecipeError
 from common.text import chat_example, data_sources, load_raw_datasets, tokenize_and_pack
 
@@ -279,7 +280,7 @@ FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]"
 def test_every_option_an_error_or_a_docstring_names_exists(capsys):
     """Advice that names a flag the recipe does not take is an unrecognized argument when followed.
     common/text.py serves both LM recipes: its flags must exist in both (it names --attn_implementation
-    only when the recipe passed one, which zero.py does not)."""
+    only when the recipe passed one, which zero.py does not); common/vision.py's, in the image recipe."""
     options = {}
     for name, module in RECIPES.items():
         with pytest.raises(SystemExit):
@@ -293,6 +294,7 @@ def test_every_option_an_error_or_a_docstring_names_exists(capsys):
         ("recipes/lm_finetune.py", ["lm_finetune"]),
         ("recipes/zero.py", ["zero"]),
         ("common/text.py", ["lm_finetune", "zero"]),
+        ("common/vision.py", ["cifar"]),
     ):
         named = set(re.findall(FLAG, (REPO / path).read_text())) - {"--config_file"}  # accelerate launch's
         for recipe in recipes:
@@ -639,7 +641,6 @@ def test_config_overrides_that_work_build_the_model(tiny_lm):
 
 def test_16_bit_images_are_scaled_not_clipped(digits, tmp_path):
     """PIL's convert("RGB") clips 16-bit greyscale at 255: the digits would become 2 grey levels."""
-    cifar = RECIPES["cifar"]
     originals = sorted(digits["train"].rglob("*.png"))[:20]
     for original in originals:
         pixels = np.asarray(Image.open(original).convert("L"))
@@ -647,7 +648,7 @@ def test_16_bit_images_are_scaled_not_clipped(digits, tmp_path):
         Image.fromarray(pixels.astype(np.uint16) * 257).save(deep)  # the 16-bit copy a scanner would write
         assert Image.open(deep).mode == "I;16"
         assert len(np.unique(np.asarray(Image.open(deep).convert("RGB")))) <= 2 < len(np.unique(pixels))
-        np.testing.assert_array_equal(np.asarray(cifar.load_image(deep)), np.asarray(cifar.load_image(original)))
+        np.testing.assert_array_equal(np.asarray(vision.load_image(deep)), np.asarray(vision.load_image(original)))
 
 
 def png_claiming(tmp_path, width, height):
@@ -663,7 +664,7 @@ def png_claiming(tmp_path, width, height):
 def test_an_image_too_large_to_decode(tmp_path, side):
     path = png_claiming(tmp_path, side, side)
     with pytest.raises(RecipeError) as err:
-        RECIPES["cifar"].load_image(path)
+        vision.load_image(path)
     assert str(err.value).startswith(f"{path}: too large to decode (Image size ({side * side} pixels) exceeds limit")
     assert "shrink it first" in str(err.value)
 
@@ -672,7 +673,7 @@ def test_32_bit_images_are_refused(tmp_path):
     path = tmp_path / "deep.tif"
     Image.fromarray(np.arange(64, dtype=np.int32).reshape(8, 8) * 1000).save(path)
     with pytest.raises(RecipeError, match=r"32-bit pixels \(PIL mode I\) have no single 8-bit scale"):
-        RECIPES["cifar"].load_image(path)
+        vision.load_image(path)
 
 
 def image_folder(root, classes, images=2):
@@ -756,7 +757,7 @@ def test_a_timm_model_without_timm_installed_is_one_line_naming_the_extra(capsys
     line = parse_error(capsys, "cifar", ["--model", "timm/resnet18"])
     assert line == "error: --model timm/resnet18 is a timm model, and timm is not installed: pip install -e '.[timm]'"
     with pytest.raises(RecipeError, match=r"timm is not installed: pip install -e '\.\[timm\]'"):
-        RECIPES["cifar"].build_model("timm/resnet18", 10)
+        vision.build_model("timm/resnet18", 10)
 
 
 class _Code:  # a pickle that runs code when loaded

@@ -1,0 +1,433 @@
+"""Images and image classifiers for vision recipes: reading image files (16-bit, damaged, too large),
+a pair of ImageFolders, torchvision and timm models with a new head, pretrained weights (published, or a
+file on disk, loaded as weights only), freezing a backbone, the normalization layer, and a shape check of
+a model against an image size before any data is read."""
+
+import difflib
+import os
+import pickle
+import warnings
+from pathlib import Path
+from unittest.mock import patch
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from safetensors.torch import load_file
+
+from .args import nonempty, positive_float
+from .metrics import count_parameters
+from .runtime import DataError, RecipeError, logger, one_line
+
+
+def to_rgb(image, path):
+    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (mode I;16, as in 16-bit PNGs) keeps its
+    high byte, as PIL does for 16-bit colour: PIL's own convert would clip every value above 255."""
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L")
+    elif image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
+        raise DataError(
+            f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; "
+            "convert the images to 8 or 16 bits per channel"
+        )
+    return image.convert("RGB")
+
+
+def load_image(path):
+    """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker)."""
+    try:
+        with warnings.catch_warnings():
+            # above Image.MAX_IMAGE_PIXELS PIL warns, above twice that it refuses: either way a
+            # decode this large per sample per epoch is a mistake (a scan, a panorama, a bomb)
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return to_rgb(image, path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise DataError(
+            f"{path}: too large to decode ({err}); shrink it first: every image is resized to --image_size anyway"
+        ) from err
+    except (OSError, SyntaxError, ValueError) as err:  # not an image, truncated, an unsupported variant
+        raise DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
+
+
+def image_folders(train_dir, val_dir):
+    """The training and validation ImageFolders (images read by load_image), which must hold the same
+    two or more class sub-folders, so that a label means the same class in each."""
+    for flag, folder in (("--train_dir", train_dir), ("--val_dir", val_dir)):
+        if not folder or not Path(folder).is_dir():
+            raise RecipeError(
+                f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images"
+            )
+    datasets = []
+    for flag, folder in (("--train_dir", train_dir), ("--val_dir", val_dir)):
+        try:
+            datasets.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
+        except FileNotFoundError as err:  # no class folders, or no images in them
+            raise RecipeError(
+                f"{flag} {folder}: {err}; --dataset imagefolder needs class sub-folders holding images"
+            ) from err
+    train, evals = datasets
+    if train.classes != evals.classes:
+        only_val = sorted(set(evals.classes) - set(train.classes))
+        only_train = sorted(set(train.classes) - set(evals.classes))
+        raise RecipeError(
+            f"{train_dir} and {val_dir} have different class folders ("
+            + "; ".join(
+                f"only in {where}: {', '.join(names)}"
+                for where, names in (("--val_dir", only_val), ("--train_dir", only_train))
+                if names
+            )
+            + "); give both the same class sub-folders, so that a label means the same class in each"
+        )
+    if len(train.classes) < 2:
+        raise RecipeError(
+            f"--train_dir {train_dir} has {len(train.classes)} class folder; a classifier "
+            "needs two or more (one sub-folder of images per class)"
+        )
+    return train, evals
+
+
+def published_normalization(name):
+    """(mean, std) of the inputs --model `name`'s published weights were trained on."""
+    if name.startswith("timm/"):
+        cfg = timm_weights(name)
+    else:
+        cfg = torchvision.models.get_model_weights(name).DEFAULT.transforms()
+    return tuple(cfg.mean), tuple(cfg.std)
+
+
+def add_model_args(group) -> None:
+    """--model and the options that build, load, freeze and normalize it (an argparse group)."""
+    group.add_argument(
+        "--model",
+        help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
+        "any torchvision model name, or timm/NAME for a timm model (pip install -e '.[timm]')",
+    )
+    group.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="start from --model's published weights (torchvision's "
+        "DEFAULT, or timm's), normalizing as they were trained, with a new head",
+    )
+    group.add_argument(
+        "--pretrained_path",
+        type=nonempty,
+        help="start from weights on disk for --model (.safetensors, "
+        "or a torch.save'd state dict); the head is new unless it has as many classes as the data",
+    )
+    group.add_argument(
+        "--freeze_backbone",
+        action="store_true",
+        help="train only the head; the backbone keeps the loaded weights and BatchNorm statistics (FrozenBatchNorm2d)",
+    )
+    group.add_argument(
+        "--head_lr_scale",
+        type=positive_float,
+        default=1.0,
+        help="the head's learning rate is --learning_rate times this (timm's lr_scale), e.g. 10",
+    )
+    group.add_argument(
+        "--norm_layer",
+        choices=["batch", "sync_batch", "group"],
+        default="batch",
+        help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
+        "per process, of the whole step's batch, or per sample",
+    )
+
+
+def check_model_args(parser, args) -> None:
+    """parser.error for a combination of the model options that cannot work, or a --model that cannot take
+    --image_size images in batches of --per_device_train_batch_size."""
+    tuned = args.pretrained or args.pretrained_path
+    for wrong, message in (
+        (
+            args.pretrained and args.pretrained_path,
+            "pass --pretrained (published weights) or --pretrained_path (a file), not both",
+        ),
+        (
+            (args.freeze_backbone or args.head_lr_scale != 1) and not tuned,
+            "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path",
+        ),
+        (
+            args.freeze_backbone and args.head_lr_scale != 1,
+            "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale",
+        ),
+        (
+            tuned and args.norm_layer == "group",
+            "--norm_layer group replaces the BatchNorm layers, and the weights "
+            "loaded into them; fine-tune with --norm_layer batch or sync_batch",
+        ),
+    ):
+        if wrong:
+            parser.error(message)
+    problem = model_problem(
+        args.model,
+        args.image_size,
+        args.per_device_train_batch_size,
+        getattr(args, "dataset", "imagefolder"),
+        args.pretrained,
+    )
+    if problem:
+        parser.error(problem)
+
+
+def timm_weights(name):
+    """timm's config of the weights of timm/NAME[.TAG] (mean, std, where they are), or None if it has none."""
+    try:
+        import timm
+    except ImportError as err:
+        raise RecipeError(
+            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
+        ) from err
+    try:
+        cfg = timm.models.get_pretrained_cfg(name[5:])
+    except RuntimeError:  # an unknown tag
+        return None
+    return cfg if cfg and (cfg.hf_hub_id or cfg.url) else None
+
+
+def build_model(name, num_classes, pretrained=False):
+    """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
+    if name.startswith("timm/"):
+        cfg = timm_weights(name)  # and import timm, or say how to install it
+        import timm
+
+        try:  # timm reads safetensors or torch.load(weights_only=True), and makes the new head itself
+            return timm.create_model(name[5:], pretrained=pretrained, num_classes=num_classes)
+        except Exception as err:  # not in the cache and offline, a damaged download
+            if not pretrained:
+                raise
+            raise RecipeError(
+                f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); "
+                f"where there is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache "
+                "(hf download; HF_HOME sets the folder), or pass --pretrained_path"
+            ) from err
+    if name == "resnet18_cifar":  # 32x32 inputs: a 7x7/2 stem and max-pool would discard 3/4 of them
+        model = torchvision.models.resnet18(num_classes=num_classes)
+        model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = torch.nn.Identity()
+        return model
+    # Inception and GoogLeNet add auxiliary heads in training, which a plain cross-entropy cannot take.
+    extra = {"aux_logits": False, "init_weights": True} if name in ("inception_v3", "googlenet") else {}
+    if not pretrained:
+        try:
+            return torchvision.models.get_model(name, num_classes=num_classes, **extra)
+        except ValueError as err:
+            raise RecipeError(f"--model {name}: {err}") from err
+    weights = torchvision.models.get_model_weights(name).DEFAULT
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    try:  # torchvision's builders load with weights_only=False: torch's own switch makes it True
+        with patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
+            model = torchvision.models.get_model(name, weights=weights)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # offline, damaged, pickled code
+        why = "not plain weights" if isinstance(err, pickle.UnpicklingError) else one_line(err)
+        raise RecipeError(
+            f"--pretrained: torchvision's weights for --model {name} ({weights}) "
+            + ("cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded")
+            + f" ({why}); download {weights.url} where there is network and put it at {path} (TORCH_HOME sets the "
+            "folder), or pass --pretrained_path"
+        ) from err
+    for aux in ("AuxLogits", "aux1", "aux2"):  # the weights come with the auxiliary heads: drop them as above
+        if getattr(model, aux, None) is not None:
+            setattr(model, aux, None)
+            model.aux_logits = False
+    (head,) = head_names(model)
+    old, (parent, _, leaf) = model.get_submodule(head), head.rpartition(".")
+    setattr(
+        model.get_submodule(parent),
+        leaf,
+        torch.nn.Linear(old.in_features, num_classes)
+        if isinstance(old, torch.nn.Linear)
+        else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size),
+    )
+    return model
+
+
+def head_names(model) -> list:
+    """The classification layer(s): timm's get_classifier(), else the last Linear or Conv2d (in which every
+    torchvision classifier ends)."""
+    if hasattr(model, "get_classifier"):
+        heads = model.get_classifier() if isinstance(model.get_classifier(), tuple) else (model.get_classifier(),)
+        return [name for name, m in model.named_modules() if any(m is head for head in heads)]
+    return [[name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))][-1]]
+
+
+def head_parameters(model) -> set:
+    return {id(p) for name in head_names(model) for p in model.get_submodule(name).parameters()}
+
+
+def load_weights(model, path, name):
+    """--pretrained_path into `model`: every tensor must fit but the head's, which stays new if the file's is
+    for another number of classes (or missing)."""
+    if not Path(path).is_file():
+        raise RecipeError(f"--pretrained_path {path}: no such file")
+    try:
+        state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
+        state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only
+    except Exception as err:  # safetensors', zip's and pickle's errors, a dict of other things: not weights
+        why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
+        raise RecipeError(
+            f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a "
+            "state dict saved with torch.save"
+        ) from err
+    own = model.state_dict()
+    head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
+    new_head = sorted(k for k in head if k not in state or state[k].shape != own[k].shape)
+    counted = lambda k: k not in head and "num_batches_tracked" not in k  # noqa: E731
+    misfits = {
+        "missing": [k for k in own if k not in state and counted(k)],
+        "not in the model": [k for k in state if k not in own and counted(k)],
+        "of another shape": [
+            f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
+            for k in state
+            if k in own and counted(k) and state[k].shape != own[k].shape
+        ],
+    }
+    if any(misfits.values()):
+        raise RecipeError(
+            f"--pretrained_path {path}: does not fit --model {name} ("
+            + "; ".join(f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
+            + "); pass weights of that architecture, or the --model they belong to"
+        )
+    model.load_state_dict({k: v for k, v in state.items() if k not in new_head}, strict=False)
+    new = f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else ""
+    logger.info(f"loaded {path}{new}")
+
+
+def freeze_backbone(model):
+    """Train only the head: the other parameters stop requiring gradients (set before prepare, so DDP
+    neither syncs nor waits for them), and BatchNorm becomes FrozenBatchNorm2d, so the backbone computes
+    what it was trained to whatever the batch and the number of processes."""
+    head, total = head_parameters(model), count_parameters(model)
+    for p in model.parameters():
+        p.requires_grad_(id(p) in head)
+    if hasattr(model, "get_classifier"):  # timm's own, which also knows its BatchNormAct2d
+        import timm
+
+        model = timm.layers.freeze_batch_norm_2d(model)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.BatchNorm2d:
+                setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(child.num_features, child.eps))
+                getattr(parent, name).load_state_dict(child.state_dict())
+    logger.info(
+        f"--freeze_backbone: training {', '.join(head_names(model))} only, "
+        f"{count_parameters(model, True):,} of {total:,} parameters"
+    )
+    return model
+
+
+def set_norm_layer(model, kind: str, on_gpu: bool):
+    """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b
+    do not train exactly as 1 x Nb. sync_batch computes them over every process (an all-reduce per
+    layer, GPUs only in torch); group (GroupNorm, up to 32 groups) needs no batch statistics at all."""
+    if kind == "sync_batch":
+        if not on_gpu:
+            raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
+        if hasattr(model, "get_classifier"):  # timm's converter keeps the activation of its BatchNormAct2d
+            import timm
+
+            return timm.layers.convert_sync_batchnorm(model)
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if kind == "group":
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+                    groups = max(g for g in range(1, 33) if child.num_features % g == 0)
+                    norm = torch.nn.GroupNorm(groups, child.num_features)  # timm's BatchNormAct2d also activates:
+                    setattr(
+                        parent,
+                        name,
+                        torch.nn.Sequential(norm, child.drop, child.act) if hasattr(child, "act") else norm,
+                    )
+    return model
+
+
+def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
+    """Why --model cannot train on `size`-pixel images in batches of `batch`, or None. Checked by
+    running the model on the meta device (shapes only: no memory, no compute), where too small an
+    input fails as it would in training, or reaches a layer that strides over a single pixel."""
+    models = torchvision.models.list_models(module=torchvision.models)  # the classification models
+    if name.startswith("timm/"):
+        try:
+            timm_weights(name)
+        except RecipeError as err:  # timm is not installed
+            return str(err)
+        import timm
+
+        if not timm.is_model(name[5:]):
+            close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
+            return (
+                f"--model {name}: not a timm model"
+                + (f" (did you mean timm/{' or timm/'.join(close)}?)" if close else "")
+                + "; pass timm/ and a name from timm.list_models()"
+            )
+        if ("." in name or pretrained) and timm_weights(name) is None:  # an unknown tag fails even without
+            return (
+                f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
+                f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+            )
+    elif pretrained and name == "resnet18_cifar":
+        return (
+            "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 "
+            "(or another torchvision or timm/ model) with --pretrained, or --pretrained_path"
+        )
+    elif name != "resnet18_cifar" and name not in models:
+        close = difflib.get_close_matches(name, models, n=3)
+        return (
+            f"--model {name}: not a torchvision classification model"
+            + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + "; pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)"
+        )
+    try:
+        with torch.device("meta"):
+            model = build_model(name, 10)
+    except Exception:  # a model whose construction needs real data cannot be checked this way
+        return None
+
+    def fails(size, batch=2):
+        collapsed = []
+
+        def check(module, inputs):
+            stride = module.stride if isinstance(module.stride, tuple) else (module.stride, module.stride)
+            if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
+                collapsed.append(f"a {type(module).__name__} strides over a single pixel")
+
+        hooks = [
+            m.register_forward_pre_hook(check)
+            for m in model.modules()
+            if isinstance(m, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d))
+        ]
+        try:
+            model(torch.empty(batch, 3, size, size, device="meta"))
+        except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size, ...
+            return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return collapsed[0] if collapsed else None
+
+    model.train()  # batch norm's check of the values per channel is a training-mode one
+    problem = fails(size)
+    if problem:
+        sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
+        fits = next((s for s in sizes if s > size and not fails(s)), None)
+        if fits is None:
+            return None  # no size passes on the meta device: this model cannot be checked there
+        if dataset != "imagefolder":
+            return (
+                f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: "
+                "use --model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size "
+                f"{fits}"
+            )
+        return (
+            f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size "
+            "it takes), or choose another --model"
+        )
+    if batch == 1 and fails(size, batch=1):
+        return (
+            f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
+            "--per_device_train_batch_size 1; pass 2 or more"
+        )
+    return None
