@@ -311,7 +311,13 @@ done
 rc=0
 while :; do
   wait "$child" && rc=0 || rc=$?
-  kill -0 "$child" 2>/dev/null || break  # `wait` also returns when a trapped signal arrives
+  if ! kill -0 "$child" 2>/dev/null; then
+    # A trapped signal also ends `wait` (rc 128+n), maybe just as the launcher exits: its own status.
+    again=0
+    wait "$child" 2>/dev/null || again=$?
+    if (( again != 127 )); then rc=$again; fi  # 127: bash has already handed the status out
+    break
+  fi
 done
 case "$stop_signal" in INT) by="Ctrl-C" ;; "") by="a signal" ;; *) by="SIG$stop_signal" ;; esac
 read -r status _ checkpoint <"$status_file" || true
@@ -319,6 +325,10 @@ if [[ "${status:-}" == preempted ]]; then
   echo "launch.sh: stopped by $by after saving $checkpoint;" \
     "run the same command with --resume_from_checkpoint latest to continue (exit 75)" >&2
   exit 75
+fi
+if [[ -n "$stop_signal" && "${status:-}" == finished ]]; then  # the stop came as the processes exited
+  echo "launch.sh: the run had finished when $by came; its model and results.json are complete (exit 0)" >&2
+  exit 0
 fi
 if [[ -n "$stop_signal" ]] && (( rc >= 128 )); then
   code=$(( 128 + $(kill -l "$stop_signal") ))
