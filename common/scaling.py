@@ -110,6 +110,14 @@ def plan_training(
             f"the training set holds {num_samples} samples, fewer than one batch of {per_device_batch_size} for each "
             f"of the {num_processes} process(es); lower --per_device_train_batch_size or use more data"
         )
+    if gradient_accumulation_steps > rounds:  # a step would be the whole epoch, at a rate scaled for more
+        raise RecipeError(
+            f"the training set holds {num_samples} samples: {rounds} batch(es) of {per_device_batch_size} for each of "
+            f"the {num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps "
+            f"{gradient_accumulation_steps}, so no optimizer step would see the effective batch of "
+            f"{per_device_batch_size * num_processes * gradient_accumulation_steps} that the learning rate is scaled "
+            f"for; lower --gradient_accumulation_steps to {rounds} or less"
+        )
     steps_per_epoch = math.ceil(rounds / gradient_accumulation_steps)
     if max_train_steps is None:
         max_train_steps = steps_per_epoch * num_train_epochs

@@ -370,6 +370,21 @@ def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_fil
             ],
             "lower --per_device_train_batch_size",
         ),
+        (  # 1,400 digits: 21 batches of 64 an epoch, so no step could hold 30 of them
+            [
+                "--per_device_train_batch_size",
+                "64",
+                "--gradient_accumulation_steps",
+                "30",
+                "--dataset",
+                "imagefolder",
+                "--train_dir",
+                "{train}",
+                "--val_dir",
+                "{val}",
+            ],
+            "lower --gradient_accumulation_steps to 21 or less",
+        ),
     ],
 )
 @pytest.mark.slow
