@@ -113,6 +113,7 @@ RECIPE_ONLY = [
     ),
     ("cifar", ["--image_size", "64"], "--image_size applies to --dataset imagefolder; cifar10 images are 32 px"),
     ("cifar", [*FOLDER, "--image_size", "0"], "--image_size: 0 is out of range"),
+    ("cifar", [*FOLDER, "--image_size", "100000"], "one batch of 128 such images is 15,360 GB as float32"),
     (
         "cifar",
         [*FOLDER, "--image_size", "128", "--data_on_device"],
