@@ -142,6 +142,14 @@ def build_model(args, model):
                 f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
                 "all-linear"
             ) from err
+        from peft.tuners.lora import LoraLayer
+
+        a, b = min(((m.in_features, m.out_features) for m in model.modules() if isinstance(m, LoraLayer)), key=min)
+        if args.lora_r > min(a, b):  # a rank above the layer's own adds weights and nothing else
+            raise RecipeError(
+                f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
+                f"would hold more weights than it can use; pass --lora_r {min(a, b)} or less (8 to 64 is usual)"
+            )
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
     if args.torch_compile:  # in place, so state-dict names, checkpoints and save_pretrained stay unchanged
