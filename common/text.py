@@ -616,13 +616,26 @@ def apply_config_overrides(config, overrides: str, source: str):
             f"--config_overrides {overrides}: {_first_line(err)}; give each key a value of the type "
             f"it has in {source}'s config.json"
         ) from err
-    problem = _meta_forward_problem(config)
-    if problem and not _meta_forward_problem(base):  # the same check passes without the overrides: they broke it
+    problem = _validation_problem(config) or _meta_forward_problem(config)
+    # the same checks pass without the overrides: they broke it
+    if problem and not (_validation_problem(base) or _meta_forward_problem(base)):
         raise RecipeError(
             f"--config_overrides {overrides}: the model {source} builds from them does not run "
             f"({problem}); give values that agree with each other and with the rest of the config"
         )
     return config
+
+
+def _validation_problem(config):
+    """What transformers' own check of a config's values against each other (save_pretrained runs it,
+    at the end of training) finds wrong, or None."""
+    try:
+        config.validate()
+    except AttributeError:  # a config class without the check
+        return None
+    except Exception as err:  # huggingface_hub's validation error, its cause the readable one
+        return _first_line(err.__cause__ or err)
+    return None
 
 
 def _meta_forward_problem(config):

@@ -606,8 +606,11 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
     [
         ("num_hiden_layers=3", "config has no num_hiden_layers (did you mean num_hidden_layers?)"),
         ("hidden_size=abc", "invalid literal for int()"),
-        ("num_attention_heads=3", "does not run (RuntimeError: The size of tensor a (3) must match"),
-        ("hidden_size=-1", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
+        ("num_attention_heads=3", "does not run (The hidden size (64) is not a multiple of the number of attention"),
+        ("hidden_size=-1", "does not run (The hidden size (-1) is not a multiple"),
+        # transformers' own check, which save_pretrained runs: a run used to train, then fail to save
+        ("hidden_size=30", "(The hidden size (30) is not a multiple of the number of attention heads (4))"),
+        ("vocab_size=-3", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
         ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
     ],
 )
