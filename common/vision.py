@@ -269,7 +269,14 @@ def load_weights(model, path, name):
     """--pretrained_path into `model`: every tensor must fit but the head's, which stays new if the file's is
     for another number of classes (or missing)."""
     if not Path(path).is_file():
-        raise RecipeError(f"--pretrained_path {path}: no such file")
+        raise RecipeError(
+            f"--pretrained_path {path}: "
+            + (
+                "a folder; pass the weights file in it (.safetensors, or a torch.save'd state dict)"
+                if Path(path).is_dir()
+                else "no such file"
+            )
+        )
     try:
         state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
         state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only

@@ -808,7 +808,7 @@ def weight_files(tmp_path_factory):
         ("garbage.safetensors", "not a file of weights (Error while deserializing header"),
         ("code.pt", "not a file of weights (not plain tensors)"),
         ("list.pt", "not a file of weights (not plain tensors)"),
-        ("folder.pt", "no such file"),
+        ("folder.pt", "a folder; pass the weights file in it"),
         ("missing.pt", "no such file"),
     ],
 )
