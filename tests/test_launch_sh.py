@@ -448,3 +448,42 @@ def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
     res = results(out)
     assert (res["distributed_type"], res["world_size"], res["mixed_precision"]) == ("DEEPSPEED", 2, "no")
     assert res["steps"] == 3
+
+
+@pytest.mark.slow
+def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, tmp_path):
+    """Ctrl-C the moment the run has locked its --output_dir: the processes are checking that they can
+    write there, before they record stop signals, and end at once on the SIGTERM passed on to them.
+    None leaves a file of that check behind. The signal may also come later, once they record it:
+    then they stop at a checkpoint. Either way the last line says which, the folder holds just that,
+    and the same command with --resume_from_checkpoint latest finishes the run."""
+    out = tmp_path / "run"
+    args = [
+        "lm_finetune",
+        "--num_processes",
+        "2",
+        *lm_args(tiny_lm, out, "--max_train_steps", "4", "--checkpointing_steps", "2"),
+    ]
+    proc, _, err = start(args, cpu_env())
+    try:
+        wait_until(lambda: (out / ".run.lock").exists() or proc.poll() is not None, 300, "no .run.lock")
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=180)
+        wait_until(lambda: not processes_of(out), 30, "processes still running")
+    finally:
+        for p in processes_of(out):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    text = read(err)
+    no_noise(text)
+    last = text.rstrip().splitlines()[-1]
+    if code == 130:
+        assert last == "launch.sh: stopped by Ctrl-C; the processes ended without saving a checkpoint (exit 130)", text
+        assert {p.name for p in out.iterdir()} <= {".run.lock"}
+    else:
+        assert code == 75 and last.startswith("launch.sh: stopped by Ctrl-C after saving "), text[-3000:]
+        newest_checkpoint(out)
+        assert {p.name for p in out.iterdir() if not p.name.startswith("checkpoint-")} <= {".run.lock"}
+    run([LAUNCH, *args, "--resume_from_checkpoint", "latest"], env=cpu_env())
+    assert results(out)["steps"] == 4
