@@ -2,6 +2,21 @@
 # Launch a recipe with the accelerate config that fits this host, and print the exact command.
 set -euo pipefail
 
+# A stop signal before the launcher starts (the handler below takes over then): nothing has been
+# started that could save anything; one line says so. bash runs a trap once the command in progress
+# returns, and the Python helpers run by `quietly` do not take the signal themselves (a terminal's
+# Ctrl-C reaches them too): none is cut off mid-answer or prints a traceback.
+stopped_early() {
+  local by="SIG$1" code=$(( 128 + $(kill -l "$1") ))
+  [[ "$1" == INT ]] && by="Ctrl-C"
+  echo "launch.sh: stopped by $by before the processes started; nothing was saved (exit $code)" >&2
+  exit "$code"
+}
+for sig in TERM INT HUP USR1; do
+  trap "stopped_early $sig" "$sig"
+done
+quietly() { ( trap '' TERM INT HUP USR1; exec "$@" ); }
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CONFIGS="$ROOT/accelerate_configs"
 
@@ -201,7 +216,7 @@ config_file="$CONFIGS/$config.yaml"
 [[ -f "$config_file" ]] || die "unknown config '$config' (available: $(available_configs))"
 
 # num_machines num_processes distributed_type use_cpu, read (and checked) by Python's YAML parser.
-config_values=$("$python_bin" "$LAUNCHER" config "$config_file")
+config_values=$(quietly "$python_bin" "$LAUNCHER" config "$config_file")
 read -r machines config_processes distributed_type use_cpu <<<"$config_values"
 per_node=$(( ${num_processes:-$config_processes} / machines ))
 (( per_node >= 1 )) || per_node=1
@@ -267,7 +282,7 @@ fi
 cmd+=("$script" ${recipe_args[@]+"${recipe_args[@]}"})
 
 # The command a user can run by hand, with anything that looks like a credential masked.
-"$python_bin" "$LAUNCHER" show ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}" >&2
+quietly "$python_bin" "$LAUNCHER" show ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}" >&2
 (( dry_run )) && exit 0
 if [[ "$recipe" == doctor ]]; then  # this node's report first: it needs no other node
   "$python_bin" "$script" --report --num_processes "$per_node" ${recipe_args[@]+"${recipe_args[@]}"}

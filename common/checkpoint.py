@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -628,10 +629,12 @@ def _check_writable(accelerator, output_dir: Path) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         problem = "it is a file"
     else:
-        probe = folder / f".write-test-{os.getpid()}"
         try:
-            probe.write_text("ok")
-            probe.unlink()
+            # A file without a name (O_TMPFILE; elsewhere unlinked as soon as it is created): a process
+            # stopped here, before it records stop signals, leaves nothing in the folder.
+            with tempfile.TemporaryFile(dir=folder) as probe:
+                probe.write(b"ok")
+                probe.flush()
         except OSError as err:
             problem = one_line(err)
     flag = torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32)

@@ -448,3 +448,84 @@ def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
     res = results(out)
     assert (res["distributed_type"], res["world_size"], res["mixed_precision"]) == ("DEEPSPEED", 2, "no")
     assert res["steps"] == 3
+
+
+@pytest.mark.slow
+def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, tmp_path):
+    """Ctrl-C the moment the run has locked its --output_dir: the processes are checking that they can
+    write there, before they record stop signals, and end at once on the SIGTERM passed on to them.
+    None leaves a file of that check behind. The signal may also come later, once they record it:
+    then they stop at a checkpoint. Either way the last line says which, the folder holds just that,
+    and the same command with --resume_from_checkpoint latest finishes the run."""
+    out = tmp_path / "run"
+    args = [
+        "lm_finetune",
+        "--num_processes",
+        "2",
+        *lm_args(tiny_lm, out, "--max_train_steps", "4", "--checkpointing_steps", "2"),
+    ]
+    proc, _, err = start(args, cpu_env())
+    try:
+        wait_until(lambda: (out / ".run.lock").exists() or proc.poll() is not None, 300, "no .run.lock")
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=180)
+        wait_until(lambda: not processes_of(out), 30, "processes still running")
+    finally:
+        for p in processes_of(out):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    text = read(err)
+    no_noise(text)
+    last = text.rstrip().splitlines()[-1]
+    if code == 130:
+        assert last == "launch.sh: stopped by Ctrl-C; the processes ended without saving a checkpoint (exit 130)", text
+        assert {p.name for p in out.iterdir()} <= {".run.lock"}
+    else:
+        assert code == 75 and last.startswith("launch.sh: stopped by Ctrl-C after saving "), text[-3000:]
+        newest_checkpoint(out)
+        assert {p.name for p in out.iterdir() if not p.name.startswith("checkpoint-")} <= {".run.lock"}
+    run([LAUNCH, *args, "--resume_from_checkpoint", "latest"], env=cpu_env())
+    assert results(out)["steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_launch_sh_prepares_is_one_line(tiny_lm, tmp_path, sig):
+    """Ctrl-C (to the terminal's process group, the Python helper that reads the config included) or
+    SIGTERM to launch.sh alone, while launch.sh reads its config or prints the command, before the
+    launcher starts: one line saying nothing was saved and exit 130 or 143, not a KeyboardInterrupt
+    or BrokenPipeError traceback of the helper. The signal may land a little later, as the launcher
+    starts: then the line says that the processes ended without a checkpoint."""
+    out = tmp_path / "run"
+    proc, _, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
+
+    def helper_running():
+        try:
+            return any("scripts/launcher.py" in " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children())
+        except psutil.Error:  # launch.sh (or that child) has just ended
+            return proc.poll() is not None
+
+    try:  # launch.sh's first Python helper (`launcher.py config`) is running, or one of the next
+        wait_until(helper_running, 60, "no launcher.py")
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does
+        else:
+            os.kill(proc.pid, sig)
+        code = proc.wait(timeout=120)
+        wait_until(lambda: not processes_of(out), 30, "processes still running")
+    finally:
+        for p in processes_of(out):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    text = read(err)
+    no_noise(text)
+    by = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert code == 128 + sig, text
+    lines = [line for line in text.splitlines() if not line.startswith("+ ")]
+    assert lines in (
+        [f"launch.sh: stopped by {by} before the processes started; nothing was saved (exit {code})"],
+        [f"launch.sh: stopped by {by}; the processes ended without saving a checkpoint (exit {code})"],
+    ), text
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {".run.lock"}
