@@ -35,6 +35,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 # The rules common/metrics.py masks credentials with in results.json (tests/test_launcher.py
 # keeps the two equal); here they apply to launch.sh's printed command and the launcher's messages.
@@ -288,6 +290,45 @@ def _error(message: str) -> int:
     return 2
 
 
+def _children() -> list[int]:
+    """The live processes whose parent is this one (Linux's /proc; elsewhere none)."""
+    me, found = str(os.getpid()), []
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.name.isdigit():
+            try:
+                state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+            if ppid == me and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _end_strays(grace: float = 5.0) -> None:
+    """End the training processes torch's agent started but did not close: one started just as a stop
+    signal came is not among those it stops and waits for. It sets its parent-death signal only once
+    its imports are done, so it would outlive this launcher, waiting up to --ddp_timeout for a
+    store that is gone. SIGTERM (such a process has not reached training: it dies at once), then
+    SIGKILL after `grace` seconds."""
+    strays = _children()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in strays:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while strays and time.monotonic() < deadline:
+            time.sleep(0.05)
+            strays = [pid for pid in strays if pid in _children()]
+        if not strays:
+            return
+
+
 def run(argv: list[str]) -> int:
     parent = os.environ.pop("LAUNCH_SH_PID", None)
     die_with_parent(signal.SIGTERM, int(parent) if parent and parent.isdigit() else None)
@@ -349,7 +390,10 @@ def main(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        return run(rest)
+        try:
+            return run(rest)
+        finally:
+            _end_strays()
     if command == "show":
         print(show(rest))
         return 0

@@ -334,30 +334,41 @@ def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_p
     assert not (out / "results.json").exists()
 
 
-def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tmp_path):
-    """Ctrl-C while the processes start: they end at once, and launch.sh says that nothing was saved.
-    On a loaded machine the signal can come later, once they record it: then they stop at a
-    checkpoint (exit 75), and the one line says which. Either way the line tells the truth."""
-    out = tmp_path / "run"
-    proc, stdout, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
-    try:  # the training processes exist and are still starting (importing torch takes seconds)
-        wait_until(
-            lambda: any(
-                "recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3])
-                for p in psutil.Process(proc.pid).children(recursive=True)
-            ),
-            120,
-            "no training process",
-        )
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=120)
+def stop_when(args, out, ready, sig=signal.SIGINT, group=False):
+    """launch.sh `args` in a session of its own, sent `sig` once `ready(proc)` holds (to its whole process
+    group if `group`, as a terminal's Ctrl-C is). Its exit code and stderr, once no process of the run in
+    `out` is left."""
+    proc, _, err = start(args, cpu_env())
+    try:
+        wait_until(lambda: ready(proc) or proc.poll() is not None, 300, "never ready to be stopped")
+        if proc.poll() is None:  # else it ended before: its exit code tells how
+            (os.killpg if group else os.kill)(proc.pid, sig)
+        code = proc.wait(timeout=180)
         wait_until(lambda: not processes_of(out), 30, "processes still running")
     finally:
         for p in processes_of(out):
             p.kill()
         proc.kill()
         proc.wait()
-    text = read(err)
+    return code, read(err)
+
+
+def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tmp_path):
+    """Ctrl-C while the processes start: they end at once, and launch.sh says that nothing was saved.
+    On a loaded machine the signal can come later, once they record it: then they stop at a
+    checkpoint (exit 75), and the one line says which. Either way the line tells the truth."""
+    out = tmp_path / "run"
+
+    def starting(proc):  # the training processes exist and are still starting (importing torch takes seconds)
+        try:
+            return any(
+                "recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3])
+                for p in psutil.Process(proc.pid).children(recursive=True)
+            )
+        except psutil.Error:  # a process of launch.sh's that ended meanwhile
+            return False
+
+    code, text = stop_when(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], out, starting)
     lines = [line for line in text.splitlines() if not line.startswith("+ ")]
     if code == 130:
         assert lines == ["launch.sh: stopped by Ctrl-C; the processes ended without saving a checkpoint (exit 130)"], (
@@ -375,15 +386,8 @@ def test_a_stop_that_comes_as_the_run_ends_reports_the_finished_run(tiny_lm, tmp
     """SIGTERM after the recipe wrote its results, while its processes exit: the run is complete, and
     launch.sh says so with exit 0, not that it stopped without a checkpoint."""
     out = tmp_path / "run"
-    proc, stdout, err = start(["lm_finetune", *lm_args(tiny_lm, out)], cpu_env())
-    try:
-        wait_until(lambda: (out / "results.json").exists() or proc.poll() is not None, 300, "no results.json")
-        os.kill(proc.pid, signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        proc.kill()
-        proc.wait()
-    text = read(err)
+    written = lambda _: (out / "results.json").exists()  # noqa: E731
+    code, text = stop_when(["lm_finetune", *lm_args(tiny_lm, out)], out, written, signal.SIGTERM)
     assert code == 0, text[-3000:]
     assert results(out)["steps"] > 0
     if "SIGTERM came" in text:  # the processes were still exiting when it arrived
@@ -464,18 +468,7 @@ def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, t
         "2",
         *lm_args(tiny_lm, out, "--max_train_steps", "4", "--checkpointing_steps", "2"),
     ]
-    proc, _, err = start(args, cpu_env())
-    try:
-        wait_until(lambda: (out / ".run.lock").exists() or proc.poll() is not None, 300, "no .run.lock")
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=180)
-        wait_until(lambda: not processes_of(out), 30, "processes still running")
-    finally:
-        for p in processes_of(out):
-            p.kill()
-        proc.kill()
-        proc.wait()
-    text = read(err)
+    code, text = stop_when(args, out, lambda _: (out / ".run.lock").exists())
     no_noise(text)
     last = text.rstrip().splitlines()[-1]
     if code == 130:
@@ -498,28 +491,15 @@ def test_a_stop_while_launch_sh_prepares_is_one_line(tiny_lm, tmp_path, sig):
     or BrokenPipeError traceback of the helper. The signal may land a little later, as the launcher
     starts: then the line says that the processes ended without a checkpoint."""
     out = tmp_path / "run"
-    proc, _, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
 
-    def helper_running():
+    def helper_running(proc):  # launch.sh's first Python helper (`launcher.py config`), or one of the next
         try:
             return any("scripts/launcher.py" in " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children())
         except psutil.Error:  # launch.sh (or that child) has just ended
             return proc.poll() is not None
 
-    try:  # launch.sh's first Python helper (`launcher.py config`) is running, or one of the next
-        wait_until(helper_running, 60, "no launcher.py")
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does
-        else:
-            os.kill(proc.pid, sig)
-        code = proc.wait(timeout=120)
-        wait_until(lambda: not processes_of(out), 30, "processes still running")
-    finally:
-        for p in processes_of(out):
-            p.kill()
-        proc.kill()
-        proc.wait()
-    text = read(err)
+    args = ["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)]
+    code, text = stop_when(args, out, helper_running, sig, group=sig == signal.SIGINT)
     no_noise(text)
     by = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
     assert code == 128 + sig, text

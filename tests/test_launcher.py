@@ -240,3 +240,29 @@ def test_quiet_elastic_log():
     )
     other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
     assert quiet.filter(other) and other.getMessage() == "launcher: warning: something new in https://***@host/"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_processes_the_agent_did_not_close_end_with_the_launcher(tmp_path):
+    """A training process that torch's agent started as a stop signal came is not among those it
+    stops; before its parent-death signal is set it would outlive the launcher. `run` ends them:
+    SIGTERM, then SIGKILL for one that ignores it. Started in sessions of their own, as the agent does."""
+    script = tmp_path / "strays.py"
+    script.write_text(
+        "import signal, subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
+        "import launcher\n"
+        "plain = subprocess.Popen(['sleep', '100'], start_new_session=True)\n"
+        "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(100)'],"
+        " start_new_session=True, stdout=subprocess.PIPE)\n"
+        "stubborn.stdout.readline()\n"
+        "assert sorted(launcher._children()) == sorted([plain.pid, stubborn.pid])\n"
+        "start = time.monotonic()\n"
+        "launcher._end_strays(grace=1)\n"
+        "print(plain.wait(), stubborn.wait(), launcher._children(), time.monotonic() - start)\n"
+    )
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    *codes, took = proc.stdout.split()
+    assert codes == [str(-signal.SIGTERM), str(-signal.SIGKILL), "[]"], proc.stderr
+    assert 1 <= float(took) < 30  # the stubborn one had its grace second
