@@ -906,9 +906,9 @@ def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
                         num_merge_workers=1,
                         keep_temp_folder=False,
                         strict=True,
-                        inject_missing_state=True,
+                        inject_missing_state=True,  # ZeRO-1/2 lack its metadata
                     )
-                )  # ZeRO-1/2 lack its metadata
+                )
     accelerator.wait_for_everyone()
     engines = [model for model in accelerator._models if hasattr(model, "load_universal_checkpoint")]
     try:

@@ -192,6 +192,5 @@ def decay_groups(model, weight_decay: float) -> list:
         {"params": [p for p in params if ndim(p) > 1], "weight_decay": weight_decay},
         {"params": [p for p in params if ndim(p) <= 1], "weight_decay": 0.0},
     ]
-    return [
-        group for group in groups if group["params"]
-    ]  # DeepSpeed drops empty groups; the scheduler must not see them
+    # DeepSpeed drops empty groups; the scheduler must not see them
+    return [group for group in groups if group["params"]]

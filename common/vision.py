@@ -163,9 +163,10 @@ def check_model_args(parser, args) -> None:
             parser.error(message)
     size, batch = args.image_size, args.per_device_train_batch_size
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if batch * 3 * size * size * 4 > memory:  # a typo of a size: one batch would not even fit as input
+    nbytes = batch * 3 * size * size * 4  # float32 RGB
+    if nbytes > memory:  # a typo of a size: one batch would not even fit as input
         parser.error(
-            f"--image_size {size}: one batch of {batch} such images is {batch * 12 * size * size / 1e9:,.0f} GB "
+            f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB "
             f"as float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; "
             "pass the size the model should see (the images are resized to it), such as 224"
         )

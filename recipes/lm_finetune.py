@@ -145,10 +145,11 @@ def build_model(args, model):
         from peft.tuners.lora import LoraLayer
 
         a, b = min(((m.in_features, m.out_features) for m in model.modules() if isinstance(m, LoraLayer)), key=min)
-        if args.lora_r > min(a, b):  # a rank above the layer's own adds weights and nothing else
+        rank = min(a, b)
+        if args.lora_r > rank:  # a rank above the layer's own adds weights and nothing else
             raise RecipeError(
                 f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
-                f"would hold more weights than it can use; pass --lora_r {min(a, b)} or less (8 to 64 is usual)"
+                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)"
             )
         if args.gradient_checkpointing:
             model.enable_input_require_grads()

@@ -324,7 +324,8 @@ def _end_strays(grace: float = 5.0) -> None:
         deadline = time.monotonic() + grace
         while strays and time.monotonic() < deadline:
             time.sleep(0.05)
-            strays = [pid for pid in strays if pid in _children()]
+            alive = set(_children())
+            strays = [pid for pid in strays if pid in alive]
         if not strays:
             return
 
