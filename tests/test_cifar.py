@@ -347,42 +347,19 @@ def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_fil
         assert not any(secret in text for text in written)
 
 
+DIGITS = ["--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"]  # formatted per test
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "cifar10 is not in"),
         (["--dataset", "imagefolder", "--train_dir", "{tmp}/missing", "--val_dir", "{tmp}/missing"], "--train_dir"),
         (["--resume_from_checkpoint", "{tmp}"], "not a complete checkpoint"),
-        (
-            ["--model", "no_such_net", "--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"],
-            "--model no_such_net",
-        ),
-        (
-            [
-                "--per_device_train_batch_size",
-                "4096",
-                "--dataset",
-                "imagefolder",
-                "--train_dir",
-                "{train}",
-                "--val_dir",
-                "{val}",
-            ],
-            "lower --per_device_train_batch_size",
-        ),
+        (["--model", "no_such_net", *DIGITS], "--model no_such_net"),
+        (["--per_device_train_batch_size", "4096", *DIGITS], "lower --per_device_train_batch_size"),
         (  # 1,400 digits: 21 batches of 64 an epoch, so no step could hold 30 of them
-            [
-                "--per_device_train_batch_size",
-                "64",
-                "--gradient_accumulation_steps",
-                "30",
-                "--dataset",
-                "imagefolder",
-                "--train_dir",
-                "{train}",
-                "--val_dir",
-                "{val}",
-            ],
+            ["--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "30", *DIGITS],
             "lower --gradient_accumulation_steps to 21 or less",
         ),
     ],
