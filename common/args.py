@@ -189,7 +189,14 @@ def drivable_schedules() -> tuple:
     return tuple(names)
 
 
+# transformers' schedules since 4.x that run from warmup and total steps alone: accepted without
+# importing transformers, so that a command line's mistakes are answered before that import.
+STEP_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+
 def lr_scheduler_type(text):
+    if text in STEP_SCHEDULES:
+        return text
     names = drivable_schedules()
     if text not in names:
         raise argparse.ArgumentTypeError(

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from transformers import get_scheduler
-
 from .runtime import RecipeError
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -176,6 +174,8 @@ def make_scheduler(optimizer, name: str, plan: TrainingPlan, progress):
     samples trained so far (`progress.samples_seen`), not of the step count: a run resumed with another
     effective batch then continues the schedule where it was instead of replaying warmup or decay.
     The recipe steps it once per optimizer step, after counting the step's samples."""
+    from transformers import get_scheduler  # here: importing transformers takes seconds a parse error need not wait
+
     schedule = get_scheduler(
         name, optimizer, num_warmup_steps=plan.warmup_samples, num_training_steps=plan.total_samples
     )

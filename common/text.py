@@ -479,6 +479,8 @@ def load_causal_lm(args, **model_kwargs):
 def attn_implementation(text):
     """An argparse type: an attention implementation transformers knows (whether its package is
     installed is transformers' to say, when the model loads), or a hub kernel `org/repo`."""
+    if text in ("eager", "sdpa"):  # the usual ones, without the seconds of importing transformers' models
+        return text
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     names = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]

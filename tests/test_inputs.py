@@ -316,6 +316,31 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
     assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
 
 
+def test_the_schedules_accepted_without_a_probe_are_ones_the_installed_transformers_drives():
+    from common.args import STEP_SCHEDULES, drivable_schedules, lr_scheduler_type
+
+    assert set(STEP_SCHEDULES) <= set(drivable_schedules())
+    assert lr_scheduler_type("inverse_sqrt") == "inverse_sqrt"  # not listed, accepted by the probe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_mistyped_flag_is_answered_before_transformers_models_and_schedules_load(recipe):
+    """Importing them takes seconds (more with peft installed): a typo on the command line need not wait."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{recipe}.py', '--no_such_flag']\n"
+        "try:\n"
+        f"    runpy.run_path('recipes/{recipe}.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    heavy = ('transformers.optimization', 'transformers.modeling_utils')\n"
+        "    print(e.code, [m for m in heavy if m in sys.modules])\n"
+    )
+    proc = run([BIN / "python", "-c", code])
+    assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr[-2000:]
+    assert "unrecognized arguments: --no_such_flag" in proc.stderr
+
+
 def test_a_tracker_that_is_not_installed_is_refused():
     from accelerate.tracking import get_available_trackers
 

@@ -438,23 +438,6 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_runs_on_cpu_through_launch_sh(tiny_lm, tmp_path):
-    """--config zero2 on a host without GPUs: DeepSpeed on CPU, 2 processes, fp32, as the tests of
-    ZeRO launch it by hand."""
-    pytest.importorskip("deepspeed")
-    out = tmp_path / "zero2"
-    proc = run(
-        [LAUNCH, "lm_finetune", "--config", "zero2", *lm_args(tiny_lm, out, "--max_train_steps", "3")], env=cpu_env()
-    )
-    assert "launch.sh: no GPU visible: DeepSpeed runs on CPU, 2 process(es) on this node, fp32" in proc.stderr
-    (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
-    assert "accelerate_configs/zero2.yaml --mixed_precision no --num_processes 2 " in command
-    res = results(out)
-    assert (res["distributed_type"], res["world_size"], res["mixed_precision"]) == ("DEEPSPEED", 2, "no")
-    assert res["steps"] == 3
-
-
-@pytest.mark.slow
 def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, tmp_path):
     """Ctrl-C the moment the run has locked its --output_dir: the processes are checking that they can
     write there, before they record stop signals, and end at once on the SIGTERM passed on to them.

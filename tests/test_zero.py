@@ -60,11 +60,21 @@ def deepspeed(config, nproc, *args, recipe=RECIPE, check=True, command=False):
 def test_zero_trains_the_model_one_process_trains_and_saves_it_loadable(tiny_lm, tmp_path, chat_reference, stage):
     """2 processes x batch 2 under ZeRO make the same updates as 1 process x batch 4 (the step's loss
     weighted by target tokens, on chats whose blocks hold few or many), only sharded. zero3_offload
-    also swaps AdamW for DeepSpeed's CPU Adam. Measured: within 7e-7 of the update."""
+    also swaps AdamW for DeepSpeed's CPU Adam. Measured: within 7e-7 of the update. ZeRO-2 is launched
+    as a laptop user would try it, `./launch.sh lm_finetune --config zero2` on a host without GPUs:
+    DeepSpeed on CPU, 2 processes, fp32, as the others are launched by hand."""
     out = tmp_path / stage
-    deepspeed(stage, 2, *chat_args(tiny_lm, out, 2))
+    if stage == "zero2":
+        launch = [REPO / "launch.sh", "lm_finetune", "--config", "zero2", *chat_args(tiny_lm, out, 2)]
+        proc = run(launch, env=user_env(CUDA_VISIBLE_DEVICES=""))
+        assert "launch.sh: no GPU visible: DeepSpeed runs on CPU, 2 process(es) on this node, fp32" in proc.stderr
+        (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
+        assert "accelerate_configs/zero2.yaml --mixed_precision no --num_processes 2 " in command
+    else:
+        deepspeed(stage, 2, *chat_args(tiny_lm, out, 2))
     res, reference = results(out), results(chat_reference)
     assert res["world_size"] == 2 and res["distributed_type"] == "DEEPSPEED" and res["effective_batch_size"] == 4
+    assert res["mixed_precision"] == "no"
     assert update_distance(out, chat_reference, tiny_lm["model"]) < 1e-5
     zero = [h["train_loss"] for h in res["log_history"]]
     assert len(zero) == 6 and zero == pytest.approx([h["train_loss"] for h in reference["log_history"]], rel=1e-5)
