@@ -316,11 +316,14 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
     assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
 
 
-def test_the_schedules_accepted_without_a_probe_are_ones_the_installed_transformers_drives():
+def test_the_values_accepted_without_asking_transformers_are_ones_the_installed_transformers_has():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from common.args import STEP_SCHEDULES, drivable_schedules, lr_scheduler_type
 
     assert set(STEP_SCHEDULES) <= set(drivable_schedules())
     assert lr_scheduler_type("inverse_sqrt") == "inverse_sqrt"  # not listed, accepted by the probe
+    assert "sdpa" in ALL_ATTENTION_FUNCTIONS  # text.attn_implementation takes eager and sdpa without the import
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from conftest import (
     user_env,
 )
 from test_fault import snapshot
+from test_launch_sh import cpu_env
 from test_lm_finetune import eval_loss
 from transformers import AutoModelForCausalLM
 
@@ -66,7 +67,7 @@ def test_zero_trains_the_model_one_process_trains_and_saves_it_loadable(tiny_lm,
     out = tmp_path / stage
     if stage == "zero2":
         launch = [REPO / "launch.sh", "lm_finetune", "--config", "zero2", *chat_args(tiny_lm, out, 2)]
-        proc = run(launch, env=user_env(CUDA_VISIBLE_DEVICES=""))
+        proc = run(launch, env=cpu_env())
         assert "launch.sh: no GPU visible: DeepSpeed runs on CPU, 2 process(es) on this node, fp32" in proc.stderr
         (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
         assert "accelerate_configs/zero2.yaml --mixed_precision no --num_processes 2 " in command
