@@ -1,12 +1,15 @@
-"""What the recipes share: launch checks, data loading, LR scaling and the schedule, the training
-step's bookkeeping, checkpoints, stopping on a signal, and the results record; images and image
-models in common.vision, text data and causal LMs in common.text. Nothing recipe-specific. This is
-what the recipes import; tests import what they test from the submodules."""
+"""What the recipes share, a module per concern: launch checks (runtime), arguments (args), data
+loading (data), LR scaling and the schedule (scaling), the training step's bookkeeping (training),
+checkpoints (checkpoint), one run per output folder (outputs), stopping on a signal (preemption) and
+the results record (metrics); images and image models in common.vision, text data and causal LMs in
+common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test
+from the submodules."""
 
 from .args import parse, training_parser
-from .checkpoint import prepare_output_dir, save_model
+from .checkpoint import save_model
 from .data import DeviceTensorDataset, SeededTransform, make_dataloader, prepare_data_first
 from .metrics import count_parameters, mfu, parameters_per_process, tracker_config, write_results
+from .outputs import prepare_output_dir
 from .preemption import Preempted, StopOnSignal
 from .runtime import DataError, RecipeError, check_launch, exit_codes, logger, process_group_kwargs, setup_logging
 from .scaling import decay_groups, make_scheduler

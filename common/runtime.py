@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
 from tqdm.auto import tqdm
 
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, write_status
@@ -70,6 +70,29 @@ def one_line(err: BaseException) -> str:
         last = text.splitlines()[-1]
         return last.split(": ", 1)[1] if ": " in last else last
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def decide_on_main(accelerator, fn):
+    """Run `fn` on the main process alone; every process returns its result or raises its
+    RecipeError or RunFinished (printed once, by the main process). Decisions about --output_dir
+    are taken once, so no two processes see the folder at different moments."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return fn()
+    outcome = [None]
+    if accelerator.is_main_process:
+        try:
+            outcome = [("ok", fn())]
+        except (RecipeError, RunFinished) as err:
+            broadcast_object_list([(type(err).__name__, str(err))])
+            raise
+        except BaseException as err:
+            broadcast_object_list([("RecipeError", f"the main process failed: {one_line(err)}")])
+            raise
+    broadcast_object_list(outcome)
+    kind, value = outcome[0]
+    if kind == "ok":
+        return value
+    raise RunFinished(value) if kind == "RunFinished" else RecipeError(value)
 
 
 @contextlib.contextmanager

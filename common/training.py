@@ -386,7 +386,7 @@ class Checkpoints:
         schedule = getattr(scheduler, "scheduler", scheduler)
         ours = hasattr(schedule, "lr_lambdas")  # common.scaling.make_scheduler's, not a DeepSpeed config's
         base_lrs = list(schedule.base_lrs) if ours else []
-        load_checkpoint(self.accelerator, path, {}, self.identity)
+        load_checkpoint(self.accelerator, path, self.identity)
         changed = set()
         for group, settings in zip(optimizer.param_groups, fresh):
             for key, value in settings.items():

@@ -2,7 +2,7 @@
 damaged one of their step, --save_total_limit, crashes inside a save, checksums, a finished run
 resumed, two runs into one folder, --overwrite_output_dir, a full disk.
 
-The rules of checkpoint.py are tested in this process with a real Accelerator and real saves;
+The rules of checkpoint.py and outputs.py are tested in this process with a real Accelerator and real saves;
 what a user sees (exit codes, the one error line, a lock held by a running recipe, a full
 filesystem) with real launches of lm_finetune.py."""
 
@@ -27,10 +27,9 @@ from conftest import BIN, REPO, error_lines, free_port, lm_args, run, user_env
 from safetensors.torch import load_file
 from test_fault import snapshot
 
-import common
-from common import RecipeError
 from common import checkpoint as ckpt
-from common.runtime import RunFinished
+from common import outputs
+from common.runtime import RecipeError, RunFinished, exit_codes
 
 LM = REPO / "recipes" / "lm_finetune.py"
 
@@ -49,7 +48,7 @@ def acc():
     model(torch.ones(2, 256)).sum().backward()
     optimizer.step()  # Adam's moments exist: the optimizer file has its real size
     yield accelerator, model
-    ckpt._RunLock.release_all()
+    outputs._RunLock.release_all()
 
 
 def save(acc, out, step, limit=None):
@@ -175,8 +174,8 @@ def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest
             with pytest.raises(Crash):
                 save(acc, out, 6, limit=1)
         # The next run (a requeue, --max_restarts) resumes with `latest`.
-        found = common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
-        ckpt._RunLock.release_all()
+        found = outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        outputs._RunLock.release_all()
         assert found is not None and ckpt.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
         assert found.name in ("checkpoint-6", "checkpoint-4"), found
         assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
@@ -204,19 +203,19 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
 def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys):
     out = tmp_path / "run"
     save(acc, out, 4)
-    common.save_model(acc[0], acc[1], out)
+    ckpt.save_model(acc[0], acc[1], out)
     ckpt.write_json(out / "results.json", {"steps": 4})
     before = snapshot(out)
     with pytest.raises(
         RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"
     ):
-        common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
-    assert snapshot(out) == before and not (out / ckpt.LOCK_FILE).exists()
+        outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+    assert snapshot(out) == before and not (out / outputs.LOCK_FILE).exists()
 
     # The entry point turns it into one `done:` line and exit 0 (a requeued job that had finished).
     with pytest.raises(SystemExit) as exit_:
-        with common.exit_codes():
-            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        with exit_codes():
+            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert exit_.value.code == 0
     assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
         f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
@@ -226,7 +225,7 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
 
     # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
     save(acc, out, 6)
-    assert common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-6"
+    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-6"
 
 
 def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):
@@ -236,7 +235,7 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     for step in (2, 4):
         save(acc, out, step)
     lm = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
-    common.save_model(acc[0], lm, out, AutoTokenizer.from_pretrained(tiny_lm["model"]))
+    ckpt.save_model(acc[0], lm, out, AutoTokenizer.from_pretrained(tiny_lm["model"]))
     written = json.loads((out / ckpt.MODEL_FILES).read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written)
     ckpt.write_json(out / "results.json", {"steps": 4})
@@ -259,11 +258,11 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     before = snapshot(out)
     for spec in ("latest", str(out / "checkpoint-4")):
         with pytest.raises(RecipeError, match="pass one of them"):
-            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint=spec, overwrite_output_dir=True))
+            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint=spec, overwrite_output_dir=True))
         assert snapshot(out) == before
 
-    assert common.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True)) is None
-    assert {k: v for k, v in snapshot(out).items() if k != ckpt.LOCK_FILE} == users
+    assert outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True)) is None
+    assert {k: v for k, v in snapshot(out).items() if k != outputs.LOCK_FILE} == users
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [
             "best-checkpoint-final",
@@ -272,13 +271,13 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
             "lm_finetune",
             "notes.txt",
             "checkpoint-9.tar",
-            ckpt.LOCK_FILE,
+            outputs.LOCK_FILE,
         ]
     )  # the lock: this run holds it until it exits
 
     # A later save replaces a save of other files entirely: no old shard or config stays beside it.
-    common.save_model(acc[0], lm, out)
-    common.save_model(acc[0], acc[1], out)
+    ckpt.save_model(acc[0], lm, out)
+    ckpt.save_model(acc[0], acc[1], out)
     assert json.loads((out / ckpt.MODEL_FILES).read_text())["files"] == ["model.safetensors"]
     assert not (out / "config.json").exists() and not (out / "generation_config.json").exists()
 
@@ -298,26 +297,26 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
         "checkpoint; pass --overwrite_output_dir to start over there from it, or "
         "another --output_dir",
     ):
-        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
+        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
     assert snapshot(tmp_path) == before
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
     with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
-        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
+        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
     assert (
-        common.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4")))
+        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4")))
         == second / "checkpoint-4"
     )
-    ckpt._RunLock.release_all()
+    outputs._RunLock.release_all()
     assert snapshot(tmp_path) == before
     # Started over from the other folder's checkpoint: this folder's run is gone, the other one untouched.
     assert (
-        common.prepare_output_dir(
+        outputs.prepare_output_dir(
             acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2"), overwrite_output_dir=True)
         )
         == first / "checkpoint-2"
     )
-    assert sorted(p.name for p in second.iterdir()) == [ckpt.LOCK_FILE]
+    assert sorted(p.name for p in second.iterdir()) == [outputs.LOCK_FILE]
     assert snapshot(first) == {k.removeprefix("first/"): v for k, v in before.items() if k.startswith("first/")}
 
 
@@ -326,11 +325,11 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
     another reason puts its content back; a lock held by a live process refuses the run."""
     out = tmp_path / "run"
     save(acc, out, 2)
-    (out / ckpt.LOCK_FILE).write_text("pid 1 on a node that was rebooted\n")
+    (out / outputs.LOCK_FILE).write_text("pid 1 on a node that was rebooted\n")
     before = snapshot(out)
     with pytest.raises(RecipeError, match="already holds a run"):
-        common.prepare_output_dir(acc[0], options(out))
-    ckpt._RunLock.release_all()
+        outputs.prepare_output_dir(acc[0], options(out))
+    outputs._RunLock.release_all()
     assert snapshot(out) == before
 
     holder = subprocess.Popen(
@@ -339,7 +338,7 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
             "-c",
             (
                 "import fcntl, os, sys, time\n"
-                f"fd = os.open({str(out / ckpt.LOCK_FILE)!r}, os.O_RDWR)\n"
+                f"fd = os.open({str(out / outputs.LOCK_FILE)!r}, os.O_RDWR)\n"
                 "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
                 "print('locked', flush=True)\n"
                 "time.sleep(120)\n"
@@ -351,29 +350,29 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RecipeError, match=r"is in use by another run \(pid 1 on a node that was rebooted\); wait"):
-            common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
         assert snapshot(out) == before
     finally:
         holder.kill()
         holder.wait()
     # The holder died: its lock with it.
-    assert common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-2"
-    lock_text = (out / ckpt.LOCK_FILE).read_text()
+    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-2"
+    lock_text = (out / outputs.LOCK_FILE).read_text()
     assert lock_text.startswith(f"pid {os.getpid()} on {socket.gethostname()}, started ")
-    ckpt._RunLock.release_all()
-    assert not (out / ckpt.LOCK_FILE).exists()  # a run that went on removes the lock file at exit
+    outputs._RunLock.release_all()
+    assert not (out / outputs.LOCK_FILE).exists()  # a run that went on removes the lock file at exit
 
 
 def test_a_filesystem_without_locks_is_used_with_one_warning(acc, tmp_path, monkeypatch, caplog):
     def refuse(fd, operation):
         raise OSError(38, "Function not implemented")  # ENOSYS: Lustre mounted without -o flock
 
-    monkeypatch.setattr(ckpt.fcntl, "lockf", refuse)
-    monkeypatch.setattr(ckpt._RunLock, "warned", False)
+    monkeypatch.setattr(outputs.fcntl, "lockf", refuse)
+    monkeypatch.setattr(outputs._RunLock, "warned", False)
     with caplog.at_level(logging.WARNING, logger="recipes"):
-        assert common.prepare_output_dir(acc[0], options(tmp_path / "run")) is None
+        assert outputs.prepare_output_dir(acc[0], options(tmp_path / "run")) is None
     assert caplog.text.count("cannot lock --output_dir") == 1 and "would not be stopped" in caplog.text
-    assert not (tmp_path / "run" / ckpt.LOCK_FILE).exists()
+    assert not (tmp_path / "run" / outputs.LOCK_FILE).exists()
 
 
 # Real launches ------------------------------------------------------------------------------------
@@ -413,10 +412,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
         finally:
             first.kill()  # like the OOM killer: no exit handler runs
             first.wait()
-    assert (out / ckpt.LOCK_FILE).exists()  # the file stays; the lock died with the process
-    resumed = common.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+    assert (out / outputs.LOCK_FILE).exists()  # the file stays; the lock died with the process
+    resumed = outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert resumed is not None and resumed.name.startswith("checkpoint-")
-    assert (out / ckpt.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
+    assert (out / outputs.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
 
 
 # A full disk --------------------------------------------------------------------------------------
@@ -445,7 +444,7 @@ def small_disk(tmp_path):
         return folder
 
     yield mount
-    ckpt._RunLock.release_all()
+    outputs._RunLock.release_all()
     for folder in mounted:
         subprocess.run(["umount", "-l", folder], check=True)
 
@@ -465,7 +464,7 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
 
     # Two checkpoints fit, a third and the final weights do not.
     out = small_disk(int(2.2 * size)) / "run"
-    common.prepare_output_dir(acc[0], options(out))
+    outputs.prepare_output_dir(acc[0], options(out))
     save(acc, out, 2)
     save(acc, out, 4)
     before = snapshot(out)
@@ -477,12 +476,12 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
         "intact.$",
     ):
         save(acc, out, 6)
-    kept = [ckpt.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
+    kept = [outputs.LOCK_FILE, "checkpoint-2", "checkpoint-4"]
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
     with pytest.raises(
         RecipeError, match=f"^no space left on the filesystem of {out} to save the model in {out}: it needs about"
     ):
-        common.save_model(acc[0], acc[1], out)
+        ckpt.save_model(acc[0], acc[1], out)
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == kept
     assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"
 
