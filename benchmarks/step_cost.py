@@ -56,8 +56,7 @@ def bare(steps, device):
 def recipe(steps, accelerator, out):
     parser = common.training_parser("step cost")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)  # the shared arguments' values, a recipe's
-    args = common.parse(
-        parser,
+    args = parser.parse_args(
         [
             "--output_dir",
             str(out),

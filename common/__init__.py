@@ -5,7 +5,7 @@ the results record (metrics); images and image models in common.vision, text dat
 common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test
 from the submodules."""
 
-from .args import parse, training_parser
+from .args import training_parser
 from .checkpoint import save_model
 from .data import DeviceTensorDataset, SeededTransform, make_dataloader, prepare_data_first
 from .metrics import count_parameters, mfu, parameters_per_process, tracker_config, write_results
@@ -35,7 +35,6 @@ __all__ = [
     "mfu",
     "micro_batch",
     "parameters_per_process",
-    "parse",
     "plan_run",
     "prepare_data_first",
     "prepare_output_dir",

@@ -1,10 +1,10 @@
 """The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds
 its own, and states the defaults of its hyperparameters in one block at its top (HYPERPARAMETERS,
-with a reason each), given to `parser.set_defaults`: `parse` refuses a recipe that leaves one of
-the shared training hyperparameters (TRAINING_HYPERPARAMETERS) to chance.
+with a reason each), given to `parser.set_defaults`: `parse_args` refuses a recipe that leaves one
+of the shared training hyperparameters (TRAINING_HYPERPARAMETERS) to chance.
 
 Every value is checked when the arguments are parsed, by the `type=` beside it (`positive_int`,
-`probability`, ...) or, for a rule between two arguments, in `parse`: a mistake costs one
+`probability`, ...) or, for a rule between two arguments, in `parse_args`: a mistake costs one
 `error:` line and exit code 2 before anything is loaded, launched or written. No parse error
 repeats a value that looks like a credential.
 """
@@ -26,16 +26,29 @@ from .scaling import LR_SCALING_RULES
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error: ...` line (no usage block) and exit code 2, printed by
     the first process only (every process of a launch parses the same command line), with any
-    credential in the message masked."""
+    credential in the message masked. `parse_args` refuses unknown arguments and combinations no
+    single argument's type can see."""
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
         return super().parse_known_args(args, namespace)
 
     def parse_args(self, args=None, namespace=None):
+        unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
+        if unset:  # a mistake in the recipe, not the user's
+            raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(_masked_tokens(extras))}{self._did_you_mean(extras)}")
+        if (
+            namespace.warmup_steps
+            and namespace.max_train_steps
+            and namespace.warmup_steps >= namespace.max_train_steps
+        ):
+            self.error(
+                f"--warmup_steps {namespace.warmup_steps} leaves no step after the warmup of --max_train_steps "
+                f"{namespace.max_train_steps}; pass fewer warmup steps"
+            )
         return namespace
 
     def _did_you_mean(self, extras) -> str:
@@ -286,17 +299,3 @@ def training_parser(description: str) -> argparse.ArgumentParser:
     )
     t.add_argument("--seed", type=seed, default=42)
     return p
-
-
-def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse, rejecting unknown arguments and combinations no single argument's type can see."""
-    unset = [name for name in TRAINING_HYPERPARAMETERS if parser.get_default(name) is None]
-    if unset:  # a mistake in the recipe, not the user's
-        raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
-    args = parser.parse_args(argv)
-    if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
-        parser.error(
-            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
-            f"{args.max_train_steps}; pass fewer warmup steps"
-        )
-    return args

@@ -93,7 +93,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(**HYPERPARAMETERS)
-    args = common.parse(p, argv)
+    args = p.parse_args(argv)
     if args.dataset == "imagefolder":
         if not (args.train_dir and args.val_dir):
             p.error(

@@ -83,7 +83,7 @@ def parse_args(argv=None):
     )
     add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
-    args = common.parse(p, argv)
+    args = p.parse_args(argv)
     check_model_args(p, args)
     if args.torch_dtype == "auto" and args.config_name:
         p.error(

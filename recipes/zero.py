@@ -63,7 +63,7 @@ def parse_args(argv=None):
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
-    args = common.parse(p, argv)
+    args = p.parse_args(argv)
     check_model_args(p, args)
     check_text_args(p, args)
     return args

@@ -172,8 +172,7 @@ def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulat
     steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
     parser = common.training_parser("t")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
-    args = common.parse(
-        parser,
+    args = parser.parse_args(
         [
             "--output_dir",
             str(tmp_path),
