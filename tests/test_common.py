@@ -15,7 +15,7 @@ from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, set_epoch
 from common.metrics import public_args
 from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
-from common.training import Progress
+from common.training import Progress, plan_run
 
 
 def test_effective_batch_size():
@@ -110,6 +110,26 @@ def make_checkpoint(root, step, complete=True):
     if complete:
         write_json(path / common.checkpoint.STATE_FILE, {"step": step})
     return path
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_at_its_position_in_samples(tmp_path, accelerate_state):
+    """Checkpoints written before positions were kept in samples hold `batches_in_epoch`, rounds of
+    their own layout: 2 processes x 32, accumulation 2, 21 rounds (11 steps) an epoch, stopped 2
+    steps into epoch 1."""
+    parser = common.training_parser("t")
+    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    args = parser.parse_args(
+        ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "2"]
+    )
+    layout = {"world_size": 2, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}
+    checkpoint = make_checkpoint(tmp_path, 13)
+    write_json(
+        checkpoint / common.checkpoint.STATE_FILE,
+        {"step": 13, "epoch": 1, "batches_in_epoch": 4, **layout, "args": {"seed": args.seed}},
+    )
+    plan, progress = plan_run(args, 1400, 2, checkpoint)
+    assert plan.steps_per_epoch == 11
+    assert progress == Progress(step=13, epoch=1, samples_in_epoch=4 * 64, samples_seen=(21 + 4) * 64)
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
