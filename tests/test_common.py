@@ -187,6 +187,15 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
         common.process_group_kwargs()
 
 
+def test_a_recipe_that_leaves_a_shared_hyperparameter_without_a_default_cannot_parse():
+    """Each recipe states every shared training default in its HYPERPARAMETERS block: one missing is the
+    recipe's mistake, caught before any command line is read."""
+    parser = common.training_parser("t")
+    parser.set_defaults(**{k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k != "warmup_ratio"})
+    with pytest.raises(TypeError, match="HYPERPARAMETERS has no default for warmup_ratio"):
+        parser.parse_args([])
+
+
 def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
     """7 batches an epoch, accumulation 2: the 7th batch is a window of its own, so 2 epochs are 8
     steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
