@@ -1,7 +1,9 @@
 """Static checks. pyflakes over everything Python: an undefined name in a rarely-run branch (a
 DeepSpeed-only path, an error message) fails here, not in a user's job hours in. And the loading
-rules: no pickle-executing loads, no remote code the user did not ask for."""
+rules: no pickle-executing loads, no remote code the user did not ask for. And common/'s public
+surface: what the recipes import from it, no more."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -37,3 +39,20 @@ def test_weights_are_loaded_safely_and_remote_code_only_on_request():
             assert "weights_only=True" in call, f"{path}: {call}"
         assert not re.search(r"trust_remote_code\s*=\s*True", text), path
         assert "pickle.load" not in text, path
+
+
+def test_commons_public_surface_is_what_the_recipes_import_sorted():
+    """`common/__init__.py` exports the names the recipes use (`common.X`, `from common import X`), sorted;
+    anything else is imported from its submodule."""
+    import common
+
+    used = set()
+    for path in (REPO / "recipes").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "common":
+                used.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and node.module == "common":
+                used |= {alias.name for alias in node.names}
+    submodules = {name for name in used if (REPO / "common" / f"{name}.py").is_file()}
+    assert used - submodules == set(common.__all__)
+    assert common.__all__ == sorted(common.__all__)
