@@ -26,7 +26,7 @@ import torch
 from accelerate.utils import gather_object
 from safetensors.torch import save_file
 
-from .runtime import RecipeError, decide_on_main, library_versions, logger, one_line
+from .runtime import RecipeError, decide_on_main, distributed, library_versions, logger, one_line
 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_RE = re.compile(r"\.tmp-checkpoint-(\d+)")
@@ -53,17 +53,13 @@ def write_json(path: Path, data: dict) -> None:
 # Across processes -------------------------------------------------------------------------------
 
 
-def _distributed(accelerator) -> bool:
-    return accelerator is not None and accelerator.num_processes > 1
-
-
 def _all_gather(accelerator, obj) -> list:
     """`obj` of every process, in process order."""
-    return gather_object([obj]) if _distributed(accelerator) else [obj]
+    return gather_object([obj]) if distributed(accelerator) else [obj]
 
 
 def _rank_and_world(accelerator) -> tuple[int, int]:
-    return (accelerator.process_index, accelerator.num_processes) if _distributed(accelerator) else (0, 1)
+    return (accelerator.process_index, accelerator.num_processes) if distributed(accelerator) else (0, 1)
 
 
 # Checksums ----------------------------------------------------------------------------------------
@@ -271,7 +267,7 @@ class _Settle:
                 f"{need}{have}; free space there or pass another --output_dir "
                 "(the checkpoints already saved are intact)"
             )
-        where = f" on process {rank}" if _distributed(self.accelerator) else ""
+        where = f" on process {rank}" if distributed(self.accelerator) else ""
         return RecipeError(f"could not save the {self.what}{where}: {text}; the checkpoints already saved are intact")
 
 

@@ -72,11 +72,16 @@ def one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def distributed(accelerator) -> bool:
+    """Whether `accelerator` (None: no Accelerator, as in a single-process helper) spans processes."""
+    return accelerator is not None and accelerator.num_processes > 1
+
+
 def decide_on_main(accelerator, fn):
     """Run `fn` on the main process alone; every process returns its result or raises its
     RecipeError or RunFinished (printed once, by the main process). Decisions about --output_dir
     are taken once, so no two processes see the folder at different moments."""
-    if accelerator is None or accelerator.num_processes == 1:
+    if not distributed(accelerator):
         return fn()
     outcome = [None]
     if accelerator.is_main_process:
