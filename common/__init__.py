@@ -5,45 +5,47 @@ the results record (metrics); images and image models in common.vision, text dat
 common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test
 from the submodules."""
 
-from .args import training_parser
-from .checkpoint import save_model
-from .data import DeviceTensorDataset, SeededTransform, make_dataloader, prepare_data_first
-from .metrics import count_parameters, mfu, parameters_per_process, tracker_config, write_results
-from .outputs import prepare_output_dir
-from .preemption import Preempted, StopOnSignal
-from .runtime import DataError, RecipeError, check_launch, exit_codes, logger, process_group_kwargs, setup_logging
-from .scaling import decay_groups, make_scheduler
-from .training import Checkpoints, TrainLog, accumulation_windows, micro_batch, plan_run, target_tokens, window_tokens
+import importlib
 
-__all__ = [
-    "Checkpoints",
-    "DataError",
-    "DeviceTensorDataset",
-    "Preempted",
-    "RecipeError",
-    "SeededTransform",
-    "StopOnSignal",
-    "TrainLog",
-    "accumulation_windows",
-    "check_launch",
-    "count_parameters",
-    "decay_groups",
-    "exit_codes",
-    "logger",
-    "make_dataloader",
-    "make_scheduler",
-    "mfu",
-    "micro_batch",
-    "parameters_per_process",
-    "plan_run",
-    "prepare_data_first",
-    "prepare_output_dir",
-    "process_group_kwargs",
-    "save_model",
-    "setup_logging",
-    "target_tokens",
-    "tracker_config",
-    "training_parser",
-    "window_tokens",
-    "write_results",
-]
+# Each name the recipes use, and the module it lives in. Imported on first use (PEP 562), so that
+# `common.args` (argument parsing, credential masking) loads without torch: launch.sh and a mistyped
+# flag are answered in milliseconds.
+_WHERE = {
+    "Checkpoints": "training",
+    "DataError": "runtime",
+    "DeviceTensorDataset": "data",
+    "Preempted": "preemption",
+    "RecipeError": "runtime",
+    "SeededTransform": "data",
+    "StopOnSignal": "preemption",
+    "TrainLog": "training",
+    "accumulation_windows": "training",
+    "check_launch": "runtime",
+    "count_parameters": "metrics",
+    "decay_groups": "scaling",
+    "exit_codes": "runtime",
+    "logger": "runtime",
+    "make_dataloader": "data",
+    "make_scheduler": "scaling",
+    "mfu": "metrics",
+    "micro_batch": "training",
+    "parameters_per_process": "metrics",
+    "plan_run": "training",
+    "prepare_data_first": "data",
+    "prepare_output_dir": "outputs",
+    "process_group_kwargs": "runtime",
+    "save_model": "checkpoint",
+    "setup_logging": "runtime",
+    "target_tokens": "training",
+    "tracker_config": "metrics",
+    "training_parser": "args",
+    "window_tokens": "training",
+    "write_results": "metrics",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -16,11 +16,11 @@ import difflib
 import functools
 import math
 import os
+import re
 import sys
 import warnings
 
-from .metrics import SECRET_NAMES, SECRET_VALUES
-from .scaling import LR_SCALING_RULES
+LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -39,7 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(_masked_tokens(extras))}{self._did_you_mean(extras)}")
+            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
         if (
             namespace.warmup_steps
             and namespace.max_train_steps
@@ -67,40 +67,60 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
-def _secret_values(argv) -> set:
-    """Values given to an option named like a credential: --hub_token hf_..., --api_key=..."""
-    secrets = set()
-    for i, token in enumerate(argv):
-        if not token.startswith("-"):
+# Credentials ------------------------------------------------------------------------------------
+# Whole words of an option's name: hub_token and api_key are masked, tokenizer_name and max_tokens are not.
+SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
+SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
+
+
+def mask_words(words) -> list:
+    """Command-line words with credentials masked: the value of an option named like one (--hub_token X,
+    --hub_token=X, --wandb-api-key X), and any hub token or URL password. The one rule for everything
+    this project prints or writes: errors, launch.sh's command line, results.json, checkpoints, trackers."""
+    shown, hide_next = [], False
+    for word in map(str, words):
+        if hide_next and not word.startswith("--"):
+            shown.append("***")
+            hide_next = False
             continue
-        name, eq, value = token.lstrip("-").partition("=")
-        if SECRET_NAMES.search(name):
-            if eq:
-                secrets.add(value)
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                secrets.add(argv[i + 1])
-    return {s for s in secrets if s}
-
-
-def _masked_tokens(tokens) -> list:
-    secrets = _secret_values(tokens)
-    masked = []
-    for token in tokens:
-        name, eq, value = token.partition("=")
-        if token in secrets:
-            token = "***"
-        elif eq and token.startswith("-") and value in secrets:
-            token = f"{name}=***"
-        masked.append(SECRET_VALUES.sub("***", token))
-    return masked
+        hide_next = False
+        if word.startswith("-"):
+            flag, eq, _ = word.partition("=")
+            if SECRET_NAMES.search(flag.lstrip("-").replace("-", "_")):
+                word, hide_next = (f"{flag}=***", False) if eq else (word, True)
+        shown.append(SECRET_VALUES.sub("***", word))
+    return shown
 
 
 def mask_secrets(message: str, argv=()) -> str:
-    """`message` with hub tokens, URL passwords and the values of credential-named options masked."""
-    for secret in sorted(_secret_values(argv), key=len, reverse=True):
-        if len(secret) >= 4:  # shorter ones would mask unrelated letters; unrecognized arguments mask them exactly
+    """`message` with hub tokens, URL passwords and the values `mask_words` hides in `argv` masked."""
+    argv = [str(a) for a in argv]
+    secrets = set()
+    for word, shown in zip(argv, mask_words(argv)):
+        if shown == "***":
+            secrets.add(word)
+        elif shown.endswith("=***") and not word.endswith("=***"):
+            secrets.add(word.partition("=")[2])
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= 4:  # shorter ones would mask unrelated letters
             message = message.replace(secret, "***")
     return SECRET_VALUES.sub("***", message)
+
+
+def public_args(args) -> dict:
+    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped,
+    anything that looks like a credential masked (an argument named like one, a hub token, the
+    password in a URL)."""
+    shown = {}
+    for name, value in vars(args).items():
+        if value is None:
+            continue
+        if SECRET_NAMES.search(name) and not isinstance(value, bool):
+            value = "***"
+        elif isinstance(value, str):
+            value = SECRET_VALUES.sub("***", value)
+        shown[name] = value
+    return shown
 
 
 # --- argument types: each returns the value or raises ArgumentTypeError, which argparse prints as

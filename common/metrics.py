@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import re
 import resource
 import sys
 from pathlib import Path
 
 import torch
 
+from .args import public_args
 from .checkpoint import write_json
 from .runtime import library_versions
 
@@ -62,28 +62,6 @@ def peak_memory_gb(accelerator) -> dict:
         "peak_memory_gb_per_process": [round(v, 3) for v in per_process],
         "peak_memory_kind": kind,
     }
-
-
-# Whole words of an argument's name: hub_token and api_key are masked, tokenizer_name and
-# max_tokens are not.
-SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
-SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
-
-
-def public_args(args) -> dict:
-    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped,
-    anything that looks like a credential masked (an argument named like one, a hub token, the
-    password in a URL)."""
-    shown = {}
-    for name, value in vars(args).items():
-        if value is None:
-            continue
-        if SECRET_NAMES.search(name) and not isinstance(value, bool):
-            value = "***"
-        elif isinstance(value, str):
-            value = SECRET_VALUES.sub("***", value)
-        shown[name] = value
-    return shown
 
 
 def tracker_config(args) -> dict:

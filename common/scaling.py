@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .args import LR_SCALING_RULES
 from .runtime import RecipeError
-
-LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 
 def effective_batch_size(per_device_batch_size: int, num_processes: int, gradient_accumulation_steps: int) -> int:

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .args import public_args
 from .checkpoint import STATE_FILE, load_checkpoint, model_signature, save_checkpoint
 from .data import EpochSampler, set_epoch
-from .metrics import public_args
 from .runtime import RecipeError, logger
 from .scaling import TrainingPlan, describe_plan, plan_from_args, plan_training
 

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import common
 from common import RecipeError
+from common.args import public_args
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, set_epoch
-from common.metrics import public_args
 from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
 from common.training import Progress, plan_run
 
