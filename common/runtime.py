@@ -163,7 +163,7 @@ def process_group_kwargs(ddp_timeout: int = 600) -> InitProcessGroupKwargs:
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _check_visible_gpus()
     if _started_by_a_launcher():
-        _die_with_parent(signal.SIGTERM, _PARENT)
+        die_with_parent(signal.SIGTERM, _PARENT)
     kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
     if expected > 1 and not torch.cuda.is_available():
         kwargs["backend"] = "gloo"
@@ -203,20 +203,21 @@ def _started_by_a_launcher() -> bool:
 _PARENT = os.getppid()  # as early as this process can tell: the launcher that started it
 
 
-def _die_with_parent(sig: int, parent: int) -> None:
-    """Ask Linux to send `sig` when the process that started this one exits (prctl PR_SET_PDEATHSIG;
-    elsewhere nothing). torchrun starts its workers in sessions of their own, so killing the
-    launcher, or its process group, would otherwise leave them training. If `parent` is gone
-    already (this process was reparented), `sig` is sent now."""
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
+    """Ask Linux to send this process `sig` when its parent exits (prctl PR_SET_PDEATHSIG, kept across
+    execve; elsewhere nothing, and False). torchrun starts its workers in sessions of their own, so
+    killing the launcher, or its process group, would otherwise leave them training. `parent`: the
+    pid the parent should have; if it is gone already (this process was reparented), `sig` is sent now."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            return
+            return False
     except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
+        return False
+    if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
+    return True
 
 
 def _join_restarted_group(pg_kwargs: dict) -> None:
