@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 import common
 from common import vision
 from common.data import default_num_workers
-from common.scaling import scale_lr
+from common.plan import scale_lr
 
 VARIANTS = ("ddp", "accum_no_sync", "accum_sync_every_step")
 

@@ -227,12 +227,15 @@ def main(argv=None):
     cost = step_cost["machinery_us_per_step"]
     md += [
         f"\n#### What the machinery costs per step\n\nA 2-layer MLP (batch {8}) trained in one process on "
-        f"{step_cost['device']} by the recipes' loop and by a bare loop, alternating ({step_cost['repeats']} x "
-        f"{step_cost['steps']} steps, `benchmarks/step_cost.py`): the recipe's loop adds **{cost:.0f} us per "
-        f"optimizer step** (bare loop {benchlib.median(step_cost['bare_us_per_step']):.0f} us, recipe "
-        f"{benchlib.median(step_cost['recipe_us_per_step']):.0f} us), a fixed cost: under 2% of any step longer "
-        f"than {cost / 0.02 / 1000:.1f} ms. On a GPU it is host time, hidden behind the device's work unless the "
-        f"host is what limits the step.\n"
+        f"{step_cost['device']} by the recipes' loop, by the same bare loop through Accelerate's prepared objects, "
+        f"and by a bare PyTorch loop, in turn ({step_cost['repeats']} x {step_cost['steps']} steps, "
+        f"`benchmarks/step_cost.py`): the recipe's loop adds **{cost:.0f} us per optimizer step** (bare loop "
+        f"{benchlib.median(step_cost['bare_us_per_step']):.0f} us, recipe "
+        f"{benchlib.median(step_cost['recipe_us_per_step']):.0f} us): {step_cost['accelerate_us_per_step']:.0f} us "
+        f"of it Accelerate's prepared loader, optimizer and backward, {step_cost['recipes_own_us_per_step']:.0f} us "
+        f"the recipes' own (the schedule, the log, the stop check, the accumulation windows). A fixed cost: under "
+        f"2% of any step longer than {cost / 0.02 / 1000:.1f} ms. On a GPU it is host time, hidden behind the "
+        f"device's work unless the host is what limits the step.\n"
     ]
     benchlib.save(
         args.out,

@@ -8,6 +8,8 @@ The difference is microseconds per step, a fixed cost: it is under 2% of any ste
 """
 
 import argparse
+import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -19,7 +21,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from accelerate import Accelerator  # noqa: E402
 from benchlib import load_recipe  # noqa: E402
 
 import common  # noqa: E402
@@ -53,88 +54,114 @@ def bare(steps, device):
     return (time.perf_counter() - tic) / steps
 
 
-def recipe(steps, accelerator, out):
-    parser = common.training_parser("step cost")
+def bare_accelerate(steps, accelerator):
+    """The bare loop through Accelerate's prepared model, optimizer and loader: what any Accelerate
+    script pays, before the recipes' own machinery."""
+    data, model, optimizer = make()
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    done, tic = 0, time.perf_counter()
+    while done < steps:
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done += 1
+            if done == steps:
+                break
+    loss.item()
+    seconds = time.perf_counter() - tic
+    accelerator.free_memory()  # forget the prepared objects (not timed)
+    return seconds / steps
+
+
+def recipe_args(steps, out):
+    parser = common.training_parser("step_cost", "step cost")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)  # the shared arguments' values, a recipe's
-    args = parser.parse_args(
-        [
-            "--output_dir",
-            str(out),
-            "--per_device_train_batch_size",
-            str(BATCH),
-            "--max_train_steps",
-            str(steps),
-            "--num_train_epochs",
-            "1000",
-            "--logging_steps",
-            "20",
-        ],
-    )
+    argv = ["--output_dir", str(out), "--per_device_train_batch_size", str(BATCH), "--max_train_steps", str(steps)]
+    return parser.parse_args([*argv, "--num_train_epochs", "1000", "--logging_steps", "20"])
+
+
+def recipe(steps, accelerator, out):
+    """The recipes' loop (recipes/cifar.py's main, less the model's own work), line for line."""
+    args = recipe_args(steps, out)
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
-    plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
-    scheduler = common.make_scheduler(optimizer, "constant", plan, progress)
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    checkpoints = common.Checkpoints(accelerator, args, plan, "step_cost")
+    plan, at = common.plan_run(args, len(data), accelerator.num_processes)
+    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     stop = common.StopOnSignal(accelerator)
-    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
+    k, every = args.gradient_accumulation_steps, args.checkpointing_steps
     tic = time.perf_counter()
-    for epoch in range(progress.epoch, plan.num_epochs):  # the recipes' loop, less the model's own work
-        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+    while at.step < plan.max_train_steps:
+        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
+        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+            lr = plan.lr_at(at.seen)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             for i, (x, y) in enumerate(window):
-                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                accelerator.sync_gradients = i == len(window) - 1
+                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = F.cross_entropy(model(x), y)
-                    accelerator.backward(loss * args.gradient_accumulation_steps / len(window))
-                log.add(loss * len(y), len(y))
+                    accelerator.backward(loss * (k / len(window)))
+                log.add(loss, y.shape[0])
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            log.step(progress, window, scheduler.get_last_lr()[0])
-            if checkpoints.due(progress.step):
-                checkpoints.save(progress, log, model)
-            if stop.requested():
+            at.step += 1
+            at.sample += len(window) * plan.round_samples
+            at.seen += len(window) * plan.round_samples
+            log.step(at.step, at.seen)
+            stopping = stop.requested()
+            if stopping or (every not in (None, "epoch") and at.step % every == 0):
                 raise SystemExit("stopped")
-            if progress.step >= plan.max_train_steps:
-                break
-        if progress.step >= plan.max_train_steps:
-            break
-    log.summary(progress)
-    return (time.perf_counter() - tic) / steps
+        at.epoch, at.sample = at.epoch + 1, 0
+    log.summary(at)
+    seconds = time.perf_counter() - tic
+    accelerator.free_memory()  # forget the prepared objects (not timed)
+    return seconds / steps
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     args = p.parse_args()
     torch.set_num_threads(1)  # a step this small only waits for more threads
-    accelerator = Accelerator(cpu=True)
-    measured = {"bare": [], "recipe": []}
-    for rep in range(args.repeats + 1):  # the first round warms both up and is dropped
-        for name in ("bare", "recipe") if rep % 2 else ("recipe", "bare"):
-            seconds = (
-                bare(args.steps, accelerator.device)
-                if name == "bare"
-                else recipe(args.steps, accelerator, args.out.parent / "step_cost_run")
-            )
+    accelerator = common.make_accelerator(recipe_args(args.steps, args.out.parent / "step_cost_run"), cpu=True)
+    loops = {
+        "bare": lambda: bare(args.steps, accelerator.device),
+        "bare_accelerate": lambda: bare_accelerate(args.steps, accelerator),
+        "recipe": lambda: recipe(args.steps, accelerator, args.out.parent / "step_cost_run"),
+    }
+    measured = {name: [] for name in loops}
+    for rep in range(args.repeats + 1):  # the first round warms every loop up and is dropped
+        for name in list(loops)[rep % 3 :] + list(loops)[: rep % 3]:  # each loop first in turn
+            seconds = loops[name]()
             if rep:
-                measured[name].append(seconds)
-    differences = [r - b for r, b in zip(measured["recipe"], measured["bare"])]
-    args.out.write_text(
-        json.dumps(
-            {
-                "device": str(accelerator.device),
-                "steps": args.steps,
-                "repeats": args.repeats,
-                "bare_us_per_step": [s * 1e6 for s in measured["bare"]],
-                "recipe_us_per_step": [s * 1e6 for s in measured["recipe"]],
-                "machinery_us_per_step": statistics.median(differences) * 1e6,
-            },
-            indent=2,
-        )
-        + "\n"
+                measured[name].append(seconds * 1e6)
+
+    def median_gap(a, b):  # rounds pair the loops run side by side: the machine's drift cancels
+        return statistics.median(x - y for x, y in zip(measured[a], measured[b]))
+
+    result = {
+        "device": str(accelerator.device),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        **{f"{name}_us_per_step": values for name, values in measured.items()},
+        "bare_us_per_step_median": statistics.median(measured["bare"]),
+        "machinery_us_per_step": median_gap("recipe", "bare"),
+        "accelerate_us_per_step": median_gap("bare_accelerate", "bare"),
+        "recipes_own_us_per_step": median_gap("recipe", "bare_accelerate"),
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        {
+            k: round(v, 1)
+            for k, v in result.items()
+            if k.endswith(("median", "machinery_us_per_step", "own_us_per_step"))
+        }
     )
 
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import math
 import os
 import re
 import sys
-import warnings
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
@@ -40,6 +38,10 @@ class ArgumentParser(argparse.ArgumentParser):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
+        for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
+            value = getattr(namespace, action.dest, None)
+            if action.option_strings and any(isinstance(v, str) and not v.strip() for v in _listed(value)):
+                self.error(f"argument {action.option_strings[0]}: must not be empty")
         if (
             namespace.warmup_steps
             and namespace.max_train_steps
@@ -127,6 +129,10 @@ def public_args(args) -> dict:
 # "error: argument --NAME: <message>".
 
 
+def _listed(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
 def _number(text, kind, wanted):
     try:
         value = kind(text)
@@ -139,7 +145,7 @@ def _number(text, kind, wanted):
     return value
 
 
-def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
+def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=None):
     """An argparse type for numbers of `kind` in [low, high] (an open end when `*_open`)."""
     parts = []
     if low is not None:
@@ -156,7 +162,7 @@ def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
             raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
         return value
 
-    convert.__name__ = wanted
+    convert.__name__ = name or wanted
     return convert
 
 
@@ -165,25 +171,33 @@ def at_least(low: int):
     return _ranged(int, low)
 
 
-positive_int = _ranged(int, 1)
-non_negative_int = _ranged(int, 0)
-positive_float = _ranged(float, 0, low_open=True)
-non_negative_float = _ranged(float, 0)
-probability = _ranged(float, 0, 1)  # a fraction where both ends mean something (warmup over none or all steps)
-fraction_below_one = _ranged(float, 0, 1, high_open=True)  # dropout, smoothing, momentum: 1 leaves nothing to learn
-seed = _ranged(int, 0, 2**32, high_open=True)  # what numpy's and torch's generators accept
+positive_int = _ranged(int, 1, name="positive_int")
+non_negative_int = _ranged(int, 0, name="non_negative_int")
+positive_float = _ranged(float, 0, low_open=True, name="positive_float")
+non_negative_float = _ranged(float, 0, name="non_negative_float")
+# a fraction where both ends mean something (warmup over none or all steps)
+probability = _ranged(float, 0, 1, name="probability")
+# dropout, smoothing, momentum: 1 leaves nothing to learn
+fraction_below_one = _ranged(float, 0, 1, high_open=True, name="fraction_below_one")
+seed = _ranged(int, 0, 2**32, high_open=True, name="seed")  # what numpy's and torch's generators accept
 percentage = _ranged(float, 0, 100, low_open=True, high_open=True)  # a held-out split: 0% and 100% leave a side empty
-
-
-def nonempty(text):
-    """A string that names something: an empty --output_dir would be the current folder."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
+# Registered with each training_parser, so that a recipe names them: add_argument("--hflip", type="probability").
+TYPES = {
+    t.__name__: t
+    for t in (
+        positive_int,
+        non_negative_int,
+        positive_float,
+        non_negative_float,
+        probability,
+        fraction_below_one,
+        seed,
+    )
+}
 
 
 def checkpointing_steps(text):
-    """'epoch' or a number of steps >= 1, kept as the string the training loop reads."""
+    """'epoch' or a number of steps >= 1."""
     if text == "epoch":
         return text
     try:
@@ -192,50 +206,23 @@ def checkpointing_steps(text):
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'") from None
     if steps < 1:
         raise argparse.ArgumentTypeError(
-            f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no "
-            "checkpoints, omit --checkpointing_steps"
+            f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no checkpoints, omit "
+            "--checkpointing_steps"
         )
-    return str(steps)
+    return steps
 
 
-@functools.cache
-def drivable_schedules() -> tuple:
-    """transformers' schedules that run from a warmup and a total step count alone, stepped once per
-    optimizer step: not those that need a metric (reduce_lr_on_plateau) or extra arguments
-    (cosine_with_min_lr, warmup_stable_decay). Found by building each, so a new transformers'
-    schedule is accepted when it qualifies."""
-    import torch
-    from transformers import SchedulerType, get_scheduler
-
-    names = []
-    for kind in SchedulerType:
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                scheduler = get_scheduler(kind.value, optimizer, num_warmup_steps=1, num_training_steps=4)
-                optimizer.step()
-                scheduler.step()
-        except Exception:  # a probe: whatever fails here would fail in the recipe
-            continue
-        names.append(kind.value)
-    return tuple(names)
-
-
-# transformers' schedules since 4.x that run from warmup and total steps alone: accepted without
-# importing transformers, so that a command line's mistakes are answered before that import.
-STEP_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
-
-
-def lr_scheduler_type(text):
-    if text in STEP_SCHEDULES:
-        return text
-    names = drivable_schedules()
-    if text not in names:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a schedule this recipe can drive; choose from {', '.join(names)}"
-        )
-    return text
+# transformers' schedules that run from a warmup and a total length alone: not those that need a metric
+# (reduce_lr_on_plateau) or extra arguments (cosine_with_min_lr, warmup_stable_decay).
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
 
 
 def report_to(text):
@@ -269,12 +256,17 @@ TRAINING_HYPERPARAMETERS = (
 )
 
 
-def training_parser(description: str) -> argparse.ArgumentParser:
+def training_parser(recipe: str, description: str) -> argparse.ArgumentParser:
+    """The shared arguments; `recipe`, the name checkpoints record (a copy renamed to train.py still
+    resumes them), is set as args.recipe."""
     p = ArgumentParser(
         description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    p.set_defaults(recipe=recipe)
+    for name, kind in TYPES.items():
+        p.register("type", name, kind)
     t = p.add_argument_group("training (shared by every recipe)")
-    t.add_argument("--output_dir", type=nonempty)
+    t.add_argument("--output_dir")
     t.add_argument("--per_device_train_batch_size", type=positive_int)
     t.add_argument("--per_device_eval_batch_size", type=positive_int)
     t.add_argument("--gradient_accumulation_steps", type=positive_int)
@@ -283,11 +275,7 @@ def training_parser(description: str) -> argparse.ArgumentParser:
         "--reference_batch_size", type=positive_int, help="the effective batch --learning_rate is meant for"
     )
     t.add_argument("--lr_scaling", choices=LR_SCALING_RULES, help="how the learning rate follows the effective batch")
-    t.add_argument(
-        "--lr_scheduler_type",
-        type=lr_scheduler_type,
-        help="a transformers schedule driven by warmup and total steps: linear, cosine, constant_with_warmup, ...",
-    )
+    t.add_argument("--lr_scheduler_type", choices=SCHEDULES, help="transformers' schedule, over the samples trained")
     t.add_argument("--warmup_steps", type=non_negative_int, help="overrides --warmup_ratio")
     t.add_argument("--warmup_ratio", type=probability)
     t.add_argument("--weight_decay", type=non_negative_float, help="not applied to biases and norms")

@@ -8,6 +8,10 @@ Layout in `--output_dir` (common.outputs keeps it to one run at a time):
     model.safetensors       final weights (or save_pretrained files for transformers models); the
                             names of the files written are kept in .model-files.json
     results.json            the run's record (metrics.py), written last: the run has finished
+
+Every write that all processes take part in (a checkpoint, the final weights) either succeeds on
+all of them or fails on all of them with one line (`_together`): none is left waiting in a
+collective for a process that failed, and a full disk says how much space the save needs.
 """
 
 from __future__ import annotations
@@ -15,18 +19,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import itertools
 import json
 import os
 import re
 import shutil
+from argparse import Namespace
 from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
 from safetensors.torch import save_file
 
-from .runtime import RecipeError, decide_on_main, distributed, library_versions, logger, one_line
+from .args import public_args
+from .runtime import RecipeError, decide_on_main, library_versions, logger, one_line
 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_RE = re.compile(r"\.tmp-checkpoint-(\d+)")
@@ -34,8 +41,7 @@ OLD_CHECKPOINT_RE = re.compile(r"\.old-checkpoint-(\d+)")
 STATE_FILE = "trainer_state.json"
 RESULTS_FILE = "results.json"
 MODEL_FILES = ".model-files.json"
-# sha256 over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions.
-HASH = "sha256"
+HASH = "sha256"  # over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -50,24 +56,107 @@ def write_json(path: Path, data: dict) -> None:
         raise
 
 
+def read_state(path) -> dict:
+    """A checkpoint's trainer_state.json: its position, identity, layout and arguments."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 # Across processes -------------------------------------------------------------------------------
 
 
 def _all_gather(accelerator, obj) -> list:
     """`obj` of every process, in process order."""
-    return gather_object([obj]) if distributed(accelerator) else [obj]
+    return gather_object([obj]) if accelerator is not None and accelerator.num_processes > 1 else [obj]
 
 
 def _rank_and_world(accelerator) -> tuple[int, int]:
-    return (accelerator.process_index, accelerator.num_processes) if distributed(accelerator) else (0, 1)
+    return (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+
+
+def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path | None = None, main_only=False):
+    """Run `fn` on every process (or the main one), then agree: either every process returns the list
+    of every process's result, or every process raises. A failure to write files becomes one line (on
+    a full disk: the space `needed()` and the space free); any other exception is re-raised where it
+    happened, with its traceback. `tmp`, a half-written folder, is removed on failure."""
+    failure = error = result = None
+    if accelerator.is_main_process or not main_only:
+        try:
+            result = fn()
+        except Exception as err:
+            failure = _write_failure(err) or ("bug", one_line(err))
+            # Kept only to re-raise: the frames of a failed write hold its open file, whose space a full
+            # disk would not get back before the error line measures it.
+            error = err if failure[0] == "bug" else None
+    everyone = _all_gather(accelerator, (failure, result))
+    failures = [(rank, f) for rank, (f, _) in enumerate(everyone) if f]
+    if not failures:
+        return [r for _, r in everyone]
+    if accelerator.is_main_process and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written folder stays behind
+    if error is not None:
+        raise error
+    rank, (kind, text) = failures[0]
+    if kind == "recipe":
+        raise RecipeError(text)
+    free = _free_bytes(output_dir)
+    if any(k == "space" for _, (k, _) in failures) or (kind == "io" and free is not None and free < needed()):
+        have = f", {_human(free)} free" if free is not None else ""
+        raise RecipeError(
+            f"no space left on the filesystem of {output_dir} to save the {what}: it needs about "
+            f"{_human(needed())}{have}; free space there or pass another --output_dir (the checkpoints already "
+            "saved are intact)"
+        )
+    where = f" on process {rank}" if accelerator.num_processes > 1 else ""
+    raise RecipeError(f"could not save the {what}{where}: {text}; the checkpoints already saved are intact")
+
+
+def _write_failure(err: BaseException) -> tuple | None:
+    """("space" | "io" | "recipe", text) for an error writing files, None for any other error.
+    torch.save reports a full disk without an errno ("unexpected pos ..."): the free space decides."""
+    if isinstance(err, RecipeError):
+        return "recipe", str(err)
+    chain = [err]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    text = " ".join(str(e) for e in chain)
+    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
+        r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
+    ):
+        return "space", one_line(err)
+    if any(isinstance(e, OSError) for e in chain) or re.search(
+        r"SafetensorError|PytorchStreamWriter|inline_container|iostream|file write failed", type(err).__name__ + text
+    ):
+        return "io", one_line(err)
+    return None
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(nearest_existing(folder)).free
+    except OSError:
+        return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 # Checksums ----------------------------------------------------------------------------------------
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.new(HASH)
-    buffer = bytearray(1 << 23)
+    h, buffer = hashlib.new(HASH), bytearray(1 << 23)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
@@ -87,14 +176,10 @@ def _share(files: dict, rank: int, world: int) -> list:
     return shares[rank]
 
 
-def _file_sizes(folder: Path) -> dict:
-    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-
-
 def _size_damage(path: Path) -> tuple:
     """(why the checkpoint at `path` is damaged or None, its files' sizes, their checksums)."""
     try:
-        state = json.loads((path / STATE_FILE).read_text())
+        state = read_state(path)
         files, digests = dict(state.get("files", {})), dict(state.get(HASH, {}))
     except (OSError, ValueError, TypeError, AttributeError) as err:
         return f"{STATE_FILE} is unreadable ({one_line(err)})", {}, {}
@@ -133,50 +218,69 @@ def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | N
 # Saving -------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit: int | None = None) -> Path:
-    """Save the full training state (model, optimizer, scheduler, RNG, sampler) at `step`, with
-    `state` (the data position, the run's settings), the library versions and every file's size
-    and sha256 in trainer_state.json.
+def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
+    """Save the full training state at position `at` (a common.plan.Position) into
+    --output_dir/checkpoint-<step>, with what resuming needs to know: the position in samples, the
+    layout that wrote it, the plan's length and warmup in samples, the recipe and the model it belongs
+    to, and the arguments. A run whose loss or weights are no longer finite is not saved (`log`)."""
+    log.check_finite(at.step, model)
+    state = {
+        "step": at.step,
+        "epoch": at.epoch,
+        "samples_in_epoch": at.sample,
+        "samples_seen": at.seen,
+        "recipe": args.recipe,
+        **model_signature(model),
+        "world_size": accelerator.num_processes,
+        "per_device_train_batch_size": plan.per_device_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "effective_batch_size": plan.effective_batch_size,
+        "learning_rate": plan.learning_rate,
+        "num_samples": plan.num_samples,
+        "total_samples": plan.total_samples,
+        "warmup_samples": plan.warmup_samples,
+        "args": public_args(args),
+    }
+    return write_checkpoint(accelerator, args.output_dir, at.step, state, args.save_total_limit, model)
 
-    Every process writes its part into a temporary folder; the processes hash the files (a share
-    each); the main process adds `trainer_state.json` and renames the folder to checkpoint-<step>.
-    A crash at any point leaves either a complete checkpoint or a temporary folder that `latest`
-    ignores (see `finish_interrupted_saves` for the one case in between). A complete new save
-    replaces an existing checkpoint-<step>: a damaged one must go, and an intact one of the same
-    step belongs to an earlier trajectory (a run resumed from an older checkpoint by path), which
-    this run's later checkpoints and final weights no longer continue.
 
-    `total_limit` keeps that many of the newest intact checkpoints (and always this one), deleting
-    older ones only once this one is complete. A write that fails on any process (a full disk)
-    fails on all of them, with one line saying how much space a checkpoint needs; the temporary
-    folder is removed and the checkpoints already saved stay as they were.
+def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:
+    """Save the full training state (model, optimizer, RNG) at `step` with `state`, the library
+    versions and every file's size and sha256 in trainer_state.json.
+
+    Every process writes its part into .tmp-checkpoint-<step>; the processes hash the files (a share
+    each); the main process adds trainer_state.json and renames the folder to checkpoint-<step>. A
+    crash at any point leaves either a complete checkpoint or a temporary folder that `latest`
+    ignores (see finish_interrupted_saves for the one case in between). A complete new save replaces
+    an existing checkpoint-<step>: a damaged one must go, and an intact one of the same step belongs
+    to an earlier trajectory (a run resumed from an older checkpoint by path), which this run's later
+    checkpoints and final weights no longer continue. `total_limit` keeps that many of the newest
+    intact checkpoints (and always this one), deleting older ones only once this one is complete.
     Assumes `output_dir` is on a filesystem every node sees, as checkpoints of multi-node jobs must be.
     """
     output_dir = Path(output_dir)
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".tmp-checkpoint-{step}"
+    final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
     accelerator.wait_for_everyone()
-    settle = _Settle(
-        accelerator, output_dir, f"checkpoint {final}", tmp, needed=lambda: _checkpoint_bytes(accelerator, output_dir)
+
+    def needed() -> int:  # the newest checkpoint's size, or else the weights and Adam's two moments
+        for path in reversed(complete_checkpoints(output_dir)):
+            files = _size_damage(path)[1]
+            if files:
+                return sum(files.values())
+        tensors = itertools.chain(model.parameters(), model.buffers()) if model is not None else ()
+        return 3 * sum(getattr(t, "ds_numel", t.numel()) * t.element_size() for t in tensors)
+
+    together = lambda fn, main_only=False: _together(  # noqa: E731
+        accelerator, f"checkpoint {final}", output_dir, needed, fn, tmp=tmp, main_only=main_only
     )
-    with settle.attempt():
-        accelerator.save_state(str(tmp))
-    settle()
-    files = decide_on_main(accelerator, lambda: _file_sizes(tmp))
-    digests = {}
-    with settle.attempt():
-        digests = {name: _digest(tmp / name) for name in _share(files, *_rank_and_world(accelerator))}
-    digests = {k: v for part in settle(digests) for k, v in part.items()}
-    if accelerator.is_main_process:
-        with settle.attempt():
-            write_json(
-                tmp / STATE_FILE,
-                {"step": step, **state, "files": files, HASH: digests, "versions": library_versions()},
-            )
-            _install(tmp, final)
-    settle()
+    together(lambda: accelerator.save_state(str(tmp)))
+    (files,) = [f for f in together(lambda: _sizes(tmp), main_only=True) if f is not None]
+    shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, *_rank_and_world(accelerator))})
+    digests = {k: v for share in shares for k, v in share.items()}
+    marker = {"step": step, **state, "files": files, HASH: digests, "versions": library_versions()}
+    together(lambda: (write_json(tmp / STATE_FILE, marker), _install(tmp, final)), main_only=True)
     if accelerator.is_main_process:
         logger.info(f"saved checkpoint {final}")
         if total_limit:
@@ -185,165 +289,44 @@ def save_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit
     return final
 
 
+def _sizes(folder: Path) -> dict:
+    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
 def _install(tmp: Path, final: Path) -> None:
     """Rename the complete save `tmp` to `final`, replacing what is there. Between the two renames
     a crash leaves the new save complete in `tmp`: finish_interrupted_saves completes it."""
-    if final.exists():
-        old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+    if not final.exists():
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info(f"replaced the earlier {final.name} with this run's")
-    else:
-        os.replace(tmp, final)
+        return
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    logger.info(f"replaced the earlier {final.name} with this run's")
 
 
 def checkpoint_step(path: Path) -> int:
     return int(path.name.rsplit("-", 1)[1])
 
 
+def complete_checkpoints(output_dir) -> list:
+    """The checkpoint-<step> folders with their marker, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
+    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=checkpoint_step)
+
+
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
-    """--save_total_limit: keep the newest `total_limit` intact checkpoints and the one just
-    written; delete complete checkpoints older than it that are not kept. Damaged ones (sizes only:
-    a full checksum pass at every save would cost too much) never count towards the limit."""
-    intact = [p for p in complete_checkpoints(output_dir) if p == final or not checkpoint_damage(p, checksums=False)]
+    """--save_total_limit: keep the newest `total_limit` intact checkpoints and the one just written;
+    delete complete checkpoints older than it that are not kept. Damaged ones (sizes only: a full
+    checksum pass at every save would cost too much) never count towards the limit."""
+    intact = [p for p in complete_checkpoints(output_dir) if p == final or not _size_damage(p)[0]]
     keep = set(intact[-total_limit:]) | {final}
     for old in complete_checkpoints(output_dir):
         if old not in keep and checkpoint_step(old) < checkpoint_step(final):
             shutil.rmtree(old, ignore_errors=True)
             logger.info(f"deleted {old} (--save_total_limit {total_limit})")
-
-
-class _Settle:
-    """Agreement on a write that every process takes part in: each process records its failure
-    (`with settle.attempt(): ...`), then `settle(payload)` all-gathers the failures with the
-    payloads, so that either every process goes on or every process raises, none of them left
-    waiting in a collective for the others. A failure to write files becomes one error line on
-    the main process (how much space the write needs, how much is free, when the disk is full);
-    any other exception is re-raised where it happened."""
-
-    def __init__(self, accelerator, output_dir: Path, what: str, tmp: Path | None, needed):
-        self.accelerator, self.output_dir, self.what, self.tmp = accelerator, output_dir, what, tmp
-        self.needed = needed
-        self.failure = self.error = None
-
-    @contextlib.contextmanager
-    def attempt(self):
-        try:
-            yield
-        except Exception as err:
-            self.failure = _write_failure(err) or ("bug", one_line(err))
-            # Kept only to re-raise: the frames of a failed write hold its open file, whose space
-            # a full disk would not get back before the error line measures it.
-            self.error = err if self.failure[0] == "bug" else None
-
-    def __call__(self, payload=None) -> list:
-        everyone = _all_gather(self.accelerator, (self.failure, payload))
-        failures = [(rank, failure) for rank, (failure, _) in enumerate(everyone) if failure]
-        if not failures:
-            return [p for _, p in everyone]
-        if self.accelerator.is_main_process and self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)  # no half-written folder stays behind
-        if self.failure and self.failure[0] == "bug":
-            raise self.error  # not a write failure: a bug, with its traceback
-        raise self._message(failures)
-
-    def _message(self, failures) -> RecipeError:
-        rank, (kind, text) = failures[0]
-        if kind == "recipe":
-            return RecipeError(text)
-        free = _free_bytes(self.output_dir)
-        try:
-            needed = self.needed()
-        except Exception:  # an estimate must not hide the error it explains
-            needed = None
-        short = kind == "io" and needed and free is not None and free < needed
-        if short or any(k == "space" for _, (k, _) in failures):
-            need = f"it needs about {_human(needed)}" if needed else "more space is needed"
-            have = f", {_human(free)} free" if free is not None else ""
-            return RecipeError(
-                f"no space left on the filesystem of {self.output_dir} to save the {self.what}: "
-                f"{need}{have}; free space there or pass another --output_dir "
-                "(the checkpoints already saved are intact)"
-            )
-        where = f" on process {rank}" if distributed(self.accelerator) else ""
-        return RecipeError(f"could not save the {self.what}{where}: {text}; the checkpoints already saved are intact")
-
-
-def _write_failure(err: BaseException) -> tuple | None:
-    """("space" | "io" | "recipe", text) for an error writing files, None for any other error.
-    torch.save reports a full disk without an errno ("unexpected pos ..."): the free space decides."""
-    if isinstance(err, RecipeError):
-        return "recipe", str(err)
-    chain, seen = [], err
-    while seen is not None and len(chain) < 8:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    text = " ".join(str(e) for e in chain)
-    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
-        r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
-    ):
-        return "space", one_line(err)
-    if (
-        any(isinstance(e, OSError) for e in chain)
-        or type(err).__name__ == "SafetensorError"
-        or re.search(r"PytorchStreamWriter|inline_container|iostream|file write failed", text)
-    ):
-        return "io", one_line(err)
-    return None
-
-
-def _free_bytes(folder: Path) -> int | None:
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _checkpoint_bytes(accelerator, output_dir: Path) -> int:
-    """What a checkpoint takes: the newest complete one's files, or else the model and optimizer
-    state in memory (an estimate: ZeRO's optimizer shards are counted on one process times the
-    process count)."""
-    for path in reversed(complete_checkpoints(output_dir)):
-        _, files, _ = _size_damage(path)
-        if files:
-            return sum(files.values()) + (path / STATE_FILE).stat().st_size
-    total = 0
-    for model in accelerator._models:
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            total += getattr(t, "ds_numel", t.numel()) * t.element_size()
-    for optimizer in accelerator._optimizers:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        states = getattr(inner, "state", None)
-        tensors = [
-            v
-            for s in (states.values() if isinstance(states, dict) else ())
-            if isinstance(s, dict)
-            for v in s.values()
-            if torch.is_tensor(v)
-        ]
-        shards = accelerator.num_processes if accelerator.state.deepspeed_plugin is not None else 1
-        total += shards * sum(t.numel() * t.element_size() for t in tensors)
-    return total
-
-
-def complete_checkpoints(output_dir) -> list:
-    """The checkpoint-<step> folders with their marker, oldest first."""
-    output_dir = Path(output_dir)
-    found = [
-        p for p in output_dir.glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file()
-    ]
-    return sorted(found, key=checkpoint_step)
 
 
 # Resuming -----------------------------------------------------------------------------------------
@@ -352,9 +335,8 @@ def complete_checkpoints(output_dir) -> list:
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
     """`--resume_from_checkpoint`: None, `latest` (the newest complete, intact checkpoint in
     output_dir, or None with a warning when there is none yet, so a requeued job can always pass
-    it), or a path, refused by name when it is incomplete or damaged. Intact: every file with the
-    size and the checksum it was written with. With `accelerator`, every process must call it
-    (they share the hashing)."""
+    it), or a path, refused by name when it is incomplete or damaged. With `accelerator`, every
+    process must call it (they share the hashing)."""
     if not spec:
         return None
     if spec != "latest":
@@ -396,11 +378,10 @@ def _latest_candidates(output_dir: Path) -> list:
 
 
 def finish_interrupted_saves(output_dir: Path) -> None:
-    """On the main process, under the lock, when a run continues. A crash inside
-    save_checkpoint leaves either an incomplete .tmp-checkpoint-<step> (no marker: deleted) or,
-    between the renames that replace a checkpoint, a complete and intact one (renamed into place,
-    as the save would have done) and .old-checkpoint-<step> (deleted once checkpoint-<step> is
-    there, renamed back otherwise)."""
+    """On the main process, under the lock, when a run continues. A crash inside write_checkpoint
+    leaves either an incomplete .tmp-checkpoint-<step> (no marker: deleted) or, between the renames
+    that replace a checkpoint, a complete and intact one (renamed into place, as the save would have
+    done) and .old-checkpoint-<step> (deleted once checkpoint-<step> is there, renamed back otherwise)."""
     if not output_dir.is_dir():
         return
     for tmp in sorted(p for p in output_dir.iterdir() if TMP_CHECKPOINT_RE.fullmatch(p.name) and p.is_dir()):
@@ -419,61 +400,72 @@ def finish_interrupted_saves(output_dir: Path) -> None:
             os.replace(old, final)
 
 
-def model_signature(accelerator) -> dict:
-    """What identifies the prepared model(s): a digest of the parameter names and full shapes (also
-    under ZeRO-3, where `ds_shape` is the full shape), and the parameter count."""
+def model_signature(model) -> dict:
+    """What identifies a model: a digest of its parameter names and full shapes (also under ZeRO-3,
+    where `ds_shape` is the full shape), and its parameter count. Names are those of the model the
+    recipe built: a wrapper's prefix (DDP's module., torch.compile's _orig_mod.) is not part of them."""
     shapes, count = [], 0
-    for model in accelerator._models:
-        for name, p in accelerator.unwrap_model(model, keep_torch_compile=False).named_parameters():
-            shape = tuple(getattr(p, "ds_shape", p.shape))
-            shapes.append(f"{name}:{shape}")
-            count += getattr(p, "ds_numel", p.numel())
+    for name, p in model.named_parameters():
+        name = re.sub(r"^((module|_orig_mod)\.)+", "", name)
+        shapes.append(f"{name}:{tuple(getattr(p, 'ds_shape', p.shape))}")
+        count += getattr(p, "ds_numel", p.numel())
     return {"model_signature": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16], "model_parameters": count}
 
 
-def load_checkpoint(accelerator, path: Path, identity: dict) -> dict:
-    """Restore the state saved at `path`; return its trainer state. `identity` (recipe,
-    model_signature, model_parameters) must match: another recipe's or another model's checkpoint is
-    refused with a line saying whose it is. Another layout is not refused: the data position is in
-    samples (common.training.plan_run)."""
-    state = json.loads((Path(path) / STATE_FILE).read_text())
-    if state.get("recipe", identity.get("recipe")) != identity.get("recipe"):
+def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan=None) -> dict:
+    """Restore the state saved at `path` into the prepared model and optimizer; return its trainer
+    state. Another recipe's or another model's checkpoint is refused with a line saying whose it is.
+    The optimizer then takes this run's settings (weight decay, momentum, ...): the checkpoint's param
+    groups would otherwise bring back its own, silently overriding the command line. The learning rate
+    is the schedule's of this run's `plan`, set at every step. What differs is logged."""
+    state = read_state(path)
+    if state.get("recipe", recipe) != recipe:
         raise RecipeError(
-            f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is "
-            f"recipes/{identity['recipe']}.py; resume it with that recipe, or use another --output_dir"
+            f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is recipes/{recipe}.py; resume it "
+            "with that recipe, or use another --output_dir"
         )
-    if state.get("model_signature", identity.get("model_signature")) != identity.get("model_signature"):
+    identity = model_signature(model)
+    if state.get("model_signature", identity["model_signature"]) != identity["model_signature"]:
         raise RecipeError(
             f"checkpoint {path} holds another model ({state.get('model_parameters', 0):,} parameters, this run's has "
-            f"{identity.get('model_parameters', 0):,}); resume with the model arguments that wrote it (its "
-            f"{STATE_FILE} lists them under args), or use another --output_dir"
+            f"{identity['model_parameters']:,}); resume with the model arguments that wrote it (its {STATE_FILE} "
+            "lists them under args), or use another --output_dir"
         )
+    fresh = [
+        {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in optimizer.param_groups
+    ]
     try:
-        if accelerator.state.deepspeed_plugin is not None and state.get("world_size", 1) != accelerator.num_processes:
-            _load_resharded_deepspeed(accelerator, Path(path), state["world_size"])
+        if hasattr(model, "load_universal_checkpoint") and state.get("world_size", 1) != accelerator.num_processes:
+            _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
         else:
             accelerator.load_state(str(path))
     except Exception as err:  # a truncated file, another model's weights, a missing shard
         raise RecipeError(
-            f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> "
-            "folder, or `latest` to pick the newest intact one",
+            f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> folder, or `latest` "
+            "to pick the newest intact one",
             same_on_every_rank=False,
         ) from err
+    changed = set()
+    if plan is not None and state.get("learning_rate", plan.learning_rate) != plan.learning_rate:
+        changed.add(f"learning rate {state['learning_rate']:.4g} -> {plan.learning_rate:.4g}")
+    for group, settings in zip(optimizer.param_groups, fresh):
+        for key, value in settings.items():
+            if group.get(key) != value:
+                changed.add(f"{key} {group.get(key)} -> {value}")
+            group[key] = value
+    if changed:
+        logger.warning(f"resumed {path} with this run's optimizer settings: {', '.join(sorted(changed))}")
     logger.info(f"resumed from {path} at step {state['step']}")
     return state
 
 
-def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
+def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) -> None:
     """Load a ZeRO checkpoint written by another number of processes. DeepSpeed partitions the
     optimizer state (and under ZeRO-3 the weights) by process and refuses another count, so the main
-    process converts each engine's folder with DeepSpeed's own ds_to_universal (every parameter's fp32
+    process converts the engine's folder with DeepSpeed's own ds_to_universal (every parameter's fp32
     weights and optimizer moments, whole) into `.universal-checkpoint-<step>/` beside it, and every
-    process loads that with DeepSpeed's `load_universal`, which partitions it for this run. The
+    process loads that with DeepSpeed's universal loader, which partitions it for this run. The
     checkpoint itself is not touched; the conversion is deleted once loaded."""
-    import contextlib
-    import io
-    from argparse import Namespace
-
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     view = path.parent / f".universal-{path.name}"
@@ -481,7 +473,7 @@ def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(view, ignore_errors=True)
         view.mkdir()
-        for item in path.iterdir():  # the rest (scheduler, RNG states, ...) as it is
+        for item in path.iterdir():  # the rest (RNG states, ...) as it is
             if item.name not in tags:
                 (view / item.name).symlink_to(item.resolve())
         logger.warning(
@@ -490,37 +482,42 @@ def _load_resharded_deepspeed(accelerator, path: Path, written_by: int) -> None:
         )
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
             for tag in tags:
+                options = dict(num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True)
+                # inject_missing_state: ZeRO-1/2 checkpoints lack its metadata
                 ds_to_universal(
                     Namespace(
                         input_folder=str(path / tag),
                         output_folder=str(view / tag),
-                        num_extract_workers=1,
-                        num_merge_workers=1,
-                        keep_temp_folder=False,
-                        strict=True,
-                        inject_missing_state=True,  # ZeRO-1/2 lack its metadata
+                        **options,
+                        inject_missing_state=True,
                     )
                 )
     accelerator.wait_for_everyone()
-    engines = [model for model in accelerator._models if hasattr(model, "load_universal_checkpoint")]
     try:
-        for engine in engines:
-            engine._config.load_universal_checkpoint = True
-        accelerator.load_state(str(view))
-        for engine in engines:
-            # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same
-            # `step` tensor, which torch's Adam increments in place: with two groups (decay, no decay)
-            # it would count two steps per step and get the bias correction wrong. One each.
-            base = getattr(engine.optimizer, "optimizer", None)
-            for state in getattr(base, "state", {}).values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
+        with universal_loading(engine):
+            accelerator.load_state(str(view))
+        # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step`
+        # tensor, which torch's Adam increments in place: with two groups (decay, no decay) it would count
+        # two steps per step and get the bias correction wrong. One each.
+        for state in getattr(getattr(engine.optimizer, "optimizer", None), "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     finally:
-        for engine in engines:
-            engine._config.load_universal_checkpoint = False
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             shutil.rmtree(view, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def universal_loading(engine):
+    """A DeepSpeed engine that loads the next checkpoint as a universal one. DeepSpeed reads this from
+    its config's `checkpoint.load_universal`, fixed when the engine is built, and offers no public
+    switch afterwards: the one private use, `engine._config` (tests/test_zero.py checks it exists)."""
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = False
 
 
 # Final weights ------------------------------------------------------------------------------------
@@ -534,29 +531,25 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     Models with `save_pretrained` (transformers, peft) are saved with it; others as
     model.safetensors. Files are written to a temporary name and renamed; the names are recorded
     in .model-files.json, so that the next save removes the files of this one it does not write
-    again (an adapter, other shards) and --overwrite_output_dir removes exactly these. A failure to
-    write (a full disk) is one error line on every process, with the space the weights need.
+    again (an adapter, other shards) and --overwrite_output_dir removes exactly these.
     """
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
-    settle = _Settle(
-        accelerator,
-        output_dir,
-        f"model in {output_dir}",
-        None,
-        needed=lambda: sum(t.numel() * t.element_size() for t in state_dict.values()),
-    )
-    if accelerator.is_main_process:
-        with settle.attempt():
-            if not state_dict:
-                raise RecipeError("the gathered state dict is empty; under ZeRO-3 set zero3_save_16bit_model: true")
-            _write_model(accelerator.unwrap_model(model), state_dict, output_dir, tokenizer)
-    settle()
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+
+    def write():
+        if not state_dict:
+            raise RecipeError("the gathered state dict is empty; under ZeRO-3 set zero3_save_16bit_model: true")
+        _write_model(unwrapped, state_dict, output_dir, tokenizer)
+
+    needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
+    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, main_only=True)
     return output_dir
 
 
 def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
+    earlier = model_files(output_dir)
     if hasattr(unwrapped, "save_pretrained"):
         tmp = output_dir / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -568,25 +561,21 @@ def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> No
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         names = sorted(f.name for f in tmp.iterdir())
-        earlier = model_files(output_dir)
         for name in names:
             os.replace(tmp / name, output_dir / name)
         tmp.rmdir()
-        target = output_dir
     else:
-        names, earlier = ["model.safetensors"], model_files(output_dir)
-        target = output_dir / "model.safetensors"
-        tmp = output_dir / ".model.safetensors.tmp"
+        names, tmp = ["model.safetensors"], output_dir / ".model.safetensors.tmp"
         try:
             save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        os.replace(tmp, target)
+        os.replace(tmp, output_dir / "model.safetensors")
     write_json(output_dir / MODEL_FILES, {"files": names})
     for stale in set(earlier) - set(names):
         (output_dir / stale).unlink(missing_ok=True)
-    logger.info(f"saved model to {target}")
+    logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
 
 def model_files(output_dir: Path) -> list:

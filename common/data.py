@@ -7,28 +7,41 @@ import contextlib
 import os
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .preemption import ignore_stop_signals
+from .runtime import RecipeError, one_line
 
 
 @contextlib.contextmanager
 def prepare_data_first(accelerator):
     """Run the block on the main process first, then on each node's local main, then the rest.
 
-    Downloads and `datasets` cache writes then happen once on a shared filesystem and once per
-    node on node-local disks; every other process finds the data already there. A process whose
-    block fails (bad data) still lets the others past their wait and then raises: they meet the
-    same error in their own turn, instead of a barrier broken by its exit.
+    Downloads and `datasets` cache writes then happen once on a shared filesystem and once per node
+    on node-local disks; every other process finds the data already there. If the block fails on the
+    main process (bad data), the others do not run it: they raise its error too, which the main
+    process alone reports, as one line.
     """
-    failure = None
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
+    if accelerator.num_processes == 1:
+        yield
+        return
+    outcome = [None]
+    if accelerator.is_main_process:
         try:
             yield
-        except Exception as err:
-            failure = err
-    if failure is not None:
-        raise failure
+        except BaseException as err:
+            why = "" if isinstance(err, RecipeError) else "the main process failed preparing the data: "
+            broadcast_object_list([why + one_line(err)])
+            raise
+        broadcast_object_list(outcome)
+        with accelerator.local_main_process_first():  # its turn done: each node's local main, then the rest
+            return
+    broadcast_object_list(outcome)  # waits for the main process's turn
+    if outcome[0] is not None:
+        raise RecipeError(outcome[0])
+    with accelerator.local_main_process_first():
+        yield
 
 
 def default_num_workers() -> int:
@@ -109,12 +122,22 @@ class EpochSampler(Sampler):
         return self.num_samples - self._start()
 
 
-def set_epoch(dataloader, epoch: int) -> None:
-    """Set the epoch on the sampler (the order) and on the dataset (its augmentation). Accelerate's
-    DataLoaderShard.set_epoch tells the dataset only when the sampler has no `set_epoch`."""
-    dataloader.set_epoch(epoch)
+def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
+    """An iterator over the batches of `epoch`, from position `first_sample` of its order on (a run
+    resumed mid-epoch): the order (EpochSampler) and the augmentation (SeededTransform) follow the epoch.
+    Set here on the sampler itself: accelerate passes set_epoch on to a sampler inside its wrapper only
+    from version 1.7, and to the dataset only when the sampler has no set_epoch."""
+    dataloader.set_epoch(epoch)  # accelerate's loader counts its iterations by it
+    sampler = dataloader
+    while not isinstance(sampler, EpochSampler):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler -> ours
+        sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
+        if sampler is None:
+            raise TypeError("the training DataLoader needs an EpochSampler (common.make_dataloader(train=True))")
+    sampler.set_epoch(epoch)
+    sampler.resume_at(epoch, first_sample)
     if hasattr(dataloader.dataset, "set_epoch"):
         dataloader.dataset.set_epoch(epoch)
+    return iter(dataloader)
 
 
 class SeededTransform(Dataset):

@@ -1,17 +1,150 @@
-"""What a run reports: peak memory, library versions, and results.json."""
+"""What a run reports: the training log (loss, learning rate, rates, progress bar), peak memory, and
+results.json."""
 
 from __future__ import annotations
 
 import math
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .args import public_args
 from .checkpoint import write_json
-from .runtime import library_versions
+from .runtime import RecipeError, library_versions, logger
+
+
+class TrainLog:
+    """The training loss, weighted by items (samples, or target tokens) over every micro-batch and
+    process since the last log; the history (results.json, trackers); the progress bar; the rates.
+    Its state is its own: the loop hands it each micro-batch's loss and each step's number."""
+
+    def __init__(self, accelerator, plan, start, logging_steps: int):
+        self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
+        self.train_loss, self.history = None, []
+        self._added = []  # (loss, items, per) of each micro-batch since the last log: no host sync per step
+        self._start = (start.step, start.seen)  # where this process's run began: its rates count from there
+        self.train_seconds, self._first = 0.0, None  # training seconds; (seconds, samples) after the first step
+        self._lr = self._seen = None  # the learning rate and the samples trained after the last step
+        self._clock = time.perf_counter()
+        self._bar = tqdm(
+            total=plan.max_train_steps,
+            initial=start.step,
+            disable=not accelerator.is_local_main_process,
+            mininterval=0.1 if sys.stderr.isatty() else 30,  # batch logs (Slurm): a line per 30 s
+        )
+
+    def add(self, loss: torch.Tensor, items, per=None) -> None:
+        """One micro-batch of this process: its loss, a mean over `per` items (default: its own number
+        of `items`; an LM's loss is a share of the step's mean over every process's target tokens)."""
+        self._added.append((loss.detach(), items, items if per is None else per))
+
+    def step(self, step: int, seen: int, lr: float | None = None) -> None:
+        """After each optimizer step (its number, the samples trained after it): the clock and the bar,
+        and every --logging_steps (and at the last step) the loss in the history, with the learning rate
+        at that point of the schedule (the plan's, or `lr`: a DeepSpeed config's own scheduler's)."""
+        self._lr, self._seen = lr, seen
+        now = time.perf_counter()
+        self.train_seconds += now - self._clock
+        self._clock = now
+        if self._first is None:
+            self._first = (self.train_seconds, seen)
+        self._bar.update(1)
+        if step % self.logging_steps == 0 or step >= self.plan.max_train_steps:
+            self.flush(step)
+
+    def flush(self, step: int) -> None:
+        """The loss since the last log into the history (one all-reduce), if any was added."""
+        if not self._added:
+            return
+        seen = self._seen
+        lr = self.plan.lr_at(seen) if self._lr is None else self._lr
+        self.train_loss = self._mean_loss(step)
+        # train_seconds: this run's training time so far, read after the loss reached the host (a device
+        # sync), so consecutive logs time the steps between them (benchmarks/)
+        record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss, "lr": lr}
+        self.history.append({**record, "train_seconds": round(self.train_seconds, 4)})
+        self.accelerator.log(record, step=step)
+        self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
+
+    def _sums(self, extra=0.0) -> torch.Tensor:
+        """(loss x items, items, extra) summed over the micro-batches since the last log and every process."""
+        device = self.accelerator.device
+        local = torch.zeros(3, dtype=torch.float64, device=device)
+        if self._added:
+            losses, items, per = ([torch.as_tensor(v, device=device) for v in column] for column in zip(*self._added))
+            local[0] = (torch.stack(losses).double() * torch.stack(per).double()).sum()
+            local[1] = torch.stack(items).double().sum()
+        local[2] = extra
+        return self.accelerator.reduce(local, reduction="sum")
+
+    def _mean_loss(self, step: int) -> float:
+        sums = self._sums()
+        self._added = []
+        loss = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        if not math.isfinite(loss):
+            raise _diverged(step, f"the training loss became {loss}")
+        return loss
+
+    def check_finite(self, step: int, model) -> None:
+        """Before a checkpoint or the final save: raise if the loss since the last log, or the weights
+        (each process checks what it holds: its ZeRO-3 or FSDP shard, or the whole model), are NaN or
+        inf, so nothing of a diverged run is saved."""
+        bad = 0.0
+        for p in model.parameters():
+            local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+            if local.numel() and not torch.isfinite(local).all():
+                bad = 1.0
+                break
+        sums = self._sums(bad)
+        loss = float(sums[0] / sums[1].clamp(min=1))
+        if not math.isfinite(loss):
+            raise _diverged(step, f"the training loss became {loss}")
+        if sums[2] > 0:
+            raise _diverged(step, "the weights hold NaN or inf")
+
+    def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
+        """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
+        self.flush(step)
+        self.accelerator.log({**metrics, "epoch": epoch}, step=step)
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
+        logger.info(f"epoch {epoch}: step {step}, train_loss {loss}, {shown}")
+        self._clock = time.perf_counter()
+
+    def summary(self, at, tokens_per_sample: int | None = None) -> dict:
+        """What results.json reports about training. samples_per_second spans every step of this run;
+        steady_samples_per_second leaves out the first, whose one-time costs (kernel selection, the
+        allocator, torch.compile) a short run cannot amortize."""
+        self._bar.close()
+        steps, samples = at.step - self._start[0], at.seen - self._start[1]
+        rate = samples / self.train_seconds if steps and self.train_seconds else None
+        steady = None
+        if steps > 1 and self.train_seconds > self._first[0]:
+            steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
+        summary = {
+            "steps": at.step,
+            "epochs": round(at.seen / (self.plan.epoch_rounds * self.plan.round_samples), 2),
+            "samples_seen": at.seen,
+            "train_loss": self.train_loss,
+            "samples_per_second": rate,
+            "steady_samples_per_second": steady,
+            "log_history": self.history,
+        }
+        if tokens_per_sample:
+            summary["tokens_per_second"] = rate * tokens_per_sample if rate else None
+            summary["steady_tokens_per_second"] = steady * tokens_per_sample if steady else None
+        return summary
+
+
+def _diverged(step: int, what: str) -> RecipeError:
+    return RecipeError(
+        f"{what} by step {step}; nothing was saved after it: lower --learning_rate, raise --warmup_steps, set "
+        "--max_grad_norm, or check the data for bad values"
+    )
 
 
 def count_parameters(model, trainable_only=False) -> int:
@@ -36,10 +169,10 @@ def parameters_per_process(accelerator, model) -> list:
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
-def mfu(accelerator, tokens_per_second: float, flops_per_token: float):
+def mfu(accelerator, tokens_per_second: float | None, flops_per_token: float):
     """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak, or None where the
     peak is unknown (CPU, unlisted GPUs)."""
-    if accelerator.device.type != "cuda":
+    if accelerator.device.type != "cuda" or not tokens_per_second:
         return None
     name = torch.cuda.get_device_name(accelerator.device)
     peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
@@ -47,10 +180,8 @@ def mfu(accelerator, tokens_per_second: float, flops_per_token: float):
 
 
 def peak_memory_gb(accelerator) -> dict:
-    """Peak memory of every process: the accelerator's allocator on GPU, the resident set on CPU.
-
-    Gathered, so the record shows the most loaded device, not just process 0.
-    """
+    """Peak memory of every process (gathered: the record shows the most loaded device): the
+    accelerator's allocator on GPU, the resident set on CPU."""
     if accelerator.device.type == "cuda":
         kind, value = "cuda_max_allocated", torch.cuda.max_memory_allocated(accelerator.device) / 2**30
     else:

@@ -1,5 +1,5 @@
-"""One run per --output_dir: a run claims the folder before it does any work there, and never
-mixes its checkpoints or weights with another run's, nor overwrites them by mistake.
+"""One run per --output_dir: a run claims the folder before it does any work there, and never mixes
+its checkpoints or weights with another run's, nor overwrites them by mistake.
 
     .run.lock   locked by the run writing here; present while it runs (or after a kill)
 """
@@ -28,10 +28,15 @@ from .checkpoint import (
     checkpoint_step,
     complete_checkpoints,
     finish_interrupted_saves,
+    load_checkpoint,
     model_files,
+    nearest_existing,
     not_a_checkpoint,
     resolve_checkpoint,
+    save_checkpoint,
+    save_model,
 )
+from .metrics import tracker_config, write_results
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
 
 try:
@@ -48,6 +53,27 @@ TMP_FILES = (".tmp-model", ".model.safetensors.tmp", f".{RESULTS_FILE}.tmp", f".
 UNSUPPORTED_LOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
+class OutputDir:
+    """--output_dir, claimed for this run, and what the run writes there: checkpoints, the final
+    weights, results.json. `resume_from`: the checkpoint this run continues, or None."""
+
+    def __init__(self, accelerator, args):
+        self.accelerator, self.args = accelerator, args
+        self.resume_from = prepare_output_dir(accelerator, args)
+
+    def load_checkpoint(self, model, optimizer, plan) -> dict:
+        return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args.recipe, plan)
+
+    def save_checkpoint(self, model, plan, at, log) -> Path:
+        return save_checkpoint(self.accelerator, model, self.args, plan, at, log)
+
+    def save_model(self, model, tokenizer=None) -> Path:
+        return save_model(self.accelerator, model, self.args.output_dir, tokenizer)
+
+    def write_results(self, plan, **metrics) -> Path:
+        return write_results(self.accelerator, self.args, plan, **metrics)
+
+
 def prepare_output_dir(accelerator, args) -> Path | None:
     """Claim `--output_dir` for this run before any work is done there, and return the checkpoint
     to resume from (None: a fresh start).
@@ -56,13 +82,13 @@ def prepare_output_dir(accelerator, args) -> Path | None:
       it is refused, naming the first, with nothing changed.
     - A folder holding an earlier run is refused unless the run resumes it (`latest`, or a
       checkpoint of its own) or `--overwrite_output_dir` is passed, which deletes what the earlier
-      run wrote (its checkpoints, weights and results.json, nothing else), so that `latest` cannot
-      mix two runs: an earlier run's weights are never overwritten by mistake. Resuming another
+      run wrote (its checkpoints, weights and results.json, nothing else). Resuming another
       folder's checkpoint is a new run here, under the same rule.
     - `latest` on a finished run (results.json, written last, and no newer checkpoint) raises
       RunFinished: a requeued job that already finished ends at once, successfully.
     - A process that restarts under `accelerate launch --max_restarts N` resumes from `latest`.
     - Every process proves it can write there now rather than at the first checkpoint, hours in.
+    - Once the folder is the run's, the trackers (--report_to) start logging there.
     """
     output_dir, spec = Path(args.output_dir), args.resume_from_checkpoint
     overwrite = bool(getattr(args, "overwrite_output_dir", False))
@@ -76,6 +102,7 @@ def prepare_output_dir(accelerator, args) -> Path | None:
         decide_on_main(accelerator, lambda: finish_interrupted_saves(output_dir))
     resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
     decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
+    accelerator.init_trackers(args.recipe, config=tracker_config(args))
     return resume_from
 
 
@@ -85,37 +112,25 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not (path / STATE_FILE).is_file():  # a typo, or the run's folder itself
         raise RecipeError(not_a_checkpoint(spec))
-    inside = path is not None and _inside(path, output_dir)
-    if overwrite and spec == "latest":
-        raise RecipeError(
-            "--overwrite_output_dir starts over and --resume_from_checkpoint latest continues the run "
-            f"in {output_dir}: pass one of them"
-        )
-    if overwrite and inside:
-        raise RecipeError(
-            f"--overwrite_output_dir would delete {spec}, the checkpoint to resume from: pass one of them"
-        )
+    inside = path is not None and path.resolve().parent == output_dir.resolve()  # a checkpoint of this run
+    if overwrite and (spec == "latest" or inside):
+        what = f"latest continues the run in {output_dir}" if spec == "latest" else f"{spec} is one it would delete"
+        raise RecipeError(f"--overwrite_output_dir starts over and --resume_from_checkpoint {what}: pass one of them")
     held = _key(output_dir) in _RunLock.held
     lock = _RunLock.acquire(output_dir)
     try:
-        if spec == "latest":
-            finished = _finished(output_dir)
-            if finished:
-                raise RunFinished(finished)
-        elif not inside and not overwrite:
-            previous = _run_outputs(output_dir)
-            if previous and spec:
-                raise RecipeError(
-                    f"--output_dir {output_dir} already holds a run ({', '.join(previous[:4])}) and "
-                    f"--resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir to "
-                    "start over there from it, or another --output_dir"
-                )
-            if previous:
-                raise RecipeError(
-                    f"--output_dir {output_dir} already holds a run ({', '.join(previous[:4])}); pass "
-                    "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, "
-                    "or another --output_dir"
-                )
+        previous = _run_outputs(output_dir)
+        if spec == "latest" and _finished(output_dir):
+            raise RunFinished(_finished(output_dir))
+        if previous and not (spec == "latest" or inside or overwrite):
+            advice = (
+                f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir to "
+                "start over there from it, or another --output_dir"
+                if spec
+                else "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
+                "another --output_dir"
+            )
+            raise RecipeError(f"--output_dir {output_dir} already holds a run ({', '.join(previous[:4])}){advice}")
     except BaseException:
         if not held:
             lock.release()
@@ -132,31 +147,26 @@ def _begin(output_dir: Path, overwrite: bool) -> None:
         _start_over(output_dir)
 
 
-def _inside(path: Path, output_dir: Path) -> bool:
-    """Whether `path` is a checkpoint of the run in output_dir (continuing it) or another's."""
-    return path.resolve().parent == output_dir.resolve()
-
-
-def _is_checkpoint_dir(path: Path) -> bool:
-    return any(r.fullmatch(path.name) for r in (CHECKPOINT_RE, TMP_CHECKPOINT_RE, OLD_CHECKPOINT_RE)) and path.is_dir()
+def _ours(path: Path) -> bool:
+    """A checkpoint folder in one of the forms this project's saves write."""
+    return path.is_dir() and any(r.fullmatch(path.name) for r in (CHECKPOINT_RE, TMP_CHECKPOINT_RE, OLD_CHECKPOINT_RE))
 
 
 def _run_outputs(output_dir: Path) -> list:
     """Names in output_dir that a recipe's run wrote there (its lock file aside)."""
     if not output_dir.is_dir():
         return []
-    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_FILES or _is_checkpoint_dir(p))
+    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_FILES or _ours(p))
 
 
 def _finished(output_dir: Path) -> str | None:
     """Why output_dir holds a finished run (results.json is written last), or None. A checkpoint
     newer than the finished run's last step means the run was resumed by path to train further,
     and `latest` continues that."""
-    results = output_dir / RESULTS_FILE
-    if not results.is_file():
+    if not (output_dir / RESULTS_FILE).is_file():
         return None
     try:
-        steps = json.loads(results.read_text()).get("steps")
+        steps = json.loads((output_dir / RESULTS_FILE).read_text()).get("steps")
     except (OSError, ValueError, AttributeError):
         steps = None
     checkpoints = complete_checkpoints(output_dir)
@@ -175,31 +185,24 @@ def _finished(output_dir: Path) -> str | None:
 
 
 def _start_over(output_dir: Path) -> None:
-    """--overwrite_output_dir: delete what this project's runs wrote, named exactly as they name
-    it: checkpoint-<step>/ and its temporary forms, results.json, the weights and tokenizer files
-    save_model listed, temporary files. Everything else (a user's best-checkpoint/, notes,
-    tracker logs) stays."""
+    """--overwrite_output_dir: delete what this project's runs wrote, named exactly as they name it:
+    checkpoint-<step>/ and its temporary forms, results.json, the weights and tokenizer files save_model
+    listed, temporary files. Everything else (a user's best-checkpoint/, notes, tracker logs) stays."""
     if not output_dir.is_dir():
         return
-    folders = sorted((p for p in output_dir.iterdir() if _is_checkpoint_dir(p)), key=checkpoint_step)
     names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
+    folders = sorted((p for p in output_dir.iterdir() if _ours(p)), key=checkpoint_step)
     files = sorted(p for p in output_dir.iterdir() if p.name in names and (p.is_file() or p.name in TMP_FILES))
     if not folders and not files:
         return
     logger.warning(f"--overwrite_output_dir: deleting the earlier run's {', '.join(p.name for p in folders + files)}")
-    for path in [output_dir / RESULTS_FILE, *folders, *files]:  # results.json first: the run is no longer finished
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    for path in sorted(folders + files, key=lambda p: p.name != RESULTS_FILE):  # results.json first: not finished
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _check_writable(accelerator, output_dir: Path) -> None:
     """Every process writes and removes a file in output_dir (or, before the run has created it,
     in the nearest folder above it that exists); all of them agree on the outcome."""
-    folder = output_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
     problem = None
     if output_dir.exists() and not output_dir.is_dir():
         problem = "it is a file"
@@ -207,16 +210,15 @@ def _check_writable(accelerator, output_dir: Path) -> None:
         try:
             # A file without a name (O_TMPFILE; elsewhere unlinked as soon as it is created): a process
             # stopped here, before it records stop signals, leaves nothing in the folder.
-            with tempfile.TemporaryFile(dir=folder) as probe:
+            with tempfile.TemporaryFile(dir=nearest_existing(output_dir)) as probe:
                 probe.write(b"ok")
                 probe.flush()
         except OSError as err:
             problem = one_line(err)
     flag = torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32)
-    failed = accelerator.reduce(flag, reduction="sum")
-    if int(failed.item()):
-        detail = problem or f"{int(failed.item())} process(es) on other nodes cannot"
-        raise RecipeError(_unwritable(output_dir, detail))
+    failed = int(accelerator.reduce(flag, reduction="sum").item())
+    if failed:
+        raise RecipeError(_unwritable(output_dir, problem or f"{failed} process(es) on other nodes cannot"))
 
 
 def _unwritable(output_dir: Path, detail: str) -> str:
@@ -224,9 +226,6 @@ def _unwritable(output_dir: Path, detail: str) -> str:
         f"cannot write to --output_dir {output_dir} ({detail}); pass a folder this job can write to, "
         "on a filesystem every node sees"
     )
-
-
-# The lock ---------------------------------------------------------------------------------------
 
 
 def _key(output_dir: Path) -> str:
@@ -237,18 +236,17 @@ class _RunLock:
     """An exclusive fcntl (POSIX) lock on <output_dir>/.run.lock, taken by the main process before
     it looks at the folder and held until it exits. The kernel releases it when the process ends,
     however it ends, so a killed run leaves no stale lock; fcntl locks hold across the nodes of an
-    NFS mount (flock is emulated with them there). The file records who holds it (pid, host,
-    Slurm job, start), for the message a second run gets. Forked DataLoader workers do not
-    inherit fcntl locks, and nothing else in the process opens the file (closing any descriptor
-    of it would drop the lock).
+    NFS mount. The file records who holds it (pid, host, Slurm job, start), for the message a second
+    run gets. Forked DataLoader workers do not inherit fcntl locks, and nothing else in the process
+    opens the file (closing any descriptor of it would drop the lock).
 
-    A run leaves the folder as it found it when it is refused (the lock file and the folders it
-    created removed, or the file's earlier content put back); once it goes on, it removes the
-    lock file at exit. Whoever locks the file checks afterwards that it is still the one at that
-    path, since its holder may have removed it in between."""
+    A refused run leaves the folder as it found it (the lock file and the folders it created
+    removed, or the file's earlier content put back); a run that went on removes the lock file at
+    exit. Whoever locks the file checks afterwards that it is still the one at that path, since its
+    holder may have removed it in between."""
 
     held: dict = {}
-    warned = registered = False
+    warned = False
 
     def __init__(self, output_dir: Path):
         self.output_dir, self.path = output_dir, output_dir / LOCK_FILE
@@ -256,32 +254,33 @@ class _RunLock:
 
     @classmethod
     def acquire(cls, output_dir: Path) -> _RunLock:
-        key = _key(output_dir)
-        if key in cls.held:  # this process holds it already (a second prepare_output_dir)
-            return cls.held[key]
+        if _key(output_dir) in cls.held:  # this process holds it already (a second prepare_output_dir)
+            return cls.held[_key(output_dir)]
         lock = cls(output_dir)
         try:
             lock._acquire()
         except BaseException:
             lock.release()
             raise
-        cls.held[key] = lock
-        if not cls.registered:
+        if not cls.held:
             atexit.register(cls.release_all)
-            cls.registered = True
+        cls.held[_key(output_dir)] = lock
         return lock
 
     def _acquire(self) -> None:
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise RecipeError(_unwritable(self.output_dir, "it is a file"))
-        for _ in range(50):
+        for _ in range(50):  # another run removing or replacing the file meanwhile: try again
             try:
-                self._make_dirs()
-            except OSError as err:
-                raise RecipeError(_unwritable(self.output_dir, one_line(err))) from err
-            try:
-                fd, created = self._open()
-            except FileNotFoundError:  # the folder or file vanished in between (a refused run's cleanup)
+                missing = [p for p in [self.output_dir, *self.output_dir.parents] if not p.exists()]
+                for folder in reversed(missing):
+                    folder.mkdir(exist_ok=True)
+                    self.created_dirs.append(folder)
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+                except FileExistsError:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+            except FileNotFoundError:
                 continue
             except OSError as err:
                 raise RecipeError(_unwritable(self.output_dir, one_line(err))) from err
@@ -302,63 +301,34 @@ class _RunLock:
                     ) from err
                 if err.errno == errno.ESTALE:  # NFS: the file was removed on another node
                     continue
-                if err.errno in UNSUPPORTED_LOCK:
-                    if not _RunLock.warned:
-                        logger.warning(
-                            f"cannot lock --output_dir {self.output_dir} on this filesystem "
-                            f"({one_line(err)}): a second run started into it would not be stopped"
-                        )
-                        _RunLock.warned = True
-                    return
-                raise RecipeError(
-                    f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); "
-                    "pass a folder on another filesystem"
-                ) from err
-            if not self._still_there(fd):
+                if err.errno not in UNSUPPORTED_LOCK:
+                    raise RecipeError(
+                        f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); pass a folder on another "
+                        "filesystem"
+                    ) from err
+                if not _RunLock.warned:
+                    logger.warning(
+                        f"cannot lock --output_dir {self.output_dir} on this filesystem ({one_line(err)}): a second "
+                        "run started into it would not be stopped"
+                    )
+                    _RunLock.warned = True
+                return
+            try:
+                same = os.stat(self.path)[1:3] == os.fstat(fd)[1:3]  # (inode, device): still the file at the path
+            except OSError:
+                same = False
+            if not same:
                 os.close(fd)
                 continue
-            self.fd = fd
-            self.original = None if created else os.pread(fd, 1 << 16, 0)
+            self.fd, self.original = fd, None if created else os.pread(fd, 1 << 16, 0)
+            job = f", Slurm job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else ""
+            started = time.strftime("%Y-%m-%d %H:%M:%S")
             try:
-                self._write(self._identity())
+                self._write(f"pid {os.getpid()} on {socket.gethostname()}{job}, started {started}\n".encode())
             except OSError as err:
                 raise RecipeError(_unwritable(self.output_dir, one_line(err))) from err
             return
         raise RecipeError(f"could not lock --output_dir {self.output_dir}: its lock file kept being replaced")
-
-    def _make_dirs(self) -> None:
-        missing, folder = [], self.output_dir
-        while not folder.exists() and folder != folder.parent:
-            missing.append(folder)
-            folder = folder.parent
-        for folder in reversed(missing):
-            try:
-                folder.mkdir()
-                self.created_dirs.append(folder)
-            except FileExistsError:
-                pass
-
-    def _open(self) -> tuple:
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            return os.open(self.path, os.O_RDWR), False
-
-    def _still_there(self, fd: int) -> bool:
-        try:
-            st, mine = os.stat(self.path), os.fstat(fd)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-    @staticmethod
-    def _identity() -> bytes:
-        job = os.environ.get("SLURM_JOB_ID")
-        return (
-            f"pid {os.getpid()} on {socket.gethostname()}"
-            + (f", Slurm job {job}" if job else "")
-            + f", started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-        ).encode()
 
     def _write(self, data: bytes) -> None:
         os.ftruncate(self.fd, 0)

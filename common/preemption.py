@@ -108,10 +108,9 @@ class StopOnSignal:
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return None
 
-    def close(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+    def preempted(self, step: int, checkpoint, during: str | None = None) -> Preempted:
+        """The exception to end the run with once its stop checkpoint is saved (exit_codes: exit 75)."""
+        return Preempted(self.signal, step, checkpoint, during)
 
 
 def write_status(text: str) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import datetime
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import platform
@@ -72,16 +73,11 @@ def one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def distributed(accelerator) -> bool:
-    """Whether `accelerator` (None: no Accelerator, as in a single-process helper) spans processes."""
-    return accelerator is not None and accelerator.num_processes > 1
-
-
 def decide_on_main(accelerator, fn):
     """Run `fn` on the main process alone; every process returns its result or raises its
     RecipeError or RunFinished (printed once, by the main process). Decisions about --output_dir
     are taken once, so no two processes see the folder at different moments."""
-    if not distributed(accelerator):
+    if accelerator is None or accelerator.num_processes == 1:
         return fn()
     outcome = [None]
     if accelerator.is_main_process:
@@ -149,44 +145,79 @@ def exit_codes():
     sys.exit(code)
 
 
-def process_group_kwargs(ddp_timeout: int = 600) -> InitProcessGroupKwargs:
-    """For `Accelerator(kwargs_handlers=[...])`: the process group's settings, after the checks that
-    must precede it.
+def make_accelerator(args, **kwargs) -> Accelerator:
+    """The recipes' Accelerator (accumulation, trackers, the process group's timeout), after and with
+    the checks that refuse a launch that would not train as one job:
 
-    - More processes on this node than visible GPUs is refused now, not with 'invalid device ordinal'.
-    - A process started by a launcher ends with it (Linux's parent-death signal, SIGTERM: it stops
-      at a checkpoint), instead of training on alone when the launcher is killed.
-    - A process restarted by `--max_restarts` joins its attempt's group (see _join_restarted_group).
-    - A stuck collective fails after `ddp_timeout` seconds instead of torch's 30 minutes or more.
-    - Hosts without GPUs get gloo explicitly: DeepSpeed's CPU path needs it to see the world size.
+    - more processes on this node than visible GPUs is refused now, not with 'invalid device ordinal';
+    - a process started by a launcher ends with it (Linux's parent-death signal, SIGTERM: it stops at a
+      checkpoint), instead of training on alone when the launcher is killed;
+    - a stuck collective fails after --ddp_timeout seconds instead of torch's 30 minutes or more, and
+      hosts without GPUs get gloo explicitly (DeepSpeed's CPU path needs it to see the world size);
+    - the processes the launcher started must form one group that syncs gradients (one all-reduce
+      proves it), and DeepSpeed's config must agree with the recipe's accumulation and clipping.
     """
     expected = int(os.environ.get("WORLD_SIZE", "1"))
+    _refuse_known_bad_versions(expected)
     _check_visible_gpus()
     if _started_by_a_launcher():
         die_with_parent(signal.SIGTERM, _PARENT)
-    kwargs = {"timeout": datetime.timedelta(seconds=ddp_timeout)}
+    group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
     if expected > 1 and not torch.cuda.is_available():
-        kwargs["backend"] = "gloo"
+        group["backend"] = "gloo"
     try:
-        _join_restarted_group(kwargs)
+        _join_restarted_group(group)
     except torch.distributed.DistError as err:
         raise RecipeError(
             f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
             "reachable from every process and that the port is free"
         ) from err
-    return InitProcessGroupKwargs(**kwargs)
-
-
-def check_launch(accelerator: Accelerator, gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None):
-    """Refuse a launch that would not train as one job: the processes the launcher started must form
-    one group that syncs gradients (one all-reduce proves it), and under DeepSpeed, which clips and
-    accumulates itself, its config must agree with the recipe's accumulation (its clipping is set
-    from `max_grad_norm` when the config leaves it to us)."""
-    check_process_group(accelerator, int(os.environ.get("WORLD_SIZE", "1")))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(**group)],
+        **kwargs,
+    )
+    _setup_logging(accelerator)
+    _cache_missing_optional_packages()
+    check_process_group(accelerator, expected)
     if accelerator.state.deepspeed_plugin is not None:
         _agree_with_deepspeed(
-            accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm
+            accelerator.state.deepspeed_plugin.deepspeed_config, args.gradient_accumulation_steps, args.max_grad_norm
         )
+    return accelerator
+
+
+# (package, first good version, what goes wrong below it): releases that would not fail, but train
+# wrong or hang, so a user whose pip ignored pyproject's floors learns it before anything runs.
+KNOWN_BAD = (("torch", "2.8", "a job of several processes hangs at exit in destroy_process_group", 2),)
+
+
+def _refuse_known_bad_versions(processes: int) -> None:
+    from packaging.version import Version
+
+    for package, good, problem, from_processes in KNOWN_BAD:
+        try:
+            installed = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if processes >= from_processes and Version(installed).release < Version(good).release:
+            raise RecipeError(
+                f"{package} {installed} is installed, and with it {problem}; pip install '{package}>={good}' "
+                "(pyproject.toml lists the versions the recipes are tested with)"
+            )
+
+
+def _cache_missing_optional_packages() -> None:
+    """Accelerate's prepared optimizer asks whether the optional package lomo_optim is installed twice
+    at every optimizer step (accelerate/optimizer.py, is_lomo_available: an uncached importlib.util.find_spec,
+    one stat per sys.path entry: 100 to 300 us a step here, more on a network filesystem). A package that
+    is not installed is recorded as such in sys.modules, Python's own record of imports (None: "not
+    importable"), so that the question costs nothing; an installed one is left alone."""
+    for name in ("lomo_optim",):
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = None
 
 
 def _started_by_a_launcher() -> bool:
@@ -316,7 +347,7 @@ def _check_visible_gpus() -> None:
         )
 
 
-def setup_logging(accelerator: Accelerator) -> None:
+def _setup_logging(accelerator: Accelerator) -> None:
     """INFO from the main process, warnings and errors from every process; libraries' chatter off."""
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .args import at_least, nonempty, percentage, positive_int
+from .args import at_least, percentage, positive_int
 from .data import make_dataloader, prepare_data_first
 from .runtime import RecipeError, logger
 
@@ -357,17 +357,17 @@ def tokenize_and_pack(
 def add_text_args(parser) -> None:
     """The data arguments of the causal-LM recipes (names from transformers' run_clm)."""
     d = parser.add_argument_group("data")
-    d.add_argument("--dataset_name", type=nonempty, help="a hub dataset, or a local folder of data files")
-    d.add_argument("--dataset_config_name", type=nonempty)
-    d.add_argument("--train_file", type=nonempty, help="local .txt, .json, .jsonl, .csv or .parquet")
-    d.add_argument("--validation_file", type=nonempty, help="in the format of --train_file")
+    d.add_argument("--dataset_name", help="a hub dataset, or a local folder of data files")
+    d.add_argument("--dataset_config_name")
+    d.add_argument("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
+    d.add_argument("--validation_file", help="in the format of --train_file")
     d.add_argument(
         "--validation_split_percentage",
         type=percentage,
         default=5,
         help="held out when there is no validation split (between 0 and 100)",
     )
-    d.add_argument("--text_column", type=nonempty, default="text")
+    d.add_argument("--text_column", default="text")
     d.add_argument(
         "--data_format",
         choices=["text", "chat"],
@@ -400,10 +400,9 @@ def check_text_args(parser, args) -> None:
 
 def add_model_args(group) -> None:
     """Where the causal-LM recipes' model and tokenizer come from (names from transformers' run_clm)."""
-    group.add_argument("--model_name_or_path", type=nonempty, help="pretrained weights: a hub id or a local folder")
+    group.add_argument("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
     group.add_argument(
         "--config_name",
-        type=nonempty,
         help="or a new model, randomly initialized: the config of a hub id or local folder",
     )
     group.add_argument(
@@ -411,7 +410,7 @@ def add_model_args(group) -> None:
         type=config_overrides,
         help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32",
     )
-    group.add_argument("--tokenizer_name", type=nonempty, help="default: --model_name_or_path or --config_name")
+    group.add_argument("--tokenizer_name", help="default: --model_name_or_path or --config_name")
     group.add_argument(
         "--resize_token_embeddings",
         action="store_true",
@@ -711,6 +710,21 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         collate_fn=default_data_collator,
     )
     return train, evals, block_size
+
+
+def target_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens a causal LM is trained to predict in a batch: the labels after the first position
+    (the model shifts them by one) that are not masked with -100. A step's loss is its mean over every
+    target token of every micro-batch and process: transformers' causal-LM losses divide their sum by
+    the count passed as `num_items_in_batch`."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def window_tokens(accelerator, window) -> torch.Tensor:
+    """The target tokens of a whole optimizer step: every micro-batch of the window on every process (one
+    scalar all-reduce, on the device: no host sync), at least 1, so that a step without any is a zero
+    update rather than NaN."""
+    return accelerator.reduce(sum(target_tokens(batch["labels"]) for batch in window), reduction="sum").clamp(min=1)
 
 
 def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:

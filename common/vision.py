@@ -16,7 +16,7 @@ import torchvision
 from PIL import Image
 from safetensors.torch import load_file
 
-from .args import nonempty, positive_float
+from .args import positive_float
 from .metrics import count_parameters
 from .runtime import DataError, RecipeError, logger, one_line
 
@@ -112,7 +112,6 @@ def add_model_args(group) -> None:
     )
     group.add_argument(
         "--pretrained_path",
-        type=nonempty,
         help="start from weights on disk for --model (.safetensors, "
         "or a torch.save'd state dict); the head is new unless it has as many classes as the data",
     )

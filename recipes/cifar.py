@@ -16,19 +16,17 @@ CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); se
 
 import argparse
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
 import torchvision
-from accelerate import Accelerator, PartialState
+from accelerate import PartialState
 from accelerate.utils import set_seed
 from torchvision import transforms as T
 
 import common
 from common import RecipeError, vision
-from common.args import fraction_below_one, nonempty, positive_int, probability
-
-RECIPE = "cifar"  # checkpoints name the recipe that wrote them: a copy renamed to train.py still resumes them
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -62,20 +60,20 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def parse_args(argv=None):
-    p = common.training_parser(__doc__.split("\n")[0])
+    p = common.training_parser("cifar", __doc__.split("\n")[0])
     p.add_argument("--dataset", choices=[*DATASETS, "imagefolder"], default="cifar10")
-    p.add_argument("--data_dir", type=nonempty, default="data", help="where CIFAR is (or is downloaded to)")
-    p.add_argument("--train_dir", type=nonempty, help="ImageFolder training images (--dataset imagefolder)")
-    p.add_argument("--val_dir", type=nonempty, help="ImageFolder validation images (--dataset imagefolder)")
-    p.add_argument("--image_size", type=positive_int, default=32, help="ImageFolder images are resized to this")
+    p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
+    p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
+    p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
+    p.add_argument("--image_size", type="positive_int", default=32, help="ImageFolder images are resized to this")
     vision.add_model_args(p.add_argument_group("model"))  # --model, --pretrained[_path], --freeze_backbone, ...
     p.add_argument("--optimizer", choices=["sgd", "adamw"])
-    p.add_argument("--momentum", type=fraction_below_one)
+    p.add_argument("--momentum", type="fraction_below_one")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
-    p.add_argument("--label_smoothing", type=fraction_below_one)
+    p.add_argument("--label_smoothing", type="fraction_below_one")
     p.add_argument(
         "--hflip",
-        type=probability,
+        type="probability",
         help="probability of a horizontal flip in training: "
         "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
         "shows the same class; 0 where it does not (digits, text)",
@@ -159,10 +157,7 @@ def as_uint8(dataset, size):
     if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
         return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
     dataset.transform = T.Compose([T.Resize((size, size)), T.PILToTensor()])
-    try:
-        images, labels = zip(*(dataset[i] for i in range(len(dataset))))
-    except common.DataError as err:  # every process reads every image here: the same error on each
-        raise RecipeError(str(err)) from err
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
     return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor(labels)
 
 
@@ -170,8 +165,6 @@ def build_device_datasets(args, device):
     """--data_on_device: (train, eval, num_classes) held on `device` as uint8. A batch is padded,
     cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
     train, evals, size, mean, std, num_classes = load_images(args)
-    if size > 64:
-        raise RecipeError(f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not {size}")
     pad = size // 8 if args.random_crop else 0
     mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
@@ -223,7 +216,8 @@ def load_model(args, num_classes):
 
 def build_optimizer(args, model, lr, fused=False):
     """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor. Frozen
-    parameters are in no group; the head's come last, at lr x --head_lr_scale (the rate logged is the first's)."""
+    parameters are in no group; the head's come last, at lr x --head_lr_scale (their lr_scale, as timm names
+    it; the rate logged is the backbone's)."""
     groups = common.decay_groups(model, args.weight_decay)
     if args.head_lr_scale != 1:
         head = vision.head_parameters(model)
@@ -231,7 +225,7 @@ def build_optimizer(args, model, lr, fused=False):
             {
                 **g,
                 "params": [p for p in g["params"] if (id(p) in head) == is_head],
-                "lr": lr * args.head_lr_scale if is_head else lr,
+                "lr_scale": args.head_lr_scale if is_head else 1.0,
             }
             for is_head in (False, True)
             for g in groups
@@ -265,20 +259,12 @@ def evaluate(model, eval_dl, accelerator, stop=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
-        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
-    )
-    common.setup_logging(accelerator)
-    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
     set_seed(args.seed)  # every process builds the same initial model
-    resume_from = common.prepare_output_dir(accelerator, args)
+    out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
-    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
+    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
     model = vision.set_norm_layer(load_model(args, num_classes), args.norm_layer, on_gpu)
@@ -287,57 +273,58 @@ def main(argv=None):
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
         model.compile()
     optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
-    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
-        model, optimizer, train_dl, eval_dl, scheduler
-    )
-    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
-    if resume_from:
-        checkpoints.restore(resume_from, optimizer, scheduler)
-    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    if out.resume_from:
+        out.load_checkpoint(model, optimizer, plan)
     stop = common.StopOnSignal(accelerator)
-    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 
-    metrics = {}
-    for epoch in range(progress.epoch, plan.num_epochs):
-        if progress.step >= plan.max_train_steps:  # resumed from the last step
-            break
-        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
+    # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
+    k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
+    while at.step < plan.max_train_steps:
+        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
+        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+            lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             for i, (images, labels) in enumerate(window):
-                if on_gpu:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
+                    if on_gpu:
+                        images = images.contiguous(memory_format=torch.channels_last)
                     loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
                     # Accelerate divides by the accumulation steps: an epoch's shorter last window is
                     # weighted up, so every step's gradient is the mean over the samples it trained
-                    accelerator.backward(loss * args.gradient_accumulation_steps / len(window))
-                log.add(loss * len(labels), len(labels))
+                    accelerator.backward(loss * (k / len(window)))
+                log.add(loss, labels.shape[0])
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            log.step(progress, window, scheduler.get_last_lr()[0])
-            if checkpoints.due(progress.step):
-                checkpoints.save(progress, log, model)
-            if stop.requested():  # on every process at the same step
-                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
-            if progress.step >= plan.max_train_steps:
-                break
-        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+            at.step += 1
+            at.sample += len(window) * plan.round_samples
+            at.seen += len(window) * plan.round_samples
+            log.step(at.step, at.seen)
+            stopping = stop.requested()  # on every process at the same step
+            if stopping or (every not in (None, "epoch") and at.step % every == 0):
+                saved = out.save_checkpoint(model, plan, at, log)
+            if stopping:
+                raise stop.preempted(at.step, saved)
+        last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
         metrics = evaluate(model, eval_dl, accelerator, None if last else stop)
         if metrics is None:
-            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
-        log.end_epoch(epoch, progress.step, metrics)
-        if checkpoints.each_epoch:
-            checkpoints.save(progress, log, model)
+            saved = out.save_checkpoint(model, plan, at, log)
+            raise stop.preempted(at.step, saved, "evaluation")
+        log.end_epoch(at.epoch, at.step, metrics)
+        at.epoch, at.sample = at.epoch + 1, 0
+        if every == "epoch":
+            out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate(model, eval_dl, accelerator)
 
-    log.check_finite(progress.step, model)
-    common.save_model(accelerator, model, args.output_dir)
-    common.write_results(accelerator, args, plan, **log.summary(progress), **metrics, num_classes=num_classes)
+    log.check_finite(at.step, model)
+    out.save_model(model)
+    out.write_results(plan, **log.summary(at), **metrics, num_classes=num_classes)
     accelerator.end_training()
 
 

@@ -15,13 +15,14 @@ loss from 3.0 to under 1.0 in 24 steps; DDP, ZeRO-2 and ZeRO-3 give the same los
 GPU throughput and MFU: not measured yet in this repository.
 """
 
+import contextlib
+import itertools
+
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import common
 from common import RecipeError
-from common.args import fraction_below_one, non_negative_int, positive_int
 from common.text import (
     add_model_args,
     add_text_args,
@@ -32,9 +33,9 @@ from common.text import (
     flops_per_token,
     lm_dataloaders,
     load_causal_lm,
+    target_tokens,
+    window_tokens,
 )
-
-RECIPE = "lm_finetune"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -59,7 +60,7 @@ HYPERPARAMETERS = dict(
 
 
 def parse_args(argv=None):
-    p = common.training_parser(__doc__.split("\n")[0])
+    p = common.training_parser("lm_finetune", __doc__.split("\n")[0])
     m = p.add_argument_group("model")
     add_model_args(m)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
     m.add_argument(
@@ -73,9 +74,9 @@ def parse_args(argv=None):
     )
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
-    m.add_argument("--lora_r", type=non_negative_int, help="LoRA rank; 0 trains all weights")
-    m.add_argument("--lora_alpha", type=positive_int)
-    m.add_argument("--lora_dropout", type=fraction_below_one)
+    m.add_argument("--lora_r", type="non_negative_int", help="LoRA rank; 0 trains all weights")
+    m.add_argument("--lora_alpha", type="positive_int")
+    m.add_argument("--lora_dropout", type="fraction_below_one")
     m.add_argument(
         "--lora_target_modules",
         nargs="+",
@@ -160,21 +161,13 @@ def build_model(args, model):
 
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
-        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
-    )
-    common.setup_logging(accelerator)
-    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
     set_seed(args.seed)
-    resume_from = common.prepare_output_dir(accelerator, args)
+    out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
+    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)
@@ -182,68 +175,66 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(
         common.decay_groups(model, args.weight_decay), lr=plan.learning_rate, fused=accelerator.device.type == "cuda"
     )
-    scheduler = common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
-        model, optimizer, train_dl, eval_dl, scheduler
-    )
-    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
-    if resume_from:
-        checkpoints.restore(resume_from, optimizer, scheduler)
-    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    if out.resume_from:
+        out.load_checkpoint(model, optimizer, plan)
     stop = common.StopOnSignal(accelerator)
-    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 
-    metrics = {}
-    for epoch in range(progress.epoch, plan.num_epochs):
-        if progress.step >= plan.max_train_steps:  # resumed from the last step
-            break
-        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
-            tokens = common.window_tokens(accelerator, window)  # the step's loss is its mean over these
+    # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
+    k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
+    while at.step < plan.max_train_steps:
+        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
+        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+            lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # the step's loss is its mean over these, whatever the split into processes, batches and accumulation
+            tokens = window_tokens(accelerator, window)
             for i, batch in enumerate(window):
-                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
                     # Accelerate divides by the accumulation steps and DDP averages over processes; the
                     # loss is already this micro-batch's share of the step's mean: undo both
-                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                log.add(loss * tokens, common.target_tokens(batch["labels"]))
+                    accelerator.backward(loss * k * accelerator.num_processes)
+                log.add(loss, target_tokens(batch["labels"]), per=tokens)
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            log.step(progress, window, scheduler.get_last_lr()[0])
-            if checkpoints.due(progress.step):
-                checkpoints.save(progress, log, model)
-            if stop.requested():  # on every process at the same step
-                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
-            if progress.step >= plan.max_train_steps:
-                break
-        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+            at.step += 1
+            at.sample += len(window) * plan.round_samples
+            at.seen += len(window) * plan.round_samples
+            log.step(at.step, at.seen)
+            stopping = stop.requested()  # on every process at the same step
+            if stopping or (every not in (None, "epoch") and at.step % every == 0):
+                saved = out.save_checkpoint(model, plan, at, log)
+            if stopping:
+                raise stop.preempted(at.step, saved)
+        last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
         metrics = evaluate_causal_lm(model, eval_dl, accelerator, None if last else stop)
         if metrics is None:
-            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
-        log.end_epoch(epoch, progress.step, metrics)
-        if checkpoints.each_epoch:
-            checkpoints.save(progress, log, model)
+            saved = out.save_checkpoint(model, plan, at, log)
+            raise stop.preempted(at.step, saved, "evaluation")
+        log.end_epoch(at.epoch, at.step, metrics)
+        at.epoch, at.sample = at.epoch + 1, 0
+        if every == "epoch":
+            out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
-    log.check_finite(progress.step, model)
-    common.save_model(accelerator, model, args.output_dir, tokenizer)
-    summary = log.summary(progress, tokens_per_sample=block_size)
-    common.write_results(
-        accelerator,
-        args,
+    log.check_finite(at.step, model)
+    out.save_model(model, tokenizer)
+    summary = log.summary(at, tokens_per_sample=block_size)
+    out.write_results(
         plan,
         **summary,
         **metrics,
         block_size=block_size,
         parameters=parameters,
         parameters_per_process=common.parameters_per_process(accelerator, model),
-        mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops)
-        if summary["steady_tokens_per_second"]
-        else None,
+        mfu=common.mfu(accelerator, summary["steady_tokens_per_second"], flops),
     )
     accelerator.end_training()
 

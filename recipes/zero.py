@@ -15,12 +15,13 @@ model is saved gathered in 16-bit (loads with from_pretrained); --save_fp32 adds
 through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a plain LM trainer.
 """
 
+import contextlib
+import itertools
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import DummyOptim, DummyScheduler, set_seed
 
 import common
@@ -33,9 +34,9 @@ from common.text import (
     evaluate_causal_lm,
     lm_dataloaders,
     load_causal_lm,
+    target_tokens,
+    window_tokens,
 )
-
-RECIPE = "zero"  # checkpoints name the recipe that wrote them: a renamed copy still resumes them
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -56,7 +57,7 @@ HYPERPARAMETERS = dict(
 
 
 def parse_args(argv=None):
-    p = common.training_parser(__doc__.split("\n")[0])
+    p = common.training_parser("zero", __doc__.split("\n")[0])
     m = p.add_argument_group("model")
     add_model_args(m)
     m.add_argument("--gradient_checkpointing", action="store_true")
@@ -114,9 +115,10 @@ def memory_estimates(accelerator, model) -> dict:
     return estimates
 
 
-def build_optimizer(args, accelerator, model, plan, progress):
+def build_optimizer(args, accelerator, model, plan):
     """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
-    stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading."""
+    stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading, and no
+    scheduler: the recipe sets the learning rate of every step itself."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
     if "optimizer" in ds_config:
@@ -127,7 +129,7 @@ def build_optimizer(args, accelerator, model, plan, progress):
         return optimizer, DummyScheduler(
             optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps
         )
-    return optimizer, common.make_scheduler(optimizer, args.lr_scheduler_type, plan, progress)
+    return optimizer, None
 
 
 def export_fp32(accelerator, model, output_dir):
@@ -149,80 +151,75 @@ def export_fp32(accelerator, model, output_dir):
 
 def main(argv=None):
     args = parse_args(argv)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        step_scheduler_with_optimizer=False,  # stepped below, once per optimizer step
-        kwargs_handlers=[common.process_group_kwargs(args.ddp_timeout)],
-    )
-    common.setup_logging(accelerator)
-    common.check_launch(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
     set_seed(args.seed)
-    resume_from = common.prepare_output_dir(accelerator, args)
+    out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = build_model(args)
     estimates = memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, progress = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, resume_from)
+    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
     parameters = common.count_parameters(model)
-    optimizer, scheduler = build_optimizer(args, accelerator, model, plan, progress)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
-        model, optimizer, train_dl, eval_dl, scheduler
+    optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan)
+    model, optimizer, train_dl, eval_dl, ds_scheduler = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, ds_scheduler
     )
-    checkpoints = common.Checkpoints(accelerator, args, plan, RECIPE)
-    if resume_from:
-        checkpoints.restore(resume_from, optimizer, scheduler)
-    accelerator.init_trackers(RECIPE, config=common.tracker_config(args))
+    if out.resume_from:
+        out.load_checkpoint(model, optimizer, plan)
     stop = common.StopOnSignal(accelerator)
-    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 
-    metrics = {}
-    for epoch in range(progress.epoch, plan.num_epochs):
-        if progress.step >= plan.max_train_steps:  # resumed from the last step
-            break
-        for window in common.accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress):
-            tokens = common.window_tokens(accelerator, window)  # the step's loss is its mean over these
+    # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
+    k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
+    while at.step < plan.max_train_steps:
+        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
+        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+            if ds_scheduler is None:  # else a DeepSpeed config's own, which DeepSpeed steps in backward
+                for group in optimizer.param_groups:  # the schedule counts samples: exact on any layout
+                    group["lr"] = plan.lr_at(at.seen)
+            # the step's loss is its mean over these, whatever the split into processes, batches and accumulation
+            tokens = window_tokens(accelerator, window)
             for i, batch in enumerate(window):
-                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
+                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
                     # DeepSpeed divides by the accumulation steps and averages over processes; the loss
                     # is already this micro-batch's share of the step's mean: undo both. At the window's
                     # end DeepSpeed also clips and steps, inside backward
-                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                log.add(loss * tokens, common.target_tokens(batch["labels"]))
+                    accelerator.backward(loss * k * accelerator.num_processes)
+                log.add(loss, target_tokens(batch["labels"]), per=tokens)
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            log.step(progress, window, scheduler.get_last_lr()[0])
-            if checkpoints.due(progress.step):
-                checkpoints.save(progress, log, model)
-            if stop.requested():  # on every process at the same step
-                raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model))
-            if progress.step >= plan.max_train_steps:
-                break
-        last = progress.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
+            at.step += 1
+            at.sample += len(window) * plan.round_samples
+            at.seen += len(window) * plan.round_samples
+            log.step(at.step, at.seen, ds_scheduler.get_last_lr()[0] if ds_scheduler else None)
+            stopping = stop.requested()  # on every process at the same step
+            if stopping or (every not in (None, "epoch") and at.step % every == 0):
+                saved = out.save_checkpoint(model, plan, at, log)
+            if stopping:
+                raise stop.preempted(at.step, saved)
+        last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
         metrics = evaluate_causal_lm(model, eval_dl, accelerator, None if last else stop)
         if metrics is None:
-            raise common.Preempted(stop.signal, progress.step, checkpoints.save(progress, log, model), "evaluation")
-        log.end_epoch(epoch, progress.step, metrics)
-        if checkpoints.each_epoch:
-            checkpoints.save(progress, log, model)
+            saved = out.save_checkpoint(model, plan, at, log)
+            raise stop.preempted(at.step, saved, "evaluation")
+        log.end_epoch(at.epoch, at.step, metrics)
+        at.epoch, at.sample = at.epoch + 1, 0
+        if every == "epoch":
+            out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
         metrics = evaluate_causal_lm(model, eval_dl, accelerator)
 
-    log.check_finite(progress.step, model)
-    common.save_model(accelerator, model, args.output_dir, tokenizer)
+    log.check_finite(at.step, model)
+    out.save_model(model, tokenizer)
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
-    common.write_results(
-        accelerator,
-        args,
+    out.write_results(
         plan,
-        **log.summary(progress, tokens_per_sample=block_size),
+        **log.summary(at, tokens_per_sample=block_size),
         **metrics,
         block_size=block_size,
         parameters=parameters,

@@ -65,6 +65,8 @@ def test_step_cost_is_the_recipe_loop_over_the_bare_loop(smoke):
     cost = load(smoke, "overhead")["step_cost"]
     differences = [r - b for r, b in zip(cost["recipe_us_per_step"], cost["bare_us_per_step"], strict=True)]
     assert cost["machinery_us_per_step"] == pytest.approx(statistics.median(differences))
+    ours = [r - a for r, a in zip(cost["recipe_us_per_step"], cost["bare_accelerate_us_per_step"], strict=True)]
+    assert cost["recipes_own_us_per_step"] == pytest.approx(statistics.median(ours))
     assert min(cost["bare_us_per_step"]) > 0
     assert f"adds **{cost['machinery_us_per_step']:.0f} us per optimizer step**" in (smoke / "overhead.md").read_text()
 

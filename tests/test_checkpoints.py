@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import BIN, REPO, error_lines, free_port, lm_args, run, user_env
+from conftest import BIN, REPO, error_lines, free_port, lm_args, run, snapshot, user_env
 from safetensors.torch import load_file
-from test_fault import snapshot
 
 from common import checkpoint as ckpt
 from common import outputs
@@ -52,8 +51,8 @@ def acc():
 
 
 def save(acc, out, step, limit=None):
-    accelerator, _ = acc
-    return ckpt.save_checkpoint(accelerator, out, step, {"epoch": 0, "samples_in_epoch": step}, total_limit=limit)
+    accelerator, model = acc
+    return ckpt.write_checkpoint(accelerator, out, step, {"epoch": 0, "samples_in_epoch": step}, limit, model)
 
 
 def change_weights(acc):
@@ -67,7 +66,13 @@ def steps(out):
 
 
 def options(out, **kw):
-    given = {"output_dir": str(out), "resume_from_checkpoint": None, "overwrite_output_dir": False, **kw}
+    given = {
+        "output_dir": str(out),
+        "resume_from_checkpoint": None,
+        "overwrite_output_dir": False,
+        "recipe": "t",
+        **kw,
+    }
     return argparse.Namespace(**given)
 
 

@@ -1,21 +1,21 @@
 """Unit tests of common/: batch and LR arithmetic, the schedule, checkpoint resolution, and
 augmentation seeded by (seed, epoch, index)."""
 
+import itertools
 import math
 
 import pytest
 import torch
 from accelerate import Accelerator, PartialState
 from conftest import load_recipe
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import common
 from common import RecipeError
 from common.args import public_args
 from common.checkpoint import resolve_checkpoint, write_json
-from common.data import SeededTransform, set_epoch
-from common.scaling import effective_batch_size, make_scheduler, plan_training, scale_lr
-from common.training import Progress, plan_run
+from common.data import SeededTransform, epoch_batches, make_dataloader
+from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
 
 
 def test_effective_batch_size():
@@ -83,16 +83,8 @@ def test_plan_refuses_a_batch_larger_than_the_data():
 
 
 def test_schedule_warms_up_then_decays_to_zero():
-    p = plan(max_train_steps=100, warmup_steps=10)
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.learning_rate)
-    progress = Progress()
-    sched = make_scheduler(opt, "cosine", p, progress)
-    lrs = []
-    for step in range(100):
-        lrs.append(sched.get_last_lr()[0])
-        opt.step()
-        progress.samples_seen = p.samples_for_steps(step + 1)
-        sched.step()
+    p = plan(max_train_steps=100, warmup_steps=10, lr_scheduler_type="cosine")
+    lrs = [p.lr_at(p.samples_for_steps(step)) for step in range(100)]  # the rate of each step
     assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate
@@ -116,7 +108,7 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_position_in_samples(t
     """Checkpoints written before positions were kept in samples hold `batches_in_epoch`, rounds of
     their own layout: 2 processes x 32, accumulation 2, 21 rounds (11 steps) an epoch, stopped 2
     steps into epoch 1."""
-    parser = common.training_parser("t")
+    parser = common.training_parser("t", "t")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
     args = parser.parse_args(
         ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "2"]
@@ -127,9 +119,9 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_position_in_samples(t
         checkpoint / common.checkpoint.STATE_FILE,
         {"step": 13, "epoch": 1, "batches_in_epoch": 4, **layout, "args": {"seed": args.seed}},
     )
-    plan, progress = plan_run(args, 1400, 2, checkpoint)
+    plan, at = plan_run(args, 1400, 2, checkpoint)
     assert plan.steps_per_epoch == 11
-    assert progress == Progress(step=13, epoch=1, samples_in_epoch=4 * 64, samples_seen=(21 + 4) * 64)
+    assert at == Position(step=13, epoch=1, sample=4 * 64, seen=(21 + 4) * 64)
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
@@ -170,11 +162,11 @@ def test_seeded_transform_depends_on_seed_epoch_and_index_only():
 
 def test_seeded_transform_epoch_reaches_persistent_workers():
     ds = SeededTransform(Indexed(), lambda x: x + torch.rand(4), seed=0)
-    loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
+    loader = Accelerator(cpu=True).prepare(make_dataloader(ds, 8, train=True, seed=0, num_workers=1))
+    assert loader.persistent_workers
     for epoch in range(3):
-        set_epoch(type("L", (), {"set_epoch": lambda s, e: None, "dataset": ds})(), epoch)
-        ((from_worker, _),) = list(loader)
-        expected = torch.stack([ds[i][0] for i in range(8)])  # computed here, in this process
+        ((from_worker, index),) = list(epoch_batches(loader, epoch))
+        expected = torch.stack([ds[int(i)][0] for i in index])  # computed here, in this process
         assert torch.equal(from_worker, expected), epoch
 
 
@@ -184,66 +176,48 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
-        common.process_group_kwargs()
+        common.make_accelerator(None)
 
 
 def test_a_recipe_that_leaves_a_shared_hyperparameter_without_a_default_cannot_parse():
     """Each recipe states every shared training default in its HYPERPARAMETERS block: one missing is the
     recipe's mistake, caught before any command line is read."""
-    parser = common.training_parser("t")
+    parser = common.training_parser("t", "t")
     parser.set_defaults(**{k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k != "warmup_ratio"})
     with pytest.raises(TypeError, match="HYPERPARAMETERS has no default for warmup_ratio"):
         parser.parse_args([])
 
 
-def test_windows_count_the_samples_they_trained_when_an_epoch_ends_mid_accumulation(tmp_path):
-    """7 batches an epoch, accumulation 2: the 7th batch is a window of its own, so 2 epochs are 8
-    steps but 14 batches, not 8 x 2; the position, the schedule's clock and the rates count samples."""
-    parser = common.training_parser("t")
+def test_an_epoch_that_ends_mid_accumulation_ends_in_a_shorter_step_and_the_counts_are_samples(tmp_path):
+    """7 batches an epoch, accumulation 2: the 7th batch is a step of its own, so 2 epochs are 8 steps
+    but 14 batches, not 8 x 2; the plan, the position and the rates count samples."""
+    parser = common.training_parser("t", "t")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
-    args = parser.parse_args(
-        [
-            "--output_dir",
-            str(tmp_path),
-            "--per_device_train_batch_size",
-            "2",
-            "--gradient_accumulation_steps",
-            "2",
-            "--num_train_epochs",
-            "2",
-            "--logging_steps",
-            "1",
-        ],
-    )
+    argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    args = parser.parse_args([*argv, "--num_train_epochs", "2", "--logging_steps", "1"])
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-    model = torch.nn.Linear(4, 1)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
-    train_dl = common.make_dataloader(data, 2, train=True, seed=0, num_workers=0)
-    plan, progress = common.plan_run(args, len(data), accelerator.num_processes)
+    train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
+    plan, at = common.plan_run(args, len(data), accelerator.num_processes)
     assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (4, 8, 28)
-    optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)
-    scheduler = make_scheduler(optimizer, "constant", plan, progress)
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    log = common.TrainLog(accelerator, plan, progress, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
     windows = []
-    for epoch in range(plan.num_epochs):
-        for window in common.accumulation_windows(train_dl, 2, epoch, progress):
-            for i, x in enumerate(window):
-                with common.micro_batch(accelerator, model, last=i == len(window) - 1):
-                    loss = model(x).pow(2).mean()
-                    accelerator.backward(loss)
-                log.add(loss * len(x), len(x))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            progress.step += 1
+    while at.step < plan.max_train_steps:  # the recipes' loop, less the model
+        batches = epoch_batches(train_dl, at.epoch, at.sample)
+        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, 2))):
+            for x in window:
+                log.add(x.sum(1).mean(), len(x))  # each sample's loss 4
             windows.append(len(window))
-            log.step(progress, window, scheduler.get_last_lr()[0])
-    summary = log.summary(progress)
-    assert windows == [2, 2, 2, 1] * 2 and summary["steps"] == 8
-    assert progress.samples_seen == summary["samples_seen"] == 28 and progress.samples_in_epoch == 14
+            at.step += 1
+            at.sample += len(window) * plan.round_samples
+            at.seen += len(window) * plan.round_samples
+            log.step(at.step, at.seen)
+        at.epoch, at.sample = at.epoch + 1, 0
+    summary = log.summary(at)
+    assert windows == [2, 2, 2, 1] * 2 and summary["steps"] == 8 and summary["samples_seen"] == 28
     assert summary["samples_per_second"] * log.train_seconds == pytest.approx(28)
     assert summary["steady_samples_per_second"] > 0 and summary["epochs"] == 2
+    assert log.train_loss == 4.0 and [h["samples_seen"] for h in log.history] == [4, 8, 12, 14, 18, 22, 26, 28]
 
 
 @pytest.mark.parametrize("first, then", [((2, 8), (1, 16)), ((1, 16), (2, 8)), ((2, 8), (3, 5)), ((4, 3), (1, 7))])
@@ -317,3 +291,68 @@ def test_public_args_masks_credentials():
         "HF_TOKEN": "***",
         "client_secret": "***",
     }
+
+
+# The library uses that have no public API ------------------------------------------------------
+
+
+def test_deepspeed_still_reads_its_universal_switch_where_universal_loading_sets_it():
+    """common.checkpoint.universal_loading sets `engine._config.load_universal_checkpoint` on a built
+    engine (DeepSpeed's only switch, fixed at build time otherwise). If DeepSpeed renames or stops
+    reading it, a ZeRO resume on another process count would load the wrong layout: fail here first."""
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert DeepSpeedConfig({"train_batch_size": 1}).load_universal_checkpoint is False
+    assert "_config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine)
+    assert callable(DeepSpeedEngine.load_universal_checkpoint)  # what checkpoint.load_checkpoint looks for
+
+
+def test_an_optional_package_that_is_not_installed_costs_accelerate_nothing_per_step(tmp_path, monkeypatch):
+    """Accelerate's prepared optimizer asks importlib for lomo_optim at every step; the Accelerator the
+    recipes build records its absence once (sys.modules[name] = None), and an installed one stays
+    importable."""
+    import importlib
+    import importlib.util
+    import sys
+
+    from accelerate.utils import is_lomo_available
+
+    from common.runtime import _cache_missing_optional_packages
+
+    monkeypatch.delitem(sys.modules, "lomo_optim", raising=False)
+    calls = []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: calls.append(name) or real(name, *a))
+    _cache_missing_optional_packages()
+    assert sys.modules["lomo_optim"] is None
+    calls.clear()
+    assert not any(is_lomo_available() for _ in range(10)) and calls.count("lomo_optim") == 10  # answered at once
+    with pytest.raises(ImportError):
+        importlib.import_module("lomo_optim")
+
+    monkeypatch.delitem(sys.modules, "lomo_optim")
+    (tmp_path / "lomo_optim").mkdir()
+    (tmp_path / "lomo_optim" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _cache_missing_optional_packages()
+    assert "lomo_optim" not in sys.modules and real("lomo_optim") is not None  # installed: left alone
+
+
+def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch):
+    """A release that would hang or train wrong, installed despite pyproject's floors (pip --no-deps,
+    an existing environment): one line naming the package and the version to install."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.7.1" if name == "torch" else real(name))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"^torch 2.7.1 is installed, and with it a job of several processes hangs"):
+        common.make_accelerator(None)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no process group to hang in
+    from common.runtime import _refuse_known_bad_versions
+
+    _refuse_known_bad_versions(1)

@@ -3,7 +3,6 @@ that no other test file covers (each: one `error:` line naming the fix, exit 2, 
 changed). Stop signals and resume equivalence are tested per recipe in test_cifar, test_lm_finetune
 and test_zero."""
 
-import hashlib
 import json
 import shutil
 import signal
@@ -11,7 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, LM_INTERRUPTED_ARGS, NUMBERS, REPO, error_lines, interrupt, lm_args, results, run, user_env
+from conftest import (
+    BIN,
+    LM_INTERRUPTED_ARGS,
+    NUMBERS,
+    REPO,
+    error_lines,
+    interrupt,
+    lm_args,
+    results,
+    run,
+    snapshot,
+    user_env,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.checkpoint import checkpoint_damage
@@ -20,19 +31,6 @@ from common.preemption import PREEMPTED_EXIT_CODE
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
 
 LM = REPO / "recipes" / "lm_finetune.py"
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file under `folder` with a digest of its bytes ({} when the folder does not exist)."""
-    return (
-        {
-            str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*"))
-            if p.is_file()
-        }
-        if Path(folder).exists()
-        else {}
-    )
 
 
 def refused(cmd, output_dir, message, env=None):
@@ -271,8 +269,9 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
     assert f"preempted: stopped by SIGTERM during evaluation after step 2; saved {out / 'checkpoint-2'}" in proc.stderr
     assert "epoch 0:" not in proc.stderr and not (out / "results.json").exists()  # the evaluation did not finish
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-    assert (state["epoch"], state["samples_in_epoch"], state["world_size"]) == (1, 0, 2)
-    run([*launch, *args, "--resume_from_checkpoint", "latest"])
+    assert (state["epoch"], state["step"], state["world_size"]) == (0, 2, 2) and state["samples_in_epoch"] > 0
+    resumed = run([*launch, *args, "--resume_from_checkpoint", "latest"])
+    assert "epoch 0: step 2," in resumed.stderr  # the evaluation the stop cut short, done first
     assert results(out)["steps"] == 4
 
     final = tmp_path / "final"

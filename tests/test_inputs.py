@@ -80,10 +80,10 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--checkpointing_steps", "often"], "'often' is neither a number of steps nor 'epoch'"),
     (
         ["--lr_scheduler_type", "reduce_lr_on_plateau"],
-        "not a schedule this recipe can drive; choose from linear, cosine, cosine_with_restarts, polynomial, constant",
+        "--lr_scheduler_type: invalid choice: 'reduce_lr_on_plateau' (choose from 'linear', 'cosine', ",
     ),
-    (["--lr_scheduler_type", "cosine_with_min_lr"], "not a schedule this recipe can drive"),
-    (["--lr_scheduler_type", "warmup_stable_decay"], "not a schedule this recipe can drive"),
+    (["--lr_scheduler_type", "cosine_with_min_lr"], "--lr_scheduler_type: invalid choice: 'cosine_with_min_lr'"),
+    (["--lr_scheduler_type", "warmup_stable_decay"], "--lr_scheduler_type: invalid choice"),
     (["--lr_scaling", "cubic"], "--lr_scaling: invalid choice: 'cubic'"),
     (["--report_to", "neptune"], "'neptune' is not a tracker accelerate knows; choose from none, all, "),
     (["--output_dir", ""], "--output_dir: must not be empty"),
@@ -317,12 +317,22 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
 
 
 def test_the_values_accepted_without_asking_transformers_are_ones_the_installed_transformers_has():
+    """Every --lr_scheduler_type choice is a transformers schedule that runs from a warmup and a length
+    alone, as common.plan drives it (in samples); and the attention implementations taken as they are."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from common.args import STEP_SCHEDULES, drivable_schedules, lr_scheduler_type
+    from common.args import SCHEDULES
+    from common.plan import plan_training
 
-    assert set(STEP_SCHEDULES) <= set(drivable_schedules())
-    assert lr_scheduler_type("inverse_sqrt") == "inverse_sqrt"  # not listed, accepted by the probe
+    for name in SCHEDULES:
+        plan = plan_training(
+            num_samples=1000, per_device_batch_size=10, num_processes=1, gradient_accumulation_steps=1,
+            learning_rate=0.1, reference_batch_size=10, lr_scaling="none", num_train_epochs=1, warmup_steps=10,
+            lr_scheduler_type=name,
+        )  # fmt: skip
+        rates = [plan.lr_at(seen) for seen in range(0, plan.total_samples, 10)]
+        assert rates[0] < rates[10] == pytest.approx(0.1) or name == "constant", name  # warmed up to the rate
+        assert all(0 <= rate <= 0.1 + 1e-12 for rate in rates), name
     assert "sdpa" in ALL_ATTENTION_FUNCTIONS  # text.attn_implementation takes eager and sdpa without the import
 
 
@@ -373,7 +383,7 @@ def test_valid_arguments_still_parse():
         ]
     )
     assert cifar.checkpointing_steps == "epoch" and cifar.seed == 2**32 - 1
-    assert RECIPES["cifar"].parse_args(["--checkpointing_steps", "500"]).checkpointing_steps == "500"
+    assert RECIPES["cifar"].parse_args(["--checkpointing_steps", "500"]).checkpointing_steps == 500
     assert RECIPES["cifar"].parse_args([*FOLDER, "--model", "resnet50", "--image_size", "64"]).model == "resnet50"
     lm = RECIPES["lm_finetune"].parse_args(
         [*BASE["lm_finetune"], "--validation_split_percentage", "0.5", "--attn_implementation", "flash_attention_2"]

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2/3 on CPU: 2 processes, DeepSpeed's CPU accelerator and gloo (the Accelerator gets an explicit gloo
-backend on hosts without GPUs; see common.runtime.process_group_kwargs)."""
+backend on hosts without GPUs; see common.runtime.make_accelerator)."""
 
 import json
 
@@ -10,17 +10,17 @@ from conftest import (
     REPO,
     chat_args,
     error_lines,
+    eval_loss,
     interrupt,
     lm_args,
     preempted_at,
     results,
     run,
+    snapshot,
     update_distance,
     user_env,
 )
-from test_fault import snapshot
 from test_launch_sh import cpu_env
-from test_lm_finetune import eval_loss
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)

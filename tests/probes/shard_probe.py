@@ -10,19 +10,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
+import itertools  # noqa: E402
+
 import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import gather_object  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
 import common  # noqa: E402
-from common.training import Progress, accumulation_windows  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 cifar = load_recipe()
 args = cifar.parse_args(argv)
-accelerator = Accelerator(kwargs_handlers=[common.process_group_kwargs()])
-common.check_launch(accelerator)
+accelerator = common.make_accelerator(args)
 train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
 # Label every sample with its index, so a batch's labels say which samples it holds.
 for dataset in (train_dl.dataset, eval_dl.dataset):
@@ -34,14 +33,10 @@ for dataset in (train_dl.dataset, eval_dl.dataset):
 train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
 
 record = {"world_size": accelerator.num_processes, "train": [], "eval": []}
-progress = Progress()
 for epoch in range(2):  # as the recipe iterates: windows of one optimizer step
-    mine = [
-        i
-        for window in accumulation_windows(train_dl, args.gradient_accumulation_steps, epoch, progress)
-        for _, labels in window
-        for i in labels.tolist()
-    ]
+    batches, mine = common.epoch_batches(train_dl, epoch), []
+    while window := list(itertools.islice(batches, args.gradient_accumulation_steps)):
+        mine += [i for _, labels in window for i in labels.tolist()]
     record["train"].append(gather_object([mine]))  # one list per process
 for _, labels in eval_dl:
     record["eval"] += accelerator.gather_for_metrics(labels).tolist()
