@@ -9,6 +9,7 @@ from conftest import (
     BIN,
     REPO,
     chat_args,
+    cpu_env,
     error_lines,
     interrupt,
     lm_args,
@@ -19,7 +20,6 @@ from conftest import (
     user_env,
 )
 from test_fault import snapshot
-from test_launch_sh import cpu_env
 from test_lm_finetune import eval_loss
 from transformers import AutoModelForCausalLM
 
