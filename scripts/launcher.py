@@ -1,37 +1,4 @@
-"""launch.sh's work (./launch.sh --help): choose the accelerate config for this host or Slurm job, print the
-command, and run `accelerate launch` in this process, so that the recipe's exit code is launch.sh's and no training
-process outlives the launch. launch.sh runs it in a process group of its own and passes stop signals on.
-
-Signals are this process's: `launch_command` runs in a worker thread, and torch's elastic agent sets its signal
-handlers only in the main thread. The first stop signal sends SIGTERM once to each training process (the children;
-torch starts them in sessions of their own), which saves a checkpoint and exits 75; later signals wait for that.
-Rank 0 writes how the run ended to RECIPE_STATUS_FILE (finished, error, preempted STEP CHECKPOINT, interrupted).
-"""
-
-from __future__ import annotations
-
-import logging
-import os
-import re
-import shlex
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import traceback
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "accelerate_configs"
-sys.path.insert(0, str(ROOT))
-from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
-
-USAGE = """\
-Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--max_restarts N] [--dry_run] [recipe arguments...]
+"""Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--max_restarts N] [--dry_run] [recipe arguments...]
        ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
 
 Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml, by default the one for the GPUs
@@ -47,10 +14,35 @@ launch.sh per node with srun (slurm/*.sbatch). `doctor`: this node's GPUs and ve
 SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import suppress
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+sys.path.insert(0, str(ROOT))
+from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
+
+# launch.sh's work (the usage above is its --help); launch.sh runs this in a process group of its own (see launch.sh).
+
+SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 stops: list[int] = []  # the stop signals received, in order
 started = False  # the launch thread runs: training processes may exist
 status_file = ""
-SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 def say(text: str) -> None:
@@ -62,30 +54,26 @@ def die(text: str):
     sys.exit(2)
 
 
-def kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:  # gone meanwhile
-        pass
-
-
 def children() -> list[int]:
     """The live processes whose parent is this one (Linux's /proc; elsewhere none)."""
     found = []
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        try:
+        with suppress(OSError, ValueError):  # not a process, or gone meanwhile
             state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):  # not a process, or gone meanwhile
-            continue
-        if ppid == str(os.getpid()) and state != "Z":
-            found.append(int(entry.name))
+            if ppid == str(os.getpid()) and state != "Z":
+                found.append(int(entry.name))
     return found
+
+
+def kill(pids, sig: int) -> None:
+    for pid in pids:
+        with suppress(OSError):  # gone meanwhile
+            os.kill(pid, sig)
 
 
 def finish(code: int):
     """Exit now: no status file, no child left (a stray is killed), no second of tearing torch down."""
-    for pid in children():
-        kill(pid, signal.SIGKILL)
+    kill(children(), signal.SIGKILL)
     if status_file:
         Path(status_file).unlink(missing_ok=True)
     sys.stdout.flush()
@@ -124,21 +112,20 @@ def read_config(path: Path) -> tuple[int, int, str, bool]:
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        mark = getattr(err, "problem_mark", None)
-        reason = getattr(err, "problem", None) or getattr(err, "strerror", None) or str(err).splitlines()[0]
+        mark, reason = getattr(err, "problem_mark", None), getattr(err, "problem", None) or err
         raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
-    values = [config.get(key, default) for key, default in (("num_machines", 1), ("num_processes", 1))]
-    for key, value in zip(("num_machines", "num_processes"), values):
+    machines, processes = config.get("num_machines", 1), config.get("num_processes", 1)
+    kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
+    for key, value in (("num_machines", machines), ("num_processes", processes)):
         if type(value) is not int or value < 1:
             raise ValueError(f"{path}: {key} must be a whole number from 1, got {value!r}")
-    kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
     if not isinstance(use_cpu, bool):
         raise ValueError(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
     if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
         raise ValueError(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
-    return *values, kind, use_cpu
+    return machines, processes, kind, use_cpu
 
 
 def output(*cmd: str) -> str:
@@ -147,11 +134,10 @@ def output(*cmd: str) -> str:
 
 def count_gpus() -> int:
     """nvidia-smi's GPUs, narrowed by CUDA_VISIBLE_DEVICES and by the GPUs Slurm gave this node."""
-    total = sum(line.startswith("GPU") for line in output("nvidia-smi", "-L").splitlines())
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        total = min(total, 0 if visible == "-1" else len([d for d in visible.split(",") if d]))
-    return min(total, int(env("SLURM_GPUS_ON_NODE"))) if env("SLURM_GPUS_ON_NODE").isdigit() else total
+    gpus = sum(line.startswith("GPU") for line in output("nvidia-smi", "-L").splitlines())
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        gpus = min(gpus, 0 if visible == "-1" else len([d for d in visible.split(",") if d]))
+    return min(gpus, int(env("SLURM_GPUS_ON_NODE"))) if env("SLURM_GPUS_ON_NODE").isdigit() else gpus
 
 
 def head_node(nodelist: str) -> str:
@@ -171,22 +157,20 @@ def wait_for_head(head: str, port: int, seconds: int, rank: int) -> None:
     """A head that cannot be reached fails in `seconds` with the likely causes, not with torch's traceback."""
     deadline = time.monotonic() + seconds
     while True:
-        try:
+        with suppress(OSError):
             return socket.create_connection((head, port), timeout=5).close()
-        except OSError:
-            if time.monotonic() > deadline:
-                die(
-                    f"node {rank} cannot reach the head node {head}:{port} after {seconds} s; check that the head's "
-                    f"launcher started, that port {port} is free and open between the nodes (firewall), that "
-                    f"{head!r} resolves to an address of the network the nodes share (or set MASTER_ADDR), and "
-                    "see ./launch.sh doctor"
-                )
-            time.sleep(1)
+        if time.monotonic() > deadline:
+            die(
+                f"node {rank} cannot reach the head node {head}:{port} after {seconds} s; check that the head's "
+                f"launcher started, that port {port} is free and open between the nodes (firewall), that {head!r} "
+                "resolves to an address of the network the nodes share (or set MASTER_ADDR); see ./launch.sh doctor"
+            )
+        time.sleep(1)
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        print(__doc__, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0].startswith("-"):
         die("the first argument is the recipe name (see --help)")
@@ -217,10 +201,10 @@ def main(argv: list[str]) -> int:
     grace = number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120
     if env("MASTER_ADDR") and not re.fullmatch(r"[\]\[A-Za-z0-9._:%-]+", env("MASTER_ADDR")):
         die(f"MASTER_ADDR must be a host name or an IP address, got {env('MASTER_ADDR')!r}")
-    configs = " ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
     config = ours.get("--config", "").removeprefix("accelerate_configs/").removesuffix(".yaml")
     if "--config" in ours and not (re.fullmatch(r"[\w.-]+", config, re.A) and (CONFIGS / f"{config}.yaml").is_file()):
-        die(f"unknown config {ours['--config']!r} (available: {configs})")
+        names = " ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+        die(f"unknown config {ours['--config']!r} (available: {names})")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
 
@@ -229,7 +213,6 @@ def main(argv: list[str]) -> int:
         nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
         if port is None and re.fullmatch(r"[0-9]{1,12}", env("SLURM_JOB_ID")):  # the same on every node of a job
             port = 20000 + int(env("SLURM_JOB_ID")) % 10000
-
     gpus = count_gpus()
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
@@ -240,8 +223,9 @@ def main(argv: list[str]) -> int:
         die(str(err))
     per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", f"{CONFIGS}/{config}.yaml"]
+    variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
-        os.environ["ACCELERATE_USE_CPU"] = "true"
+        variables["ACCELERATE_USE_CPU"] = "true"
     elif gpus == 0 and kind == "DEEPSPEED":  # DeepSpeed's CPU accelerator and gloo: try ZeRO on a laptop
         per_node = num_processes = num_processes or 2
         say(f"no GPU visible: DeepSpeed runs on CPU, {per_node} process(es) on this node, fp32 (--mixed_precision no)")
@@ -288,7 +272,8 @@ def main(argv: list[str]) -> int:
         cmd += ["--max_restarts", str(max_restarts)]
     cmd += [str(script), *rest]
 
-    print(show(["ACCELERATE_USE_CPU=true"] * use_cpu + cmd), file=sys.stderr, flush=True)  # to run by hand, too
+    print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
+    os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
     if "--dry_run" in ours:
         return 0
     if recipe == "doctor":  # this node's report first: it needs no other node
@@ -304,6 +289,10 @@ def main(argv: list[str]) -> int:
 
 
 def run(launch_args: list[str], grace: int) -> int:
+    """`accelerate launch` in this process: launch_command runs in a worker thread, because torch's elastic agent
+    sets its signal handlers only in the main thread, so the stop signals stay ours. The first sends SIGTERM once to
+    each training process running (the children; torch starts them in sessions of their own), which saves a
+    checkpoint and exits 75; later ones wait for that. Rank 0 writes how the run ended to RECIPE_STATUS_FILE."""
     global started, status_file
     import accelerate.commands.launch as accelerate_launch
 
@@ -316,44 +305,31 @@ def run(launch_args: list[str], grace: int) -> int:
     fd, status_file = tempfile.mkstemp(prefix="launch-status.")
     os.close(fd)
     os.environ.update(RECIPE_STATUS_FILE=status_file, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
-    outcome = [None]
-
-    def launch() -> None:
-        try:
-            accelerate_launch.launch_command(args)
-        except BaseException as err:  # the main thread reports it
-            outcome[0] = err
-
-    thread = threading.Thread(target=launch, name="accelerate launch", daemon=True)
     started = True
-    thread.start()
+    launch = ThreadPoolExecutor(1).submit(accelerate_launch.launch_command, args)  # raises in the main thread
     present, killed, deadline, said = set(), set(), 0.0, False
-    while thread.is_alive():
-        thread.join(0.1)
+    while not launch.done():
+        wait([launch], timeout=0.1)
         if not stops:
             continue
         if len(stops) > 1 and not said:  # a second signal does not cut the save short
             say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={grace} s)")
             said = True
-        alive = children()
+        alive = set(children())
         if not deadline:  # SIGTERM to those running: they finish their step, save a checkpoint and exit 75
-            deadline, present = time.monotonic() + grace, set(alive)
-            for pid in present:
-                kill(pid, signal.SIGTERM)
-        # SIGKILL to one started since, which has nothing to save (a restart under --max_restarts: so they end after
-        # N tries of a fraction of a second each), and to one of them `grace` seconds on
+            deadline, present = time.monotonic() + grace, alive
+            kill(present, signal.SIGTERM)
+        # SIGKILL to one started since, which has nothing to save (a restart under --max_restarts, each ended so in a
+        # fraction of a second), and to those still running `grace` seconds on
         late = time.monotonic() > deadline
-        for pid in set(alive) - killed - (set() if late else present):
+        for pid in alive - killed - (set() if late else present):
             if pid in present:
-                say(
-                    f"process {pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it; a checkpoint it "
-                    "had not finished is not used by --resume_from_checkpoint latest"
-                )
-            kill(pid, signal.SIGKILL)
+                say(f"process {pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it")
+            kill([pid], signal.SIGKILL)
             killed.add(pid)
         if late and not alive:  # e.g. a rendezvous waiting for nodes that will not come: nothing left to stop here
             break
-    return ending(outcome[0], stops[0] if stops else None, args)
+    return ending(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
 
 
 def ending(err: BaseException | None, stop: int | None, args) -> int:
@@ -362,12 +338,9 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    status, _, checkpoint = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]
+    status, _, saved = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]  # preempted STEP PATH
     if status == "preempted":
-        say(
-            f"stopped by {by(stop)} after saving {checkpoint}; run the same command with --resume_from_checkpoint "
-            "latest to continue (exit 75)"
-        )
+        say(f"stopped by {by(stop)} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
         return 75
     if stop and status == "finished":  # the stop came as the processes exited
         say(f"the run had finished when {by(stop)} came; its model and results.json are complete (exit 0)")
@@ -381,13 +354,12 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
     if isinstance(err, subprocess.CalledProcessError):  # accelerate's launcher of one process without a group
         return exit_code(err.returncode, "the process")
     if isinstance(err, RendezvousError):  # a node that did not come, or a head that cannot be reached
-        timeout = re.search(r"join_timeout=(\d+)", args.rdzv_conf or "")
+        timeout = re.search(r"join_timeout=(\d+)", args.rdzv_conf) if "Timeout" in type(err).__name__ else None
         what = f"the nodes did not meet ({type(err).__name__}: {str(err).partition(chr(10))[0]})"
-        if timeout and "Timeout" in type(err).__name__:
-            what = f"not every node joined within RDZV_TIMEOUT={timeout[1]} s"
         die(
-            f"{what}; check that launch.sh started on every node of the job and that each reaches "
-            f"{args.main_process_ip}:{args.main_process_port} (see ./launch.sh doctor)"
+            f"{f'not every node joined within RDZV_TIMEOUT={timeout[1]} s' if timeout else what}; check that "
+            f"launch.sh started on every node of the job and that each reaches {args.main_process_ip}:"
+            f"{args.main_process_port} (see ./launch.sh doctor)"
         )
     in_use = re.compile("utilizing it|EADDRINUSE|address already in use", re.I)  # accelerate's check, the store's bind
     if isinstance(err, (ConnectionError, DistNetworkError)) and in_use.search(str(err)):
@@ -418,9 +390,9 @@ def exit_code(exitcode: int, who: str) -> int:
     return 128 - exitcode
 
 
-def elastic_log(record: logging.LogRecord) -> bool:
-    """torch.distributed.elastic's log, less what the processes and the exit code say, and credentials masked."""
-    drop = ("Failed to register signal handlers", "failed (exitcode", "Sending process", "Closing process")
+def torch_log(record: logging.LogRecord) -> bool:
+    """torchrun's log, less what the processes and the exit code say or what asks nothing of us; masked."""
+    drop = ("Failed to register signal", "failed (exitcode", "Sending process", "Closing", "node_rank is only used")
     if str(record.msg).startswith(drop):
         return False
     record.msg, record.args = f"launch.sh: torch: {SECRET_VALUES.sub('***', record.getMessage())}", ()
@@ -429,9 +401,10 @@ def elastic_log(record: logging.LogRecord) -> bool:
 
 def quiet_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(elastic_log)
-    logging.getLogger("torch.distributed.elastic").addHandler(handler)
-    logging.getLogger("torch.distributed.elastic").propagate = False
+    handler.addFilter(torch_log)
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).propagate = False
     logging.getLogger("accelerate.commands.launch").addFilter(  # that it chose the CPU threads asks nothing of us
         lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`")
     )
@@ -442,11 +415,10 @@ if __name__ == "__main__":
         signal.signal(sig, on_stop)
     if os.environ.get("LAUNCH_SH_PID") == str(os.getppid()):  # a stop that came before this line is sent again
         os.kill(os.getppid(), signal.SIGUSR2)
-    code = 1
     try:
-        code = main(sys.argv[1:])
+        finish(main(sys.argv[1:]))
     except SystemExit as exit_:
-        code = exit_.code
+        finish(exit_.code)
     except Exception:  # a bug: its traceback is the report
         traceback.print_exc()
-    finish(code)
+        finish(1)

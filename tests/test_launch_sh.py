@@ -425,8 +425,8 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     checkpoint = newest_checkpoint(out)
     said = [line for line in text.splitlines() if line.startswith("launch.sh:")]
     assert said[-1] == (
-        f"launch.sh: stopped by Ctrl-C after saving {checkpoint}; run the same command with "
-        "--resume_from_checkpoint latest to continue (exit 75)"
+        f"launch.sh: stopped by Ctrl-C after saving {checkpoint}; continue with --resume_from_checkpoint latest "
+        "(exit 75)"
     ), text[-3000:]
     assert said[:-1] in (
         [],

@@ -185,18 +185,16 @@ def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(f"launch.sh: {line}"), said
 
 
-def test_torch_elastic_log_keeps_what_the_processes_do_not_say():
+def test_torchrun_log_keeps_what_the_processes_do_not_say():
     def record(msg, *args):
         return logging.LogRecord(
             "torch.distributed.elastic.multiprocessing.api", logging.WARNING, "", 0, msg, args, None
         )
 
-    assert not launcher.elastic_log(record("Sending process %s closing signal %s", 12, "SIGTERM"))
-    assert not launcher.elastic_log(
-        record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 1, "p")
-    )
+    assert not launcher.torch_log(record("Sending process %s closing signal %s", 12, "SIGTERM"))
+    assert not launcher.torch_log(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 1, "p"))
     other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
-    assert launcher.elastic_log(other) and other.getMessage() == "launch.sh: torch: something new in https://***@host/"
+    assert launcher.torch_log(other) and other.getMessage() == "launch.sh: torch: something new in https://***@host/"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -282,8 +280,8 @@ def test_each_process_gets_one_sigterm_and_later_signals_wait(fake_tree, nproc, 
     assert proc.returncode == 75, stderr
     said = [line for line in stderr.splitlines() if not line.startswith("+ ")]
     assert said[-1] == (
-        "launch.sh: stopped by SIGTERM after saving /out/checkpoint-3; run the same command with "
-        "--resume_from_checkpoint latest to continue (exit 75)"
+        "launch.sh: stopped by SIGTERM after saving /out/checkpoint-3; continue with --resume_from_checkpoint "
+        "latest (exit 75)"
     ), stderr
     assert said[:-1] == [
         "launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
