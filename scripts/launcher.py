@@ -269,6 +269,13 @@ def main(argv: list[str]) -> int:
         # of one process (benchmarks/). --max_restarts needs torchrun's agent; the doctor times a group's all-reduce.
         cmd += ["--cpu"] if use_cpu and per_node == 1 and max_restarts is None and recipe != "doctor" else []
     if max_restarts is not None:  # restarted processes resume from the newest checkpoint (common.prepare_output_dir)
+        # Each attempt its own store: the one torch's rendezvous shares with the processes keeps a dead attempt's
+        # addresses, and a restart would hang on them (pytorch#135712); static rendezvous always shares it, so c10d,
+        # on one node too, at MASTER_PORT (torchrun's PET_ variable: accelerate sets no endpoint on one node).
+        variables["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if nodes == 1:
+            variables["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port or 29500}"
+            cmd += ["--rdzv_backend", "c10d", "--rdzv_conf", "is_host=1"]
         cmd += ["--max_restarts", str(max_restarts)]
     cmd += [str(script), *rest]
 

@@ -87,6 +87,14 @@ def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
     assert " --cpu " not in dry_run(gpus(0), "--num_processes", "1", "--max_restarts", "2")
 
 
+def test_restarts_get_a_store_each_at_the_jobs_port(gpus):
+    """--max_restarts: c10d rendezvous at MASTER_PORT, and a store of its own for each attempt (see launcher.py)."""
+    env = gpus(2)
+    line = dry_run(env, "--max_restarts", "2")
+    assert line.startswith(f"+ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PET_RDZV_ENDPOINT=127.0.0.1:{env['MASTER_PORT']} ")
+    assert line.endswith(" --rdzv_backend c10d --rdzv_conf is_host=1 --max_restarts 2 " + f"{REPO}/recipes/cifar.py")
+
+
 def test_overrides_and_master_port(gpus):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
