@@ -5,12 +5,10 @@ Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.ya
 this host sees, or N CPU processes (default 2) in one gloo group; on CPU, --config zero2/zero3 runs DeepSpeed.
 Other arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm, run one
 launch.sh per node with srun (slurm/*.sbatch). `doctor`: this node's GPUs and versions, and an all-reduce's speed.
-
-  --num_processes N   processes on this node;  --max_restarts N   restart them up to N times when one fails
-  MASTER_PORT=P       rendezvous port (default 29500; under Slurm 20000 + job id % 10000)
-  MASTER_ADDR=HOST    the head node, when the first name of the Slurm node list does not reach it
-  RDZV_TIMEOUT=S      seconds to wait for the head node, and for every node to join (60)
-  TORCH_ELASTIC_SHUTDOWN_TIMEOUT=S   seconds the processes get to save a checkpoint when stopped (120)
+--num_processes N: processes on this node; --max_restarts N: restart them up to N times when one fails.
+Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node, if not the first
+of the Slurm node list), RDZV_TIMEOUT (seconds to wait for the head and the other nodes, 60),
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds the processes get to save a checkpoint when stopped, 120).
 SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
@@ -192,9 +190,8 @@ def main(argv: list[str]) -> int:
             rest.append(word)
 
     # Every number launch.sh takes, checked here: a bad one would surface as a traceback of accelerate or torch.
-    num_processes = number(
-        "--num_processes", ours.get("--num_processes"), 1, "a positive integer (the processes on this node)"
-    )
+    processes_here = "a positive integer (the processes on this node)"
+    num_processes = number("--num_processes", ours.get("--num_processes"), 1, processes_here)
     max_restarts = number("--max_restarts", ours.get("--max_restarts"), 0, "a number of restarts (0 or more)")
     port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
     rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
@@ -231,10 +228,7 @@ def main(argv: list[str]) -> int:
         say(f"no GPU visible: DeepSpeed runs on CPU, {per_node} process(es) on this node, fp32 (--mixed_precision no)")
         cmd += ["--mixed_precision", "no"]  # the configs' bf16 is for GPUs
     elif gpus == 0 and kind == "FSDP":
-        die(
-            f"config {config!r} is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3 shards the "
-            "model with DeepSpeed instead, and --config cpu trains with plain data parallelism"
-        )
+        die(f"config {config!r} is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3 shards models")
     elif per_node > gpus == 0:
         die(f"config {config!r} needs {per_node} GPU(s) on this node but none is visible; use --config cpu")
     elif per_node > gpus:
@@ -308,7 +302,11 @@ def run(launch_args: list[str], grace: int) -> int:
     parent = os.environ.pop("LAUNCH_SH_PID", "")
     die_with_parent(signal.SIGTERM, int(parent) if parent.isdigit() else None)  # launch.sh killed: a stop
     args = accelerate_launch.launch_command_parser().parse_args(launch_args)
-    quiet_logging()
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):  # what it says, launch.sh says in one line
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # (the printed command, run by hand, shows torch's log)
+    logging.getLogger("accelerate.commands.launch").addFilter(  # that it chose the CPU threads asks nothing of us
+        lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`")
+    )
     fd, status_file = tempfile.mkstemp(prefix="launch-status.")
     os.close(fd)
     os.environ.update(RECIPE_STATUS_FILE=status_file, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
@@ -397,26 +395,6 @@ def exit_code(exitcode: int, who: str) -> int:
     return 128 - exitcode
 
 
-def torch_log(record: logging.LogRecord) -> bool:
-    """torchrun's log, less what the processes and the exit code say or what asks nothing of us; masked."""
-    drop = ("Failed to register signal", "failed (exitcode", "Sending process", "Closing", "node_rank is only used")
-    if str(record.msg).startswith(drop):
-        return False
-    record.msg, record.args = f"launch.sh: torch: {SECRET_VALUES.sub('***', record.getMessage())}", ()
-    return True
-
-
-def quiet_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(torch_log)
-    for name in ("torch.distributed.elastic", "torch.distributed.run"):
-        logging.getLogger(name).addHandler(handler)
-        logging.getLogger(name).propagate = False
-    logging.getLogger("accelerate.commands.launch").addFilter(  # that it chose the CPU threads asks nothing of us
-        lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`")
-    )
-
-
 if __name__ == "__main__":
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, on_stop)
@@ -425,7 +403,7 @@ if __name__ == "__main__":
     try:
         finish(main(sys.argv[1:]))
     except SystemExit as exit_:
-        finish(exit_.code)
+        finish(exit_.code if isinstance(exit_.code, int) else 1)
     except Exception:  # a bug: its traceback is the report
         traceback.print_exc()
         finish(1)

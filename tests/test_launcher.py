@@ -3,7 +3,6 @@ command with credentials masked, accelerate configs read and checked, the parent
 signals (each process gets one SIGTERM, later signals wait, a stop under --max_restarts restarts nothing), and
 which exit code a failed or stopped launch ends with. launch.sh through real launches: tests/test_launch_sh.py."""
 
-import logging
 import os
 import shutil
 import signal
@@ -183,18 +182,6 @@ def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd
     assert launcher.ending(err, stop, SimpleNamespace()) == code
     said = capfd.readouterr().err.splitlines()
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(f"launch.sh: {line}"), said
-
-
-def test_torchrun_log_keeps_what_the_processes_do_not_say():
-    def record(msg, *args):
-        return logging.LogRecord(
-            "torch.distributed.elastic.multiprocessing.api", logging.WARNING, "", 0, msg, args, None
-        )
-
-    assert not launcher.torch_log(record("Sending process %s closing signal %s", 12, "SIGTERM"))
-    assert not launcher.torch_log(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 1, "p"))
-    other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
-    assert launcher.torch_log(other) and other.getMessage() == "launch.sh: torch: something new in https://***@host/"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
