@@ -27,7 +27,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
 from tqdm.auto import tqdm
 
-from .preemption import PREEMPTED_EXIT_CODE, Preempted, write_status
+from .preemption import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, Preempted, write_status
 
 logger = get_logger("recipes")
 
@@ -165,13 +165,6 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
-    try:
-        _join_restarted_group(group)
-    except torch.distributed.DistError as err:
-        raise RecipeError(
-            f"the process group did not form ({err}); check that MASTER_ADDR/MASTER_PORT are "
-            "reachable from every process and that the port is free"
-        ) from err
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
@@ -221,8 +214,8 @@ def _cache_missing_optional_packages() -> None:
 
 
 def _started_by_a_launcher() -> bool:
-    """torchrun's workers, or the one process `accelerate launch` starts without it."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    """torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ:
         return True
     try:
         parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
@@ -249,34 +242,6 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
     return True
-
-
-def _join_restarted_group(pg_kwargs: dict) -> None:
-    """Under `--max_restarts`, torchrun's static rendezvous keeps one store for every attempt, and
-    init_process_group's keys do not name the attempt: restarted processes read the dead
-    attempt's addresses and fail to connect ("Connection refused"). Join with the attempt in the
-    key prefix instead; Accelerate then uses the group that is already there."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
-        return
-    timeout = pg_kwargs["timeout"]
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout,
-    )
-    backend = pg_kwargs.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group(
-        backend,
-        store=torch.distributed.PrefixStore(f"attempt_{attempt}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-    )
 
 
 def _agree_with_deepspeed(config: dict, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:

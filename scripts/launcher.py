@@ -1,417 +1,409 @@
-"""launch.sh's side of `accelerate launch`: the recipe's exit code is launch.sh's, and killing the
-launcher, however it is done, stops the training processes.
+"""Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--max_restarts N] [--dry_run] [recipe arguments...]
+       ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
 
-    launcher.py config FILE        the values of an accelerate config that launch.sh needs, as shell words
-    launcher.py show WORD...       a command as launch.sh prints it, with credentials masked
-    launcher.py run ARGS...        `accelerate launch ARGS...`, run in this process (launch.sh does)
-
-`run` calls accelerate's own launch entry point, not the `accelerate` command, because that command
-ends a failed run with torch's ChildFailedError traceback (15 to 40 lines, after the recipe's one
-`error:` line) and exits 1 whatever the recipe's exit code was. Here the launcher exits with the
-code of the process that failed first: 2 for a user mistake, 75 for a stop at a checkpoint, and
-adds nothing to what the processes said, except for a process killed by a signal (which could
-not say anything itself). torch.distributed.elastic's logging of the same facts is left out. A
-process that crashes with a real bug still prints its own traceback: that is a bug report.
-
-Processes that outlive their launcher keep training and writing checkpoints into a folder that a
-relaunch then shares. torch's elastic agent starts each process in a session of its own, so
-killing launch.sh's process groups does not reach them. Linux's parent-death signal does: `run`
-sets it for itself (SIGTERM when launch.sh dies), and each training process sets it for itself
-(SIGTERM when the launcher dies; common.runtime.process_group_kwargs). SIGTERM is the signal the
-recipes stop on: every process finishes its step and saves a checkpoint. Elsewhere than Linux
-this does nothing.
-
-Only the standard library is imported at the top: `config` and `show` start in a few tens of
-milliseconds; `run` imports accelerate.
+Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml, by default the one for the GPUs
+this host sees, or N CPU processes (default 2) in one gloo group; on CPU, --config zero2/zero3 runs DeepSpeed.
+Other arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm, run one
+launch.sh per node with srun (slurm/*.sbatch). `doctor`: this node's GPUs and versions, and an all-reduce's speed.
+--num_processes N: processes on this node; --max_restarts N: restart them up to N times when one fails.
+Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node, if not the first
+of the Slurm node list), RDZV_TIMEOUT (seconds to wait for the head and the other nodes, 60),
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds the processes get to save a checkpoint when stopped, 120).
+SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import suppress
 from pathlib import Path
 
-# The rules common/metrics.py masks credentials with in results.json (tests/test_launcher.py
-# keeps the two equal); here they apply to launch.sh's printed command and the launcher's messages.
-SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
-SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+sys.path.insert(0, str(ROOT))
+from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
 
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# launch.sh's work (the usage above is its --help); launch.sh runs this in a process group of its own (see launch.sh).
 
-
-def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
-    """Ask Linux to send this process `sig` when its parent dies (prctl PR_SET_PDEATHSIG, kept
-    across execve). `parent`: the pid the parent should have; if it died before the request was
-    made (this process already reparented), `sig` is sent now. False where there is no prctl."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-    return True
+SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+stops: list[int] = []  # the stop signals received, in order
+started = False  # the launch thread runs: training processes may exist
+status_file = ""
 
 
-# ---------------------------------------------------------------- config, show
+def say(text: str) -> None:
+    os.write(2, f"launch.sh: {SECRET_VALUES.sub('***', text)}\n".encode())  # unbuffered: also from a signal handler
 
 
-def mask(words: list[str]) -> list[str]:
-    """Command words with credentials masked: the value of a flag named like a credential
-    (--hub_token X, --hub_token=X, --wandb-api-key X) and any hub token or URL password."""
-    shown, hide_next = [], False
-    for word in words:
-        if hide_next and not word.startswith("-"):
-            shown.append("***")
-            hide_next = False
-            continue
-        hide_next = False
-        if word.startswith("--"):
-            name, eq, _ = word[2:].partition("=")
-            if SECRET_NAMES.search(name.replace("-", "_")):
-                if eq:
-                    word = f"--{name}=***"
-                else:
-                    hide_next = True
-        shown.append(SECRET_VALUES.sub("***", word))
-    return shown
+def die(text: str):
+    say(f"error: {text}")
+    sys.exit(2)
 
 
-def show(words: list[str]) -> str:
-    return "+ " + " ".join(shlex.quote(word) for word in mask(words))
+def children() -> list[int]:
+    """The live processes whose parent is this one (Linux's /proc; elsewhere none)."""
+    found = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        with suppress(OSError, ValueError):  # not a process, or gone meanwhile
+            state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if ppid == str(os.getpid()) and state != "Z":
+                found.append(int(entry.name))
+    return found
 
 
-CONFIG_KEYS = {"num_machines": int, "num_processes": int, "distributed_type": str, "use_cpu": bool}
+def kill(pids, sig: int) -> None:
+    for pid in pids:
+        with suppress(OSError):  # gone meanwhile
+            os.kill(pid, sig)
 
 
-def read_config(path: str) -> list[str]:
+def finish(code: int):
+    """Exit now: no status file, no child left (a stray is killed), no second of tearing torch down."""
+    kill(children(), signal.SIGKILL)
+    if status_file:
+        Path(status_file).unlink(missing_ok=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def by(sig: int | None) -> str:
+    return "a signal" if sig is None else "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+
+
+def on_stop(signum, frame) -> None:
+    stops.append(signum)
+    if not started:  # nothing to save (a helper such as `doctor --report` ends too)
+        say(f"stopped by {by(signum)} before the processes started; nothing was saved (exit {128 + signum})")
+        finish(128 + signum)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def env(*names: str, default: str = "") -> str:
+    """The first of these environment variables that is set and not empty."""
+    return next((os.environ[name] for name in names if os.environ.get(name)), default)
+
+
+def number(name: str, value: str | None, low: int, what: str, high: int = 999999) -> int | None:
+    if value and not (re.fullmatch(r"[0-9]{1,6}", value) and low <= int(value) <= high):
+        die(f"{name} must be {what}, got {value!r}")
+    return int(value) if value else None
+
+
+def read_config(path: Path) -> tuple[int, int, str, bool]:
     """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, checked."""
     import yaml
 
     try:
-        with open(path) as f:
-            config = yaml.safe_load(f)
+        config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        mark = getattr(err, "problem_mark", None)
-        reason = getattr(err, "problem", None) or getattr(err, "strerror", None) or str(err).splitlines()[0]
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ValueError(f"{path}: not a readable YAML file ({reason}{where})") from err
+        mark, reason = getattr(err, "problem_mark", None), getattr(err, "problem", None) or err
+        raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
-    values = {"num_machines": 1, "num_processes": 1, "distributed_type": "NO", "use_cpu": False}
-    for key, kind in CONFIG_KEYS.items():
-        value = config.get(key, values[key])
-        if kind is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    machines, processes = config.get("num_machines", 1), config.get("num_processes", 1)
+    kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
+    for key, value in (("num_machines", machines), ("num_processes", processes)):
+        if type(value) is not int or value < 1:
             raise ValueError(f"{path}: {key} must be a whole number from 1, got {value!r}")
-        if kind is bool and not isinstance(value, bool):
-            raise ValueError(f"{path}: {key} must be true or false, got {value!r}")
-        if kind is str and not (isinstance(value, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", value)):
-            raise ValueError(f"{path}: {key} must be a name such as MULTI_GPU or DEEPSPEED, got {value!r}")
-        values[key] = value
-    return [
-        str(values["num_machines"]),
-        str(values["num_processes"]),
-        values["distributed_type"],
-        str(values["use_cpu"]).lower(),
-    ]
+    if not isinstance(use_cpu, bool):
+        raise ValueError(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
+    if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
+        raise ValueError(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
+    return machines, processes, kind, use_cpu
 
 
-# ---------------------------------------------------------------- run
-
-_child: subprocess.Popen | None = None  # the one process of a launch without a process group
-_stopping = False  # a stop signal was passed on to _child
+def output(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True).stdout if shutil.which(cmd[0]) else ""
 
 
-def _on_stop_signal(signum, frame) -> None:
-    """SIGTERM, SIGINT or SIGHUP before torch's agent takes these signals over (when it starts
-    the processes): pass it on as SIGTERM to a running single process, which then saves a
-    checkpoint. With nothing started yet, end at once: an exception raised here, in the middle
-    of importing accelerate or of a rendezvous, could leave them half done and say so at length."""
-    global _stopping
-    if _child is not None and _child.poll() is None:
-        _child.send_signal(signal.SIGTERM)
-        _stopping = True
-        return
-    os._exit(128 + signum)
+def count_gpus() -> int:
+    """nvidia-smi's GPUs, narrowed by CUDA_VISIBLE_DEVICES and by the GPUs Slurm gave this node."""
+    gpus = sum(line.startswith("GPU") for line in output("nvidia-smi", "-L").splitlines())
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        gpus = min(gpus, 0 if visible == "-1" else len([d for d in visible.split(",") if d]))
+    return min(gpus, int(env("SLURM_GPUS_ON_NODE"))) if env("SLURM_GPUS_ON_NODE").isdigit() else gpus
 
 
-def _simple_launcher(args) -> None:
-    """accelerate's launcher for one process without a process group (`--cpu`), with the child
-    kept at hand for the signal handler and its exit code returned instead of raised."""
-    global _child
-    from accelerate.commands.launch import prepare_simple_launcher_cmd_env
-
-    cmd, env = prepare_simple_launcher_cmd_env(args)
-    _child = subprocess.Popen(cmd, env=env)
-    _child.wait()
-    if _child.returncode:
-        raise _ProcessFailed(_child.returncode, "the process")
+def head_node(nodelist: str) -> str:
+    """The first host of a Slurm node list, which may be compressed: gpu-[01-03,07],cpu1 -> gpu-01."""
+    if shutil.which("scontrol"):
+        return output("scontrol", "show", "hostnames", nodelist).split("\n")[0]
+    first = re.match(r"(?:\[[^\]]*\]|[^,])*", nodelist).group()  # up to the first comma outside brackets
+    return re.sub(r"\[([^\],-]*)[^\]]*\]", r"\1", first)  # each [range,...] -> the start of its first range
 
 
-class _ProcessFailed(Exception):
-    def __init__(self, exitcode: int, who: str):
-        super().__init__(who)
-        self.exitcode, self.who = exitcode, who
+def show(words: list[str]) -> str:
+    """A command as launch.sh prints it, for the shell, credentials masked (common.args's rule)."""
+    return "+ " + " ".join(shlex.quote(word) for word in mask_words(words))
 
 
-class _QuietElastic(logging.Filter):
-    """torch.distributed.elastic's log of a failed or stopped run repeats what the processes and
-    the launcher's exit code say; keep its other messages, and say one of them in our words."""
-
-    DROP = (
-        "Sending process %s closing signal %s",
-        "Closing process %s via signal %s",
-        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-        "Received %s death signal, shutting down workers",
-        "Got termination signal: %s",
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg in self.DROP:
-            return False
-        if record.msg == "Unable to shutdown process %s via %s, forcefully exiting via %s" and len(record.args) == 3:
-            pid, sig, _ = record.args
-            timeout = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "30")
-            record.msg = (
-                f"launch.sh: process {pid} had not exited {timeout} s after {getattr(sig, 'name', sig)} "
-                f"({SHUTDOWN_TIMEOUT_ENV}): killed it; a checkpoint it had not finished is not used "
-                "by --resume_from_checkpoint latest"
+def wait_for_head(head: str, port: int, seconds: int, rank: int) -> None:
+    """A head that cannot be reached fails in `seconds` with the likely causes, not with torch's traceback."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with suppress(OSError):
+            return socket.create_connection((head, port), timeout=5).close()
+        if time.monotonic() > deadline:
+            die(
+                f"node {rank} cannot reach the head node {head}:{port} after {seconds} s; check that the head's "
+                f"launcher started, that port {port} is free and open between the nodes (firewall), that {head!r} "
+                "resolves to an address of the network the nodes share (or set MASTER_ADDR); see ./launch.sh doctor"
             )
-            record.args = ()
-            return True
-        record.msg = f"launcher: {record.levelname.lower()}: {SECRET_VALUES.sub('***', record.getMessage())}"
-        record.args = ()
-        return True
+        time.sleep(1)
 
 
-def _quiet_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(_QuietElastic())
-    elastic = logging.getLogger("torch.distributed.elastic")
-    elastic.addHandler(handler)
-    elastic.propagate = False
-    # accelerate saying it picked --num_cpu_threads_per_process by itself asks nothing of the user
-    logging.getLogger("accelerate.commands.launch").addFilter(
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0].startswith("-"):
+        die("the first argument is the recipe name (see --help)")
+    recipe = argv[0].removeprefix("recipes/").removesuffix(".py")
+    script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
+    if not (recipe == "doctor" or re.fullmatch(r"\w[\w-]*", recipe, re.A) and script.is_file()):
+        names = " ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+        die(f"unknown recipe {recipe!r} (available: {names}, doctor)")
+    ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
+    for word in words:
+        name, eq, value = word.partition("=")
+        if name in ("--config", "--num_processes", "--max_restarts"):
+            ours[name] = value if eq else next(words, "")
+            if not ours[name] or ours[name].startswith("--"):  # not the next option, nor the recipe's argument
+                die(f"{name} needs a value (see ./launch.sh --help)")
+        elif word in ("--dry_run", "-h", "--help"):
+            ours[{"-h": "--help"}.get(word, word)] = True
+        else:
+            rest.append(word)
+
+    # Every number launch.sh takes, checked here: a bad one would surface as a traceback of accelerate or torch.
+    processes_here = "a positive integer (the processes on this node)"
+    num_processes = number("--num_processes", ours.get("--num_processes"), 1, processes_here)
+    max_restarts = number("--max_restarts", ours.get("--max_restarts"), 0, "a number of restarts (0 or more)")
+    port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
+    rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
+    grace = number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120
+    if env("MASTER_ADDR") and not re.fullmatch(r"[\]\[A-Za-z0-9._:%-]+", env("MASTER_ADDR")):
+        die(f"MASTER_ADDR must be a host name or an IP address, got {env('MASTER_ADDR')!r}")
+    config = ours.get("--config", "").removeprefix("accelerate_configs/").removesuffix(".yaml")
+    if "--config" in ours and not (re.fullmatch(r"[\w.-]+", config, re.A) and (CONFIGS / f"{config}.yaml").is_file()):
+        names = " ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+        die(f"unknown config {ours['--config']!r} (available: {names})")
+    if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
+        os.execv(sys.executable, [sys.executable, str(script), "--help"])
+
+    nodes, rank = 1, 0  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
+    if env("SLURM_JOB_ID"):
+        nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
+        if port is None and re.fullmatch(r"[0-9]{1,12}", env("SLURM_JOB_ID")):  # the same on every node of a job
+            port = 20000 + int(env("SLURM_JOB_ID")) % 10000
+    gpus = count_gpus()
+    if not config:
+        config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
+        num_processes = num_processes or (gpus if config == "2gpu" else None)
+    try:
+        machines, processes, kind, use_cpu = read_config(CONFIGS / f"{config}.yaml")
+    except ValueError as err:
+        die(str(err))
+    per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", f"{CONFIGS}/{config}.yaml"]
+    variables = {}  # environment variables of the command
+    if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
+        variables["ACCELERATE_USE_CPU"] = "true"
+    elif gpus == 0 and kind == "DEEPSPEED":  # DeepSpeed's CPU accelerator and gloo: try ZeRO on a laptop
+        per_node = num_processes = num_processes or 2
+        say(f"no GPU visible: DeepSpeed runs on CPU, {per_node} process(es) on this node, fp32 (--mixed_precision no)")
+        cmd += ["--mixed_precision", "no"]  # the configs' bf16 is for GPUs
+    elif gpus == 0 and kind == "FSDP":
+        die(f"config {config!r} is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3 shards models")
+    elif per_node > gpus == 0:
+        die(f"config {config!r} needs {per_node} GPU(s) on this node but none is visible; use --config cpu")
+    elif per_node > gpus:
+        die(
+            f"{per_node} processes requested on this node but only {gpus} GPU(s) are visible; pass --num_processes "
+            f"{gpus} or a config for {gpus} GPU(s)"
+        )
+
+    if nodes > 1:  # read inside the srun step: in the batch script SLURM_NODEID is 0 on every node
+        if not env("SLURM_STEP_ID"):
+            die(
+                f"this Slurm job has {nodes} nodes but launch.sh runs outside srun, on one node; start one launch.sh "
+                "per node: srun --ntasks-per-node=1 ./launch.sh ... (see slurm/multi_node.sbatch)"
+            )
+        one_a_node = f"{nodes}, one launch.sh a node (it starts the processes): use srun --ntasks-per-node=1"
+        number("SLURM_STEP_NUM_TASKS", env("SLURM_STEP_NUM_TASKS", default=str(nodes)), nodes, one_a_node, nodes)
+        rank = number("SLURM_NODEID", env("SLURM_NODEID", "SLURM_PROCID", default="?"), 0, "a node's rank", nodes - 1)
+        port = port or 29500
+        head = env("MASTER_ADDR") or head_node(env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+        if not head:
+            die("no head node: SLURM_JOB_NODELIST is empty; set MASTER_ADDR")
+        # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart
+        cmd += ["--num_processes", str(per_node * nodes), "--num_machines", str(nodes), "--machine_rank", str(rank)]
+        cmd += ["--main_process_ip", head, "--main_process_port", str(port), "--rdzv_backend", "c10d"]
+        cmd += ["--rdzv_conf", f"is_host={int(rank == 0)},join_timeout={rdzv_timeout}"]
+        if kind == "DEEPSPEED":  # torchrun on every node, as for DDP; DeepSpeed's default (pdsh) would ssh into them
+            cmd += ["--deepspeed_multinode_launcher", "standard"]
+    else:
+        cmd += ["--num_processes", str(num_processes)] if num_processes else []
+        cmd += ["--main_process_port", str(port)] if port else []
+        # One CPU process needs no group: without --cpu accelerate would wrap the model in a DistributedDataParallel
+        # of one process (benchmarks/). --max_restarts needs torchrun's agent; the doctor times a group's all-reduce.
+        cmd += ["--cpu"] if use_cpu and per_node == 1 and max_restarts is None and recipe != "doctor" else []
+    if max_restarts is not None:  # restarted processes resume from the newest checkpoint (common.prepare_output_dir)
+        # Each attempt its own store: the one torch's rendezvous shares with the processes keeps a dead attempt's
+        # addresses, and a restart would hang on them (pytorch#135712); static rendezvous always shares it, so c10d,
+        # on one node too, at MASTER_PORT (torchrun's PET_ variable: accelerate sets no endpoint on one node).
+        variables["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if nodes == 1:
+            variables["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port or 29500}"
+            cmd += ["--rdzv_backend", "c10d", "--rdzv_conf", "is_host=1"]
+        cmd += ["--max_restarts", str(max_restarts)]
+    cmd += [str(script), *rest]
+
+    print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
+    os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
+    if "--dry_run" in ours:
+        return 0
+    if recipe == "doctor":  # this node's report first: it needs no other node
+        report = subprocess.run([sys.executable, str(script), "--report", "--num_processes", str(per_node), *rest])
+        if report.returncode:
+            return report.returncode
+    if nodes > 1 and rank > 0:
+        wait_for_head(head, port, rdzv_timeout, rank)
+    return run(cmd[2:], grace)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(launch_args: list[str], grace: int) -> int:
+    """`accelerate launch` in this process: launch_command runs in a worker thread, because torch's elastic agent
+    sets its signal handlers only in the main thread, so the stop signals stay ours. The first sends SIGTERM once to
+    each training process running (the children; torch starts them in sessions of their own), which saves a
+    checkpoint and exits 75; later ones wait for that. Rank 0 writes how the run ended to RECIPE_STATUS_FILE."""
+    global started, status_file
+    import accelerate.commands.launch as accelerate_launch
+
+    from common.runtime import die_with_parent
+
+    parent = os.environ.pop("LAUNCH_SH_PID", "")
+    die_with_parent(signal.SIGTERM, int(parent) if parent.isdigit() else None)  # launch.sh killed: a stop
+    args = accelerate_launch.launch_command_parser().parse_args(launch_args)
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):  # what it says, launch.sh says in one line
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # (the printed command, run by hand, shows torch's log)
+    logging.getLogger("accelerate.commands.launch").addFilter(  # that it chose the CPU threads asks nothing of us
         lambda record: not str(record.msg).startswith("The following values were not passed to `accelerate launch`")
     )
+    fd, status_file = tempfile.mkstemp(prefix="launch-status.")
+    os.close(fd)
+    os.environ.update(RECIPE_STATUS_FILE=status_file, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
+    started = True
+    launch = ThreadPoolExecutor(1).submit(accelerate_launch.launch_command, args)  # raises in the main thread
+    present, killed, deadline, said = set(), set(), 0.0, False
+    while not launch.done():
+        wait([launch], timeout=0.1)
+        if not stops:
+            continue
+        if len(stops) > 1 and not said:  # a second signal does not cut the save short
+            say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={grace} s)")
+            said = True
+        alive = set(children())
+        if not deadline:  # SIGTERM to those running: they finish their step, save a checkpoint and exit 75
+            deadline, present = time.monotonic() + grace, alive
+            kill(present, signal.SIGTERM)
+        # SIGKILL to one started since, which has nothing to save (a restart under --max_restarts, each ended so in a
+        # fraction of a second), and to those still running `grace` seconds on
+        late = time.monotonic() > deadline
+        for pid in alive - killed - (set() if late else present):
+            if pid in present:
+                say(f"process {pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it")
+            kill([pid], signal.SIGKILL)
+            killed.add(pid)
+        if late and not alive:  # e.g. a rendezvous waiting for nodes that will not come: nothing left to stop here
+            break
+    return ending(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
 
 
-_exit_codes: dict = {}  # local rank -> exit code of the processes torch's agent closed last
+def ending(err: BaseException | None, stop: int | None, args) -> int:
+    """launch.sh's exit code, and the one line that says why where the processes could not."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
-
-def _record_exit_codes() -> None:
-    """Keep the exit codes of the processes whenever torch's agent closes them: when the agent
-    stops on a signal it raises SignalException whatever they were, and a run whose processes
-    finished (0) or stopped at a checkpoint (75) must not end as killed."""
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
-    close = PContext.close
-
-    def close_and_record(self, *args, **kwargs):
-        try:
-            return close(self, *args, **kwargs)
-        finally:
-            handlers = getattr(self, "subprocess_handlers", None) or {}
-            _exit_codes.clear()
-            _exit_codes.update({rank: h.proc.poll() for rank, h in handlers.items()})
-
-    PContext.close = close_and_record
-
-
-def _stop_once() -> None:
-    """torch's agent raises SignalException on every SIGTERM, SIGINT or SIGHUP; one that arrives
-    while it waits for the processes to save their checkpoint cuts that wait short (two or three
-    do: scancel signals every process of the step, launch.sh passes its own on). The first one
-    stops the run; the others are let go."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    raise_signal = getattr(api, "_terminate_process_handler", None)
-    if raise_signal is None:  # another torch: its own handling stands
-        return
-    received = []
-
-    def first_only(signum, frame):
-        if not received:
-            received.append(signum)
-            raise_signal(signum, frame)
-
-    api._terminate_process_handler = first_only
-
-
-def _stopped_code(signum: int) -> int:
-    """launch.sh's exit code after torch's agent stopped the processes on `signum`: theirs when
-    they all finished, stopped at a checkpoint (75) or met an error (2), else the signal's."""
-    codes = [code for code in _exit_codes.values() if code is not None]
-    if codes and all(code == 0 for code in codes):
+    status, _, saved = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]  # preempted STEP PATH
+    if status == "preempted":
+        say(f"stopped by {by(stop)} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
+        return 75
+    if stop and status == "finished":  # the stop came as the processes exited
+        say(f"the run had finished when {by(stop)} came; its model and results.json are complete (exit 0)")
         return 0
-    for wanted in (2, 75):
-        if wanted in codes:
-            return wanted
-    return max([code for code in codes if code > 0], default=128 + signum)
+    if stop and status not in ("error", "interrupted"):  # they said nothing: they died of the SIGTERM
+        say(f"stopped by {by(stop)}; the processes ended without saving a checkpoint (exit {128 + stop})")
+        return 128 + stop
+    if isinstance(err, ChildFailedError):
+        rank, failure = first_failure(err.failures)
+        return exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")
+    if isinstance(err, subprocess.CalledProcessError):  # accelerate's launcher of one process without a group
+        return exit_code(err.returncode, "the process")
+    if isinstance(err, RendezvousError):  # a node that did not come, or a head that cannot be reached
+        timeout = re.search(r"join_timeout=(\d+)", args.rdzv_conf) if "Timeout" in type(err).__name__ else None
+        what = f"the nodes did not meet ({type(err).__name__}: {str(err).partition(chr(10))[0]})"
+        die(
+            f"{f'not every node joined within RDZV_TIMEOUT={timeout[1]} s' if timeout else what}; check that "
+            f"launch.sh started on every node of the job and that each reaches {args.main_process_ip}:"
+            f"{args.main_process_port} (see ./launch.sh doctor)"
+        )
+    in_use = re.compile("utilizing it|EADDRINUSE|address already in use", re.I)  # accelerate's check, the store's bind
+    if isinstance(err, (ConnectionError, DistNetworkError)) and in_use.search(str(err)):
+        die(
+            f"port {args.main_process_port} on this node is in use by another process; set MASTER_PORT to a free "
+            "port (the same on every node)"
+        )
+    if err:
+        raise err
+    return 0
 
 
-def _first_failure(failures: dict) -> tuple[int, object]:
-    """(rank, failure) of the process that failed first. torch stamps failures in whole seconds,
-    and a process whose peer left (cutting a collective short) often fails in the same second as
-    that peer: among those, the one that said why (2: a user mistake, 75: stopped at a
-    checkpoint) is the cause."""
+def first_failure(failures: dict) -> tuple[int, object]:
+    """(rank, failure) of the process that failed first. torch stamps failures in whole seconds, and a process
+    whose peer left often fails in the same second: among those, the one that said why (2: a user mistake, 75:
+    stopped at a checkpoint) is the cause, then one that exited rather than was killed."""
     first = min(f.timestamp for f in failures.values())
     tied = sorted((rank, f) for rank, f in failures.items() if f.timestamp == first)
     return min(tied, key=lambda rf: (rf[1].exitcode not in (2, 75), rf[1].exitcode < 0, rf[0]))
 
 
-def _exit_code(exitcode: int, who: str) -> int:
-    """A shell's exit code for a process's, saying why where the process could not."""
+def exit_code(exitcode: int, who: str) -> int:
+    """A shell's exit code for a process's, saying why where the process could not: it was killed."""
     if exitcode >= 0:
         return exitcode
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        name = f"signal {-exitcode}"
-    cause = " (out of memory? see dmesg)" if -exitcode == signal.SIGKILL else ""
-    print(f"launch.sh: {who} was killed by {name}{cause}", file=sys.stderr, flush=True)
+    name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+    say(f"{who} was killed by {name}{' (out of memory? see dmesg)' if -exitcode == signal.SIGKILL else ''}")
     return 128 - exitcode
 
 
-def _error(message: str) -> int:
-    print(f"launch.sh: error: {SECRET_VALUES.sub('***', message)}", file=sys.stderr, flush=True)
-    return 2
-
-
-def _children() -> list[int]:
-    """The live processes whose parent is this one (Linux's /proc; elsewhere none)."""
-    me, found = str(os.getpid()), []
-    try:
-        entries = list(os.scandir("/proc"))
-    except OSError:
-        return found
-    for entry in entries:
-        if entry.name.isdigit():
-            try:
-                state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            except (OSError, ValueError):  # gone meanwhile
-                continue
-            if ppid == me and state != "Z":
-                found.append(int(entry.name))
-    return found
-
-
-def _end_strays(grace: float = 5.0) -> None:
-    """End the training processes torch's agent started but did not close: one started just as a stop
-    signal came is not among those it stops and waits for. It sets its parent-death signal only once
-    its imports are done, so it would outlive this launcher, waiting up to --ddp_timeout for a
-    store that is gone. SIGTERM (such a process has not reached training: it dies at once), then
-    SIGKILL after `grace` seconds."""
-    strays = _children()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in strays:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace
-        while strays and time.monotonic() < deadline:
-            time.sleep(0.05)
-            alive = set(_children())
-            strays = [pid for pid in strays if pid in alive]
-        if not strays:
-            return
-
-
-def run(argv: list[str]) -> int:
-    parent = os.environ.pop("LAUNCH_SH_PID", None)
-    die_with_parent(signal.SIGTERM, int(parent) if parent and parent.isdigit() else None)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # launch.sh passes USR1 on as TERM; a direct one must not kill us
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _on_stop_signal)
-    try:
-        import accelerate.commands.launch as accelerate_launch
-        from torch.distributed import DistNetworkError
-        from torch.distributed.elastic.multiprocessing import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.elastic.rendezvous import RendezvousError
-    except ImportError as err:
-        return _error(f"{err}: install the project's environment (pip install -e .) or activate it")
-
-    _quiet_logging()
-    _record_exit_codes()
-    _stop_once()
-    args = accelerate_launch.launch_command_parser().parse_args(argv)
-    accelerate_launch.simple_launcher = _simple_launcher
-    try:
-        accelerate_launch.launch_command(args)
-    except ChildFailedError as err:
-        rank, failure = _first_failure(err.failures)
-        return _exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")
-    except _ProcessFailed as err:
-        if _stopping and err.exitcode == -signal.SIGTERM:  # as asked: launch.sh says so
-            return 128 + signal.SIGTERM
-        return _exit_code(err.exitcode, f"{err.who} (pid {_child.pid if _child else '?'})")
-    except SignalException as err:  # torch's agent stopped its processes on this signal
-        return _stopped_code(int(err.sigval))
-    except RendezvousError as err:  # a node that did not come, or a head that cannot be reached
-        head = f"{args.main_process_ip}:{args.main_process_port}" if args.main_process_ip else "the head node"
-        timeout = re.search(r"join_timeout=(\d+)", args.rdzv_conf or "")
-        detail = str(err).splitlines()[0] if str(err) else ""
-        if timeout and "Timeout" in type(err).__name__:
-            what = f"not every node joined within RDZV_TIMEOUT={timeout.group(1)} s"
-        else:
-            what = f"the nodes did not meet ({type(err).__name__}{': ' + detail if detail else ''})"
-        return _error(
-            f"{what}; check that launch.sh started on every node of the job and that each reaches {head} "
-            "(see ./launch.sh doctor)"
-        )
-    except (ConnectionError, DistNetworkError) as err:  # accelerate's check of the port, or the store's bind
-        text = str(err)
-        if "utilizing it" in text or "EADDRINUSE" in text or "address already in use" in text.lower():
-            port = args.main_process_port or os.environ.get("MASTER_PORT") or 29500
-            return _error(
-                f"port {port} on this node is in use by another process; set MASTER_PORT to a free port "
-                "(the same on every node)"
-            )
-        raise
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    command, rest = argv[0], argv[1:]
-    if command == "run":
-        try:
-            return run(rest)
-        finally:
-            _end_strays()
-    if command == "show":
-        print(show(rest))
-        return 0
-    if command == "config" and len(rest) == 1:
-        try:
-            print(" ".join(read_config(rest[0])))
-        except ValueError as err:
-            return _error(str(err))
-        return 0
-    print(f"launcher.py: unknown command {command!r}", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    if sys.argv[1:2] == ["run"]:  # torch and accelerate loaded: skip a second of tearing them down, nothing to save
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, on_stop)
+    if os.environ.get("LAUNCH_SH_PID") == str(os.getppid()):  # a stop that came before this line is sent again
+        os.kill(os.getppid(), signal.SIGUSR2)
+    try:
+        finish(main(sys.argv[1:]))
+    except SystemExit as exit_:
+        finish(exit_.code if isinstance(exit_.code, int) else 1)
+    except Exception:  # a bug: its traceback is the report
+        traceback.print_exc()
+        finish(1)

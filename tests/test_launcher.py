@@ -1,9 +1,10 @@
-"""scripts/launcher.py, in-process and with plain Python processes (no training): credentials masked
-by the same rules as results.json, accelerate configs read and checked, the parent-death signal,
-and which exit code a failed or stopped launch ends with. launch.sh
-through real launches: tests/test_launch_sh.py."""
+"""scripts/launcher.py, in-process and with plain Python processes for recipes (no training): the printed
+command with credentials masked, accelerate configs read and checked, the parent-death signal, the stop
+signals (each process gets one SIGTERM, later signals wait, a stop under --max_restarts restarts nothing), and
+which exit code a failed or stopped launch ends with. launch.sh through real launches: tests/test_launch_sh.py."""
 
-import re
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,59 +13,39 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import launcher
+import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, cpu_env
 
-from common import args as metrics_rules
-
-LAUNCHER = REPO / "scripts" / "launcher.py"
 TOKEN = "hf_" + "Zx9" * 10
-
-
-def test_secret_rules_are_those_of_results_json():
-    for name in ("SECRET_NAMES", "SECRET_VALUES"):
-        ours, theirs = getattr(launcher, name), getattr(metrics_rules, name)
-        assert (ours.pattern, ours.flags) == (theirs.pattern, theirs.flags), f"{name} differs from common/args.py"
 
 
 @pytest.mark.parametrize(
     "words, shown",
     [
-        (["--hub_token", TOKEN, "--lr", "1"], ["--hub_token", "***", "--lr", "1"]),
-        ([f"--hub_token={TOKEN}"], ["--hub_token=***"]),
-        (["--wandb-api-key", "0123abcd", "--x"], ["--wandb-api-key", "***", "--x"]),
+        (["--hub_token", TOKEN, "--lr", "1"], ["--hub_token", "'***'", "--lr", "1"]),
+        ([f"--hub_token={TOKEN}"], ["'--hub_token=***'"]),
+        (["--wandb-api-key", "0123abcd", "--x"], ["--wandb-api-key", "'***'", "--x"]),
         (
             ["--api_key", "k", "--client_secret", "s", "--db_password", "p"],
-            ["--api_key", "***", "--client_secret", "***", "--db_password", "***"],
+            ["--api_key", "'***'", "--client_secret", "'***'", "--db_password", "'***'"],
         ),
-        (["--model_name_or_path", TOKEN], ["--model_name_or_path", "***"]),  # a hub token as any value
-        (["--dataset_name", "https://user:pa55@host.org/d"], ["--dataset_name", "https://***@host.org/d"]),
-        (["HF_TOKEN=" + TOKEN, "accelerate"], ["HF_TOKEN=***", "accelerate"]),
+        (["--model_name_or_path", TOKEN], ["--model_name_or_path", "'***'"]),  # a hub token as any value
+        (["--dataset_name", "https://user:pa55@host.org/d"], ["--dataset_name", "'https://***@host.org/d'"]),
+        (["HF_TOKEN=" + TOKEN, "accelerate"], ["'HF_TOKEN=***'", "accelerate"]),
         # named like, but not, credentials; a flag without a value before the next flag
         (["--tokenizer_name", "gpt2", "--max_tokens", "512"], ["--tokenizer_name", "gpt2", "--max_tokens", "512"]),
         (["--use_auth_token", "--push_to_hub"], ["--use_auth_token", "--push_to_hub"]),
         (["--hub_token"], ["--hub_token"]),
     ],
 )
-def test_mask(words, shown):
-    assert launcher.mask(words) == shown
+def test_the_printed_command_masks_credentials(words, shown):
+    assert launcher.show(words) == "+ " + " ".join(shown)
 
 
 def test_show_quotes_for_the_shell():
-    line = launcher.show(
-        [
-            "ACCELERATE_USE_CPU=true",
-            "/a b/accelerate",
-            "launch",
-            "--rdzv_conf",
-            "is_host=1,join_timeout=60",
-            "--hub_token",
-            TOKEN,
-        ]
-    )
-    assert line == (
-        "+ ACCELERATE_USE_CPU=true '/a b/accelerate' launch --rdzv_conf is_host=1,join_timeout=60 --hub_token '***'"
-    )
+    line = launcher.show(["ACCELERATE_USE_CPU=true", "/a b/accelerate", "launch", "--rdzv_conf", "is_host=1,x=60"])
+    assert line == "+ ACCELERATE_USE_CPU=true '/a b/accelerate' launch --rdzv_conf is_host=1,x=60"
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -72,13 +53,8 @@ def test_configs_read_as_yaml(path):
     import yaml
 
     raw = yaml.safe_load(path.read_text())
-    machines, processes, distributed_type, use_cpu = launcher.read_config(str(path))
-    assert (int(machines), int(processes), distributed_type, use_cpu) == (
-        raw["num_machines"],
-        raw["num_processes"],
-        raw["distributed_type"],
-        str(raw["use_cpu"]).lower(),
-    )
+    keys = ("num_machines", "num_processes", "distributed_type", "use_cpu")
+    assert launcher.read_config(path) == tuple(raw[key] for key in keys)
 
 
 @pytest.mark.parametrize(
@@ -100,23 +76,16 @@ def test_bad_configs_are_named(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as err:
-        launcher.read_config(str(path))
+        launcher.read_config(path)
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
 
 
-def test_config_command_is_one_error_line(tmp_path):
-    missing = tmp_path / "missing.yaml"
-    proc = subprocess.run([sys.executable, LAUNCHER, "config", missing], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == f"launch.sh: error: {missing}: not a readable YAML file (No such file or directory)\n"
-
-
-# ---------------------------------------------------------------- the parent-death signal
+# ---------------------------------------------------------------- the parent-death signal (common.runtime's)
 
 CHILD = """
 import pathlib, signal, sys, time
-sys.path.insert(0, {scripts!r})
-from launcher import die_with_parent
+sys.path.insert(0, {root!r})
+from common.runtime import die_with_parent
 done = pathlib.Path({done!r})
 signal.signal(signal.SIGTERM, lambda *_: (done.write_text("SIGTERM"), sys.exit(0)))
 assert die_with_parent(signal.SIGTERM, {parent})
@@ -125,7 +94,7 @@ time.sleep(60)
 """
 
 
-def wait_for(path: Path, seconds: float = 30) -> bool:
+def wait_for(path: Path, seconds: float = 60) -> bool:
     deadline = time.monotonic() + seconds
     while not path.exists():
         if time.monotonic() > deadline:
@@ -134,15 +103,16 @@ def wait_for(path: Path, seconds: float = 30) -> bool:
     return True
 
 
+@pytest.mark.slow  # the child imports torch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_a_process_gets_sigterm_when_its_parent_is_killed(tmp_path):
     done, ready = tmp_path / "done", tmp_path / "ready"
-    child = CHILD.format(scripts=str(REPO / "scripts"), done=str(done), ready=str(ready), parent=None)
+    child = CHILD.format(root=str(REPO), done=str(done), ready=str(ready), parent=None)
     parent = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)",
+            f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(90)",
         ]
     )
     try:
@@ -156,14 +126,15 @@ def test_a_process_gets_sigterm_when_its_parent_is_killed(tmp_path):
         parent.wait()
 
 
+@pytest.mark.slow  # the child imports torch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_a_parent_already_gone_sends_the_signal_at_once(tmp_path):
     """The race: the parent died before the child asked for the signal (the child is reparented)."""
     done, ready = tmp_path / "done", tmp_path / "ready"
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that is no process's parent now
-    child = CHILD.format(scripts=str(REPO / "scripts"), done=str(done), ready=str(ready), parent=gone.pid)
-    proc = subprocess.run([sys.executable, "-c", child], timeout=30)
+    child = CHILD.format(root=str(REPO), done=str(done), ready=str(ready), parent=gone.pid)
+    proc = subprocess.run([sys.executable, "-c", child], timeout=60)
     assert proc.returncode == 0 and done.read_text() == "SIGTERM" and not ready.exists()
 
 
@@ -175,94 +146,144 @@ def failure(exitcode, timestamp, pid=100):
 
 
 def test_the_first_failure_is_the_cause():
-    assert launcher._first_failure({0: failure(-15, 11), 1: failure(2, 10)})[0] == 1
+    assert launcher.first_failure({0: failure(-15, 11), 1: failure(2, 10)})[0] == 1
     # torch stamps whole seconds: a peer cut off in the same second is not the cause
-    assert launcher._first_failure({0: failure(1, 10), 1: failure(2, 10)})[0] == 1
-    assert launcher._first_failure({0: failure(-15, 10), 1: failure(75, 10), 2: failure(1, 10)})[0] == 1
-    assert launcher._first_failure({0: failure(-9, 10), 1: failure(1, 10)})[0] == 1
-    assert launcher._first_failure({3: failure(1, 10), 2: failure(1, 10)})[0] == 2
+    assert launcher.first_failure({0: failure(1, 10), 1: failure(2, 10)})[0] == 1
+    assert launcher.first_failure({0: failure(-15, 10), 1: failure(75, 10), 2: failure(1, 10)})[0] == 1
+    assert launcher.first_failure({0: failure(-9, 10), 1: failure(1, 10)})[0] == 1
+    assert launcher.first_failure({3: failure(1, 10), 2: failure(1, 10)})[0] == 2
 
 
-def test_exit_codes(capsys):
-    assert launcher._exit_code(2, "rank 0") == 2 and launcher._exit_code(75, "rank 0") == 75
-    assert capsys.readouterr().err == ""  # the process said why itself
-    assert launcher._exit_code(-signal.SIGKILL, "process rank 1 (pid 7)") == 137
-    said = capsys.readouterr().err
+def test_exit_codes(capfd):
+    assert launcher.exit_code(2, "rank 0") == 2 and launcher.exit_code(75, "rank 0") == 75
+    assert capfd.readouterr().err == ""  # the process said why itself
+    assert launcher.exit_code(-signal.SIGKILL, "process rank 1 (pid 7)") == 137
+    said = capfd.readouterr().err
     assert said == "launch.sh: process rank 1 (pid 7) was killed by SIGKILL (out of memory? see dmesg)\n"
 
 
 @pytest.mark.parametrize(
-    "codes, expected",
+    "status, stop, code, line",
     [
-        ({0: 0, 1: 0}, 0),  # the processes finished (the signal came during the final save)
-        ({0: 75, 1: 75}, 75),
-        ({0: 2, 1: -15}, 2),
-        ({0: -15, 1: -15}, 143),
-        ({}, 143),
-        ({0: 1, 1: -15}, 1),
+        ("preempted 6 /out/checkpoint-6", signal.SIGTERM, 75, "stopped by SIGTERM after saving /out/checkpoint-6;"),
+        ("preempted 6 /out/checkpoint-6", None, 75, "stopped by a signal after saving /out/checkpoint-6;"),
+        ("finished", signal.SIGINT, 0, "the run had finished when Ctrl-C came;"),
+        ("", signal.SIGUSR1, 138, "stopped by SIGUSR1; the processes ended without saving a checkpoint (exit 138)"),
+        ("error", signal.SIGTERM, 2, None),  # the process said why (the error in a ChildFailedError: 2)
+        ("finished", None, 0, None),
     ],
 )
-def test_a_stopped_launch_ends_with_what_its_processes_did(monkeypatch, codes, expected):
-    monkeypatch.setattr(launcher, "_exit_codes", codes)
-    assert launcher._stopped_code(signal.SIGTERM) == expected
+def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd, status, stop, code, line):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-
-def test_only_the_first_stop_signal_interrupts_the_agent(monkeypatch):
-    from torch.distributed.elastic.multiprocessing import SignalException, api
-
-    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # restored afterwards
-    launcher._stop_once()
-    with pytest.raises(SignalException):
-        api._terminate_process_handler(signal.SIGTERM, None)
-    assert api._terminate_process_handler(signal.SIGTERM, None) is None
-    assert api._terminate_process_handler(signal.SIGINT, None) is None
-
-
-def test_quiet_elastic_log():
-    import logging
-
-    quiet = launcher._QuietElastic()
-
-    def record(msg, *args):
-        name = "torch.distributed.elastic.multiprocessing.api"
-        return logging.LogRecord(name, logging.WARNING, "", 0, msg, args, None)
-
-    assert not quiet.filter(record("Sending process %s closing signal %s", 12, "SIGTERM"))
-    assert not quiet.filter(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 12, "python"))
-    killed = record(
-        "Unable to shutdown process %s via %s, forcefully exiting via %s", 12, signal.SIGTERM, signal.SIGKILL
-    )
-    assert quiet.filter(killed)
-    assert re.fullmatch(
-        r"launch\.sh: process 12 had not exited \d+ s after SIGTERM "
-        r"\(TORCH_ELASTIC_SHUTDOWN_TIMEOUT\): killed it; .*",
-        killed.getMessage(),
-    )
-    other = record("something %s in %s", "new", f"https://u:{TOKEN}@host/")
-    assert quiet.filter(other) and other.getMessage() == "launcher: warning: something new in https://***@host/"
+    monkeypatch.setattr(launcher, "status_file", str(tmp_path / "status"))
+    (tmp_path / "status").write_text(f"{status}\n" if status else "")
+    err = ChildFailedError("x", {0: ProcessFailure(0, 100, 2, "<N/A>")}) if status == "error" else None
+    assert launcher.ending(err, stop, SimpleNamespace()) == code
+    said = capfd.readouterr().err.splitlines()
+    assert said == [] if line is None else len(said) == 1 and said[0].startswith(f"launch.sh: {line}"), said
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_processes_the_agent_did_not_close_end_with_the_launcher(tmp_path):
-    """A training process that torch's agent started as a stop signal came is not among those it
-    stops; before its parent-death signal is set it would outlive the launcher. `run` ends them:
-    SIGTERM, then SIGKILL for one that ignores it. Started in sessions of their own, as the agent does."""
+def test_a_launcher_that_ends_leaves_no_child(tmp_path):
+    """finish(): a process started in a session of its own (as torch's agent starts them), even one that ignores
+    SIGTERM, does not outlive the launcher."""
     script = tmp_path / "strays.py"
     script.write_text(
         "import signal, subprocess, sys, time\n"
         f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
         "import launcher\n"
-        "plain = subprocess.Popen(['sleep', '100'], start_new_session=True)\n"
         "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(100)'],"
         " start_new_session=True, stdout=subprocess.PIPE)\n"
         "stubborn.stdout.readline()\n"
-        "assert sorted(launcher._children()) == sorted([plain.pid, stubborn.pid])\n"
-        "start = time.monotonic()\n"
-        "launcher._end_strays(grace=1)\n"
-        "print(plain.wait(), stubborn.wait(), launcher._children(), time.monotonic() - start)\n"
+        "print(stubborn.pid, launcher.children(), flush=True)\n"
+        "launcher.finish(3)\n"
     )
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
-    *codes, took = proc.stdout.split()
-    assert codes == [str(-signal.SIGTERM), str(-signal.SIGKILL), "[]"], proc.stderr
-    assert 1 <= float(took) < 30  # the stubborn one had its grace second
+    pid, children = proc.stdout.split(" ", 1)
+    assert proc.returncode == 3 and children.strip() == f"[{pid}]", proc.stderr
+    time.sleep(0.5)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+
+
+# ---------------------------------------------------------------- stop signals, with recipes that only wait
+
+FAKE_RECIPE = """
+import os, signal, sys, time
+rank, log = os.environ.get("RANK", "0"), {log!r}
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+with open(log, "a") as f:
+    f.write(f"start {{rank}}\\n")
+while not got:
+    time.sleep(0.05)
+time.sleep(3)  # saving a checkpoint: more signals come meanwhile
+if rank == "0":
+    open(os.environ["RECIPE_STATUS_FILE"], "w").write("preempted 3 /out/checkpoint-3\\n")
+with open(log, "a") as f:
+    f.write(f"rank {{rank}}: {{len(got)}} SIGTERM\\n")
+sys.exit(75)
+"""
+
+
+@pytest.fixture
+def fake_tree(tmp_path):
+    """launch.sh and its launcher with one recipe, recipes/wait.py, that saves (exit 75) on SIGTERM."""
+    root = tmp_path / "tree"
+    for name in ("scripts", "accelerate_configs", "common"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "launch.sh", root / "launch.sh")
+    (root / "recipes").mkdir()
+    (root / "recipes" / "wait.py").write_text(FAKE_RECIPE.format(log=str(tmp_path / "log")))
+    return root, tmp_path / "log"
+
+
+@pytest.mark.slow  # the launcher imports torch
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (2, ["--max_restarts", "2"])])
+def test_each_process_gets_one_sigterm_and_later_signals_wait(fake_tree, nproc, extra):
+    """SIGTERM to launch.sh, then Ctrl-C to it and SIGTERM and SIGUSR1 to the launcher itself while the processes
+    save: each process gets SIGTERM once, nothing is restarted (--max_restarts), launch.sh exits 75 with one line."""
+    root, log = fake_tree
+    proc = subprocess.Popen(
+        [root / "launch.sh", "wait", "--num_processes", str(nproc), *extra],
+        env=cpu_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # CI may start us with Ctrl-C ignored
+    )
+    try:
+        assert wait_for(log, 120) and all(wait_for_text(log, f"start {rank}") for rank in range(nproc))
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)
+        (launcher,) = psutil.Process(proc.pid).children()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 75, stderr
+    said = [line for line in stderr.splitlines() if not line.startswith("+ ")]
+    assert said[-1] == (
+        "launch.sh: stopped by SIGTERM after saving /out/checkpoint-3; continue with --resume_from_checkpoint "
+        "latest (exit 75)"
+    ), stderr
+    assert said[:-1] == [
+        "launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 s)"
+    ], stderr
+    lines = log.read_text().splitlines()  # restarted processes are killed as they start: they may say they started
+    assert sorted(line for line in lines if not line.startswith("start")) == [
+        f"rank {r}: 1 SIGTERM" for r in range(nproc)
+    ]
+
+
+def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
+    deadline = time.monotonic() + seconds
+    while text not in path.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -4,7 +4,7 @@ Commands that need GPUs or CIFAR's download run as far as this GPU-less, network
 allows: `accelerate launch` lines start their processes on CPU and must get past the launch
 checks to the dataset; `./launch.sh` lines are resolved against a faked 8-GPU host and their
 recipe arguments parsed by the recipe itself; `sbatch` lines run their template on a faked Slurm
-job (tests/test_slurm.py) and `./launch.sh doctor` runs on CPU.
+job (tests/conftest.py) and `./launch.sh doctor` runs on CPU.
 """
 
 import os
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import doctor
 import pytest
-from conftest import BIN, REPO, error_lines, load_recipe, results, run, user_env
+from conftest import BIN, REPO, error_lines, load_recipe, results, run, sbatch, sbatch_line, user_env
 from make_digits import write_digits
-from test_slurm import sbatch, sbatch_line
 
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)

@@ -1,77 +1,18 @@
 """launch.sh under Slurm, and the sbatch templates in slurm/, on a machine without Slurm: the
-job's variables are set by hand, and a fake srun runs each task of a step in turn with the
+job's variables are set by hand, and a fake srun (tests/conftest.py) runs each task of a step in turn with the
 variables the real one gives it (SLURM_NODEID, SLURM_PROCID, SLURM_STEP_*)."""
 
 import os
 import re
-import shlex
 import signal
-import stat
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, run, user_env
+from conftest import JOB_ID, PORT, REPO, commands, directives, executable, run, sbatch, slurm_env
 
 LAUNCH = REPO / "launch.sh"
 TEMPLATES = sorted((REPO / "slurm").glob("*.sbatch"))
-JOB_ID, PORT = "4242", "24242"  # the port every node derives from the job id: 20000 + 4242 % 10000
-
-FAKE_SRUN = r"""#!/bin/bash
-# srun on one machine: each task of the step in turn, with the variables the real srun sets.
-tpn=${SLURM_NTASKS_PER_NODE:-1}
-while [[ $# -gt 0 && $1 == -* ]]; do
-  echo "$1" >> "$FAKE_SLURM_LOG"
-  case $1 in --ntasks-per-node=*) tpn=${1#*=} ;; esac
-  shift
-done
-tasks=$(( SLURM_NNODES * tpn ))
-for (( t = 0; t < tasks; t++ )); do
-  SLURM_STEP_ID=0 SLURM_STEPID=0 SLURM_STEP_NUM_NODES=$SLURM_NNODES SLURM_STEP_NUM_TASKS=$tasks \
-  SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_NODEID=$(( t / tpn )) SLURM_PROCID=$t SLURM_LOCALID=$(( t % tpn )) \
-  "$@" || exit $?
-done
-"""
-
-
-def executable(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
-
-
-def node_list(nodes: int) -> str:
-    return f"gpu-[01-{nodes:02d}]" if nodes > 1 else "gpu-01"
-
-
-def slurm_env(tmp_path, nodes, gpus=8, **extra) -> dict:
-    """The environment of a batch script on the first node of a `nodes`-node job with `gpus` GPUs
-    a node (faked with an nvidia-smi on PATH), and a fake srun; no MASTER_PORT."""
-    bin_dir = tmp_path / "fakebin"
-    bin_dir.mkdir(exist_ok=True)
-    executable(bin_dir / "srun", FAKE_SRUN)
-    executable(
-        bin_dir / "nvidia-smi",
-        "#!/bin/sh\n" + "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n' for i in range(gpus)),
-    )
-    env = user_env()
-    del env["MASTER_PORT"]
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    env.update(
-        SLURM_JOB_ID=JOB_ID,
-        SLURM_NNODES=str(nodes),
-        SLURM_JOB_NUM_NODES=str(nodes),
-        SLURM_JOB_NODELIST=node_list(nodes),
-        SLURM_NODELIST=node_list(nodes),
-        SLURM_NODEID="0",
-        SLURM_PROCID="0",
-        SLURM_NTASKS_PER_NODE="1",
-        SLURM_SUBMIT_DIR=str(REPO),
-        FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
-    )
-    env.update(extra)
-    return env
 
 
 def step_env(env, node, nodes) -> dict:
@@ -87,31 +28,9 @@ def step_env(env, node, nodes) -> dict:
     }
 
 
-def commands(stderr: str) -> list:
-    return [line for line in stderr.splitlines() if line.startswith("+ ")]
-
-
 def dry_run(env, *args) -> str:
     (line,) = commands(run([LAUNCH, *args, "--dry_run"], env=env).stderr)
     return line
-
-
-def directives(template: Path) -> dict:
-    found = re.findall(r"^#SBATCH\s+--([\w-]+)(?:=(\S+))?", template.read_text(), flags=re.M)
-    return {key: value for key, value in found}
-
-
-def sbatch(template: Path, args, tmp_path, nodes=None, gpus=None, env=None):
-    """Run a template as sbatch would on its first node, with `args` and --dry_run for launch.sh.
-    Returns (every srun task's resolved command, the environment the job had)."""
-    options = directives(template)
-    nodes = nodes or int(options["nodes"])
-    gpus = gpus or int(options["gres"].split(":")[-1])
-    env = env or slurm_env(
-        tmp_path, nodes, gpus, SLURM_CPUS_PER_TASK=options["cpus-per-task"], SLURM_GPUS_ON_NODE=str(gpus)
-    )
-    proc = run(["bash", template, *args, "--dry_run"], env=env)
-    return commands(proc.stderr), env
 
 
 # ---------------------------------------------------------------- launch.sh under Slurm
@@ -277,12 +196,3 @@ def test_requeue_template_stops_the_step_at_a_checkpoint_and_requeues_on_usr1(tm
     assert (tmp_path / "step.log").read_text().strip() == "USR1", "the step was asked to stop"
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", JOB_ID]
     assert "requeueing job 4242" in out
-
-
-def sbatch_line(line):
-    """(sbatch options, template, arguments) of a README `sbatch [--opt=value ...] slurm/X.sbatch ...` line."""
-    words = shlex.split(line)
-    if not words or words[0] != "sbatch":
-        return None
-    at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
-    return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1 :]

@@ -9,6 +9,7 @@ from conftest import (
     BIN,
     REPO,
     chat_args,
+    cpu_env,
     error_lines,
     eval_loss,
     interrupt,
@@ -20,7 +21,6 @@ from conftest import (
     update_distance,
     user_env,
 )
-from test_launch_sh import cpu_env
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
