@@ -90,7 +90,7 @@ def main():
         collate_fn=(lambda batch: batch) if on_device else None,
     )
 
-    model = vision.build_model(args.model, num_classes).to(device)
+    model = vision.new_model(args.model, num_classes).to(device)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:

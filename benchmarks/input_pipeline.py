@@ -79,7 +79,7 @@ def loader_rate(loader, epochs, max_batches, device):
 def consumption_rate(cifar, args, num_classes, device, steps):
     """Samples/s of forward, backward and SGD step on one batch already on the device (bf16 and
     channels_last on CUDA, as the recipe)."""
-    model = vision.build_model(args.model, num_classes).to(device)
+    model = vision.new_model(args.model, num_classes).to(device)
     images = torch.randn(args.per_device_train_batch_size, 3, 32, 32, device=device)
     labels = torch.randint(0, num_classes, (args.per_device_train_batch_size,), device=device)
     if device.type == "cuda":

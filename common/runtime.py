@@ -70,7 +70,7 @@ def one_line(err: BaseException) -> str:
     if "\nOriginal Traceback" in text:  # torch's ExceptionWrapper: "...\n<module>.<Type>: <message>"
         last = text.splitlines()[-1]
         return last.split(": ", 1)[1] if ": " in last else last
-    return text.splitlines()[0] if text else type(err).__name__
+    return text.splitlines()[0].rstrip(".") if text else type(err).__name__  # ends inside a sentence of ours
 
 
 def decide_on_main(accelerator, fn):

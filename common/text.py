@@ -7,14 +7,12 @@ RecipeError naming the file (or dataset) and what to do about it."""
 from __future__ import annotations
 
 import argparse
-import copy
 import difflib
 import json
 import logging
 import math
 import os
 import reprlib
-import warnings
 from itertools import chain
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 
 from .args import at_least, percentage, positive_int
 from .data import make_dataloader, prepare_data_first
-from .runtime import RecipeError, logger
+from .runtime import RecipeError, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -49,14 +47,23 @@ def _cause(err: BaseException) -> str:
     return f"{type(seen).__name__}: {text[0]}" if text else type(seen).__name__
 
 
-def _read_error(err: BaseException, fmt: str) -> str:
+def _blank(path) -> bool:
+    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _read_error(err: BaseException, fmt: str, path) -> str:
     """Why a local file could not be read as `fmt`, and what to do."""
     cause = err
     while cause is not None and not isinstance(cause, UnicodeDecodeError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None:
         return _not_utf8(cause)
-    if "corresponds to no data" in str(err):
+    if "corresponds to no data" in str(err) or _blank(path):  # each format fails its own way on no data
         return "holds no rows; add data or pass another file"
     if isinstance(err, OSError) and err.errno == 28:  # ENOSPC: datasets' cache, not the file
         return f"the datasets cache is out of space ({err}); free space or point HF_DATASETS_CACHE elsewhere"
@@ -86,12 +93,7 @@ def _check_local_file(flag: str, path) -> str:
         raise RecipeError(f"{flag} {path}: no such file")
     if not os.access(path, os.R_OK):
         raise RecipeError(f"{flag} {path}: not readable by this user (permission denied); fix its permissions")
-    fmt = LOCAL_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise RecipeError(f"{flag} {path}: unknown format {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
-    size = path.stat().st_size
-    if size == 0 or (size < 1 << 16 and not path.read_bytes().strip()):
-        raise RecipeError(f"{flag} {path}: the file is empty; pass a file that holds data")
+    fmt = LOCAL_FORMATS[path.suffix.lower()]  # a known one: check_text_args refused any other
     if fmt == "parquet":  # checked here: datasets would log its own error line before raising
         import pyarrow
         import pyarrow.parquet
@@ -116,7 +118,7 @@ def _load_local_file(flag: str, path, fmt: str):
     try:
         data = load_dataset(fmt, data_files={"train": str(Path(path).expanduser())})["train"]
     except Exception as err:  # anything datasets, pyarrow or pandas raise about the file's contents
-        raise RecipeError(f"{flag} {path}: {_read_error(err, fmt)}") from err
+        raise RecipeError(f"{flag} {path}: {_read_error(err, fmt, path)}") from err
     finally:
         builder_log.setLevel(level)
     if len(data) == 0:
@@ -189,12 +191,7 @@ def load_raw_datasets(
         source = f"--train_file {train_file}"
     else:
         raise RecipeError("no data: pass --dataset_name (hub) or --train_file (local txt, json, jsonl, csv, parquet)")
-    if "validation" not in raw:
-        if not 0 < validation_split_percentage < 100:
-            raise RecipeError(
-                f"--validation_split_percentage {validation_split_percentage} leaves a split empty; "
-                "pass a percentage between 0 and 100 (exclusive)"
-            )
+    if "validation" not in raw:  # (the percentage is between 0 and 100, exclusive: its argparse type)
         rows = len(raw["train"])
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
@@ -325,7 +322,8 @@ def tokenize_and_pack(
                     f"remove or fill such rows, or pass the --text_column that holds the text"
                 )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
-        ids = [tokens + eos for tokens in tokenizer(batch[column])["input_ids"]]
+        texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
+        ids = [tokens + eos for tokens in tokenizer(texts)["input_ids"]] if texts else []
         return {"input_ids": ids, "labels": ids}
 
     packed = DatasetDict()
@@ -341,6 +339,8 @@ def tokenize_and_pack(
             )
         except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
             raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
+        if len(tokenized) == 0:  # whatever the file's size: no row holds text
+            raise RecipeError(f"{sources[split]}: holds no text (no row has any); pass data that does")
         packed[split] = tokenized.map(
             pack,
             batched=True,
@@ -459,6 +459,12 @@ def load_causal_lm(args, **model_kwargs):
                 config = apply_config_overrides(config, args.config_overrides, source)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged, attention not installed
+        if args.config_overrides and not isinstance(err, RecipeError):  # the model the overrides make cannot be built
+            raise RecipeError(
+                f"--config_overrides {args.config_overrides}: the model {source} builds from them does not run "
+                f"({type(err).__name__}: {one_line(err)}); give values that agree with each other and with the rest "
+                "of the config"
+            ) from err
         raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
     vocab = getattr(model.config, "vocab_size", None)
     if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
@@ -536,15 +542,11 @@ def load_tokenizer(flag: str, name: str, trust_remote_code=False):
             else "pass a model folder or hub id whose tokenizer files (tokenizer.json, tokenizer_config.json) load"
         )
         raise RecipeError(
-            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {_first_line(err)}); {fix}"
+            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {one_line(err)}); {fix}"
         ) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def _first_line(err) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300].rstrip(".")
 
 
 def _damaged_weights(name: str) -> list:
@@ -569,7 +571,7 @@ def model_load_error(flag: str, name: str, err: BaseException, attn_implementati
     attention implementation that is not installed, remote code, a missing or foreign file."""
     from safetensors import SafetensorError
 
-    text = _first_line(err)
+    text = one_line(err)
     if isinstance(err, SafetensorError):
         files = ", ".join(_damaged_weights(name)) or "its weights"
         return RecipeError(f"{flag} {name}: {files} is damaged ({text}); download or save the model again")
@@ -600,8 +602,7 @@ def config_overrides(text):
 def apply_config_overrides(config, overrides: str, source: str):
     """`config` updated from 'key=value,key=value', refusing keys it does not have, values of the
     wrong type, and values that leave no working model (an empty or unrunnable architecture)."""
-    base = copy.deepcopy(config)
-    known = list(base.to_dict())
+    known = list(config.to_dict())
     for key in (pair.partition("=")[0] for pair in overrides.split(",")):
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
@@ -614,47 +615,20 @@ def apply_config_overrides(config, overrides: str, source: str):
         config.update_from_string(overrides)
     except ValueError as err:  # a value that does not parse as the key's type
         raise RecipeError(
-            f"--config_overrides {overrides}: {_first_line(err)}; give each key a value of the type "
+            f"--config_overrides {overrides}: {one_line(err)}; give each key a value of the type "
             f"it has in {source}'s config.json"
         ) from err
-    problem = _validation_problem(config) or _meta_forward_problem(config)
-    # the same checks pass without the overrides: they broke it
-    if problem and not (_validation_problem(base) or _meta_forward_problem(base)):
+    try:
+        config.validate()  # transformers' own check of the values against each other (save_pretrained runs it)
+    except AttributeError:  # a config class without the check
+        pass
+    except Exception as err:  # huggingface_hub's validation error, its cause the readable one
         raise RecipeError(
             f"--config_overrides {overrides}: the model {source} builds from them does not run "
-            f"({problem}); give values that agree with each other and with the rest of the config"
-        )
+            f"({one_line(err.__cause__ or err)}); give values that agree with each other and with the rest of the "
+            "config"
+        ) from err
     return config
-
-
-def _validation_problem(config):
-    """What transformers' own check of a config's values against each other (save_pretrained runs it,
-    at the end of training) finds wrong, or None."""
-    try:
-        config.validate()
-    except AttributeError:  # a config class without the check
-        return None
-    except Exception as err:  # huggingface_hub's validation error, its cause the readable one
-        return _first_line(err.__cause__ or err)
-    return None
-
-
-def _meta_forward_problem(config):
-    """Why a causal LM of `config` fails to build or run on a short input, checked on the meta device
-    (shapes only, nothing allocated, any size), or None."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return None  # remote code, or not a causal LM: nothing to build here
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "Initializing zero-element tensors is a no-op"
-            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-            ids = torch.zeros(1, 4, dtype=torch.long)
-            model(input_ids=ids, labels=ids)
-    except Exception as err:
-        return f"{type(err).__name__}: {_first_line(err)}"
-    return None
 
 
 def lm_dataloaders(args, accelerator, tokenizer, config):

@@ -3,6 +3,7 @@ a pair of ImageFolders, torchvision and timm models with a new head, pretrained 
 file on disk, loaded as weights only), freezing a backbone, the normalization layer, and a shape check of
 a model against an image size before any data is read."""
 
+import contextlib
 import difflib
 import os
 import pickle
@@ -13,11 +14,14 @@ from unittest.mock import patch
 import numpy as np
 import torch
 import torchvision
+from accelerate import PartialState
 from PIL import Image
 from safetensors.torch import load_file
 
 from .args import positive_float
+from .data import prepare_data_first
 from .metrics import count_parameters
+from .plan import decay_groups
 from .runtime import DataError, RecipeError, logger, one_line
 
 
@@ -54,18 +58,14 @@ def load_image(path):
 def image_folders(train_dir, val_dir):
     """The training and validation ImageFolders (images read by load_image), which must hold the same
     two or more class sub-folders, so that a label means the same class in each."""
-    for flag, folder in (("--train_dir", train_dir), ("--val_dir", val_dir)):
-        if not folder or not Path(folder).is_dir():
-            raise RecipeError(
-                f"{flag} {folder}: no such folder; --dataset imagefolder needs class sub-folders of images"
-            )
     datasets = []
     for flag, folder in (("--train_dir", train_dir), ("--val_dir", val_dir)):
         try:
             datasets.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
-        except FileNotFoundError as err:  # no class folders, or no images in them
+        except OSError as err:  # no such folder, no class folders, no images in them, not readable
+            why = "no such folder" if not Path(folder).exists() else one_line(err)
             raise RecipeError(
-                f"{flag} {folder}: {err}; --dataset imagefolder needs class sub-folders holding images"
+                f"{flag} {folder}: {why}; --dataset imagefolder needs a folder with one sub-folder of images per class"
             ) from err
     train, evals = datasets
     if train.classes != evals.classes:
@@ -88,6 +88,62 @@ def image_folders(train_dir, val_dir):
     return train, evals
 
 
+CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def load_images(args):
+    """(train, eval, image size, mean, std, num_classes) of --dataset: CIFAR (downloaded into --data_dir
+    when it is not there) or --train_dir/--val_dir, the images not yet transformed; normalized with the
+    statistics --pretrained's weights were trained with, if any."""
+    if args.dataset == "imagefolder":
+        train, evals = image_folders(args.train_dir, args.val_dir)
+        size, mean, std = args.image_size, IMAGENET_MEAN, IMAGENET_STD
+    else:
+        try:
+            train = CIFAR[args.dataset](args.data_dir, train=True, download=True)
+            evals = CIFAR[args.dataset](args.data_dir, train=False, download=True)
+        except (OSError, RuntimeError) as err:
+            raise RecipeError(
+                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); "
+                f"download it where there is network and pass --data_dir, or use --dataset imagefolder"
+            ) from err
+        size, mean, std = 32, CIFAR_MEAN, CIFAR_STD
+    if args.pretrained:  # the weights expect the inputs they were trained on
+        mean, std = published_normalization(args.model)
+    return train, evals, size, mean, std, len(train.classes)
+
+
+def build_model(args, num_classes: int, on_gpu: bool):
+    """--model with `num_classes` outputs, as the model arguments say: random, or --pretrained's published
+    weights (downloaded once per node: the others wait, then read the cache) or --pretrained_path's, with
+    a new head; the backbone frozen (--freeze_backbone); the norm layer (--norm_layer)."""
+    with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
+        model = new_model(args.model, num_classes, pretrained=args.pretrained)
+    if args.pretrained_path:
+        load_weights(model, args.pretrained_path, args.model)
+    if args.freeze_backbone:
+        model = freeze_backbone(model)
+    return set_norm_layer(model, args.norm_layer, on_gpu)
+
+
+def param_groups(model, args) -> list:
+    """The optimizer's parameter groups: weight decay on weights, not biases and norms; frozen parameters in
+    none; with --head_lr_scale, the head's last, at that multiple of the rate (their `lr_scale`, timm's name,
+    which the recipe's loop applies)."""
+    groups = decay_groups(model, args.weight_decay)
+    if args.head_lr_scale == 1:
+        return groups
+    head = head_parameters(model)
+    groups = [
+        {**g, "params": [p for p in g["params"] if (id(p) in head) == is_head], "lr_scale": scale}
+        for is_head, scale in ((False, 1.0), (True, args.head_lr_scale))
+        for g in groups
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def published_normalization(name):
     """(mean, std) of the inputs --model `name`'s published weights were trained on."""
     if name.startswith("timm/"):
@@ -99,83 +155,45 @@ def published_normalization(name):
 
 def add_model_args(group) -> None:
     """--model and the options that build, load, freeze and normalize it (an argparse group)."""
-    group.add_argument(
-        "--model",
-        help="resnet18_cifar (3x3 stem, no max-pool, for 32x32), "
-        "any torchvision model name, or timm/NAME for a timm model (pip install -e '.[timm]')",
-    )
-    group.add_argument(
-        "--pretrained",
-        action="store_true",
-        help="start from --model's published weights (torchvision's "
-        "DEFAULT, or timm's), normalizing as they were trained, with a new head",
-    )
-    group.add_argument(
-        "--pretrained_path",
-        help="start from weights on disk for --model (.safetensors, "
-        "or a torch.save'd state dict); the head is new unless it has as many classes as the data",
-    )
-    group.add_argument(
-        "--freeze_backbone",
-        action="store_true",
-        help="train only the head; the backbone keeps the loaded weights and BatchNorm statistics (FrozenBatchNorm2d)",
-    )
-    group.add_argument(
-        "--head_lr_scale",
-        type=positive_float,
-        default=1.0,
-        help="the head's learning rate is --learning_rate times this (timm's lr_scale), e.g. 10",
-    )
-    group.add_argument(
+    add = group.add_argument
+    add("--model", help="resnet18_cifar (3x3 stem, no max-pool), a torchvision model, or timm/NAME (pip install timm)")
+    add("--pretrained", action="store_true", help="start from --model's published weights, with a new head")
+    add("--pretrained_path", help="start from weights on disk (.safetensors, or a state dict saved with torch.save)")
+    add("--freeze_backbone", action="store_true", help="train the head only; BatchNorm keeps the loaded statistics")
+    add("--head_lr_scale", type=positive_float, default=1.0, help="the head's rate: --learning_rate times this")
+    add(
         "--norm_layer",
         choices=["batch", "sync_batch", "group"],
         default="batch",
-        help="the model's BatchNorm as built, synced across processes (GPUs only), or GroupNorm: statistics "
-        "per process, of the whole step's batch, or per sample",
+        help="BatchNorm (statistics per process), synced across processes (GPUs only), or GroupNorm (per sample)",
     )
 
 
 def check_model_args(parser, args) -> None:
-    """parser.error for a combination of the model options that cannot work, or a --model that cannot take
-    --image_size images in batches of --per_device_train_batch_size."""
+    """parser.error for model options that cannot work together, or a --model that cannot take --image_size
+    images in batches of --per_device_train_batch_size."""
     tuned = args.pretrained or args.pretrained_path
     for wrong, message in (
-        (
-            args.pretrained and args.pretrained_path,
-            "pass --pretrained (published weights) or --pretrained_path (a file), not both",
-        ),
-        (
-            (args.freeze_backbone or args.head_lr_scale != 1) and not tuned,
-            "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path",
-        ),
-        (
-            args.freeze_backbone and args.head_lr_scale != 1,
-            "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale",
-        ),
-        (
-            tuned and args.norm_layer == "group",
-            "--norm_layer group replaces the BatchNorm layers, and the weights "
-            "loaded into them; fine-tune with --norm_layer batch or sync_batch",
-        ),
-    ):
+        (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
+         "file), not both"),
+        ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned, "--freeze_backbone and --head_lr_scale "
+         "fine-tune loaded weights: add --pretrained or --pretrained_path"),
+        (args.freeze_backbone and args.head_lr_scale != 1, "--freeze_backbone trains the head alone, at "
+         "--learning_rate: drop --head_lr_scale"),
+        (tuned and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers, and the weights "
+         "loaded into them; fine-tune with --norm_layer batch or sync_batch"),
+    ):  # fmt: skip
         if wrong:
             parser.error(message)
     size, batch = args.image_size, args.per_device_train_batch_size
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    nbytes = batch * 3 * size * size * 4  # float32 RGB
-    if nbytes > memory:  # a typo of a size: one batch would not even fit as input
+    memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
+    if nbytes > memory:  # a typo of a size: one batch would not even fit as float32 input
         parser.error(
-            f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB "
-            f"as float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; "
-            "pass the size the model should see (the images are resized to it), such as 224"
+            f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as float32 before the "
+            f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
+            "see (the images are resized to it), such as 224"
         )
-    problem = model_problem(
-        args.model,
-        args.image_size,
-        args.per_device_train_batch_size,
-        getattr(args, "dataset", "imagefolder"),
-        args.pretrained,
-    )
+    problem = model_problem(args.model, size, batch, getattr(args, "dataset", "imagefolder"), args.pretrained)
     if problem:
         parser.error(problem)
 
@@ -195,7 +213,7 @@ def timm_weights(name):
     return cfg if cfg and (cfg.hf_hub_id or cfg.url) else None
 
 
-def build_model(name, num_classes, pretrained=False):
+def new_model(name, num_classes, pretrained=False):
     """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
     if name.startswith("timm/"):
         cfg = timm_weights(name)  # and import timm, or say how to install it
@@ -397,7 +415,7 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
         )
     try:
         with torch.device("meta"):
-            model = build_model(name, 10)
+            model = new_model(name, 10)
     except Exception:  # a model whose construction needs real data cannot be checked this way
         return None
 

@@ -20,13 +20,11 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import torchvision
-from accelerate import PartialState
 from accelerate.utils import set_seed
 from torchvision import transforms as T
 
 import common
-from common import RecipeError, vision
+from common import vision
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -54,14 +52,10 @@ HYPERPARAMETERS = dict(
     logging_steps=20,
 )
 
-DATASETS = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
 
 def parse_args(argv=None):
     p = common.training_parser("cifar", __doc__.split("\n")[0])
-    p.add_argument("--dataset", choices=[*DATASETS, "imagefolder"], default="cifar10")
+    p.add_argument("--dataset", choices=["cifar10", "cifar100", "imagefolder"], default="cifar10")
     p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
     p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
     p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
@@ -116,29 +110,9 @@ def parse_args(argv=None):
     return args
 
 
-def load_images(args):
-    """(train, eval, image size, mean, std, num_classes), the images not yet transformed."""
-    if args.dataset == "imagefolder":
-        train, evals = vision.image_folders(args.train_dir, args.val_dir)
-        size, mean, std = args.image_size, IMAGENET_MEAN, IMAGENET_STD
-    else:
-        try:
-            train = DATASETS[args.dataset](args.data_dir, train=True, download=True)
-            evals = DATASETS[args.dataset](args.data_dir, train=False, download=True)
-        except (OSError, RuntimeError) as err:
-            raise RecipeError(
-                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); "
-                f"download it where there is network and pass --data_dir, or use --dataset imagefolder"
-            ) from err
-        size, mean, std = 32, CIFAR_MEAN, CIFAR_STD
-    if args.pretrained:  # the weights expect the inputs they were trained on
-        mean, std = vision.published_normalization(args.model)
-    return train, evals, size, mean, std, len(train.classes)
-
-
 def build_datasets(args):
     """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
-    train, evals, size, mean, std, num_classes = load_images(args)
+    train, evals, size, mean, std, num_classes = vision.load_images(args)
     if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
         eval_tf = [T.Resize((size, size))]
         train_tf = [*eval_tf, T.RandomCrop(size, padding=size // 8)] if args.random_crop else eval_tf
@@ -164,7 +138,7 @@ def as_uint8(dataset, size):
 def build_device_datasets(args, device):
     """--data_on_device: (train, eval, num_classes) held on `device` as uint8. A batch is padded,
     cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
-    train, evals, size, mean, std, num_classes = load_images(args)
+    train, evals, size, mean, std, num_classes = vision.load_images(args)
     pad = size // 8 if args.random_crop else 0
     mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
@@ -205,32 +179,10 @@ def get_dataloaders(args, accelerator):
     return train_dl, eval_dl, num_classes
 
 
-def load_model(args, num_classes):
-    """The model to train. --pretrained downloads once per node (the others wait, then read the cache)."""
-    with common.prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
-        model = vision.build_model(args.model, num_classes, pretrained=args.pretrained)
-    if args.pretrained_path:
-        vision.load_weights(model, args.pretrained_path, args.model)
-    return vision.freeze_backbone(model) if args.freeze_backbone else model
-
-
 def build_optimizer(args, model, lr, fused=False):
-    """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor. Frozen
-    parameters are in no group; the head's come last, at lr x --head_lr_scale (their lr_scale, as timm names
-    it; the rate logged is the backbone's)."""
-    groups = common.decay_groups(model, args.weight_decay)
-    if args.head_lr_scale != 1:
-        head = vision.head_parameters(model)
-        groups = [
-            {
-                **g,
-                "params": [p for p in g["params"] if (id(p) in head) == is_head],
-                "lr_scale": args.head_lr_scale if is_head else 1.0,
-            }
-            for is_head in (False, True)
-            for g in groups
-        ]
-        groups = [g for g in groups if g["params"]]
+    """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor. The
+    rate logged is the backbone's (the head's group has lr_scale --head_lr_scale)."""
+    groups = vision.param_groups(model, args)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov, fused=fused)
@@ -267,7 +219,7 @@ def main(argv=None):
     plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
-    model = vision.set_norm_layer(load_model(args, num_classes), args.norm_layer, on_gpu)
+    model = vision.build_model(args, num_classes, on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
     if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged

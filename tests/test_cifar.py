@@ -38,7 +38,7 @@ def reevaluate(digits, output_dir):
     cifar = load_recipe()
     args = cifar.parse_args([str(a) for a in digits_args(digits, output_dir)])
     _, evals, num_classes = cifar.build_datasets(args)
-    model = vision.build_model("resnet18", num_classes)
+    model = vision.new_model("resnet18", num_classes)
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
     model.eval()
     loader = torch.utils.data.DataLoader(evals, batch_size=128)
@@ -114,6 +114,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     assert snapshot(out) == before
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):
     out = tmp_path / "probe.json"
@@ -173,7 +174,7 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
 def initial_weights(*model_args, seed=42):
     """The weights a run starts from: the recipe seeds every process before it builds the model."""
     set_seed(seed)
-    model = vision.set_norm_layer(vision.build_model(*model_args), "group", on_gpu=False)
+    model = vision.set_norm_layer(vision.new_model(*model_args), "group", on_gpu=False)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -399,8 +400,8 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
     index = torch.arange(64)
     crops = train.__getitems__(index.tolist())[0]
     u = seeded_uniform(args.seed, 1, index, 3)
-    mean = torch.tensor(cifar.IMAGENET_MEAN).view(3, 1, 1) * 255
-    std = torch.tensor(cifar.IMAGENET_STD).view(3, 1, 1) * 255
+    mean = torch.tensor(vision.IMAGENET_MEAN).view(3, 1, 1) * 255
+    std = torch.tensor(vision.IMAGENET_STD).view(3, 1, 1) * 255
     flips = 0
     for i in index.tolist():
         padded = torch.nn.functional.pad(train.tensors[0][i].permute(2, 0, 1).float(), (4, 4, 4, 4))
@@ -455,7 +456,7 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
     args = cifar.parse_args(["--model", "resnet18", "--pretrained"])
     cached = tmp_path / TORCHVISION_RESNET18
     with pytest.raises(RecipeError) as err:
-        cifar.load_model(args, 10)
+        vision.build_model(args, 10, on_gpu=False)
     assert str(err.value).startswith(
         "--pretrained: torchvision's weights for --model resnet18 "
         "(ResNet18_Weights.IMAGENET1K_V1) are not in the cache and could not be downloaded"
@@ -468,7 +469,7 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
 
     weights = imagenet_resnet18()
     torch.save(weights, cached)
-    model = cifar.load_model(args, 10)
+    model = vision.build_model(args, 10, on_gpu=False)
     loaded = model.state_dict()
     for name, tensor in weights.items():
         if not name.startswith("fc."):
@@ -483,7 +484,7 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
     with pytest.raises(
         RecipeError, match=r"\(ResNet18_Weights.IMAGENET1K_V1\) cannot be loaded \(not plain weights\)"
     ):
-        cifar.load_model(args, 10)
+        vision.build_model(args, 10, on_gpu=False)
     assert not cached.with_name("ran").exists()
 
 
@@ -508,27 +509,27 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     PartialState()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    scratch = cifar.load_model(cifar.parse_args(["--model", "timm/resnet18"]), 10)
+    scratch = vision.build_model(cifar.parse_args(["--model", "timm/resnet18"]), 10, on_gpu=False)
     assert isinstance(scratch, timm.models.ResNet) and vision.head_names(scratch) == ["fc"]
     assert scratch(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
     activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
-    efficientnet = vision.build_model("timm/efficientnet_b0", 10)
-    grouped = vision.set_norm_layer(vision.build_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    efficientnet = vision.new_model("timm/efficientnet_b0", 10)
+    grouped = vision.set_norm_layer(vision.new_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
     assert activations(grouped) == activations(efficientnet) > 40 and not any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules()
     )
 
     args = cifar.parse_args(["--model", "timm/resnet18.a1_in1k", "--pretrained", "--freeze_backbone"])
     with pytest.raises(RecipeError) as err:
-        cifar.load_model(args, 10)
+        vision.build_model(args, 10, on_gpu=False)
     assert str(err.value).startswith(
         "--pretrained: timm's weights for --model timm/resnet18.a1_in1k could not be loaded ("
     ) and "fetch timm/resnet18.a1_in1k into the Hugging Face cache" in str(err.value)
     torch.manual_seed(0)
     weights = timm.create_model("resnet18").state_dict()
     fake_hub_cache(tmp_path, "timm/resnet18.a1_in1k", weights)
-    model = cifar.load_model(args, 10)
+    model = vision.build_model(args, 10, on_gpu=False)
     loaded = model.state_dict()
     assert loaded["fc.weight"].shape == (10, 512)
     for name, tensor in weights.items():
@@ -670,7 +671,7 @@ def test_flip_and_crop_switches_change_what_the_model_sees(digits, size):
         args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--image_size", size, *extra)])
         if args.data_on_device:
             train, _, _ = cifar.build_device_datasets(args, torch.device("cpu"))
-            mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (cifar.IMAGENET_MEAN, cifar.IMAGENET_STD))
+            mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (vision.IMAGENET_MEAN, vision.IMAGENET_STD))
             return train.__getitems__(index)[0], (train.tensors[0][index].permute(0, 3, 1, 2).float() - mean) / std
         train, evals, _ = cifar.build_datasets(args)
         return (

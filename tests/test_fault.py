@@ -55,6 +55,7 @@ def lm_checkpoint(tiny_lm, tmp_path_factory):
 # A process that dies ----------------------------------------------------------------------------
 
 
+@pytest.mark.floor
 def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_path):
     """SIGKILL (the OOM killer, a lost node) on one rank: the other is stopped by the launcher
     within TORCH_ELASTIC_SHUTDOWN_TIMEOUT, not after the 10-minute collective timeout, and the

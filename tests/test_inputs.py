@@ -433,8 +433,11 @@ COUNTS = [{"text": "one two three four five six"} for _ in range(20)]
 CHAT = {"messages": [{"role": "user", "content": "count from one"}, {"role": "assistant", "content": "two three"}]}
 
 TEXT_FILES = [  # (file name, content, the error line's text)
-    ("empty.jsonl", "", "the file is empty"),
-    ("blank.jsonl", "\n\n  \n", "the file is empty"),
+    ("empty.jsonl", "", "holds no rows"),
+    ("blank.jsonl", "\n\n  \n", "holds no rows"),
+    ("empty.txt", "", "holds no rows"),
+    ("empty.csv", "", "holds no rows"),
+    ("spaces.txt", " \n" * 50_000, "holds no text"),  # past any size a pre-check would read
     ("bad.jsonl", jsonl(COUNTS) + '{"text": "one two"\n', "cannot be read as json (ArrowInvalid: JSON parse error"),
     ("null.jsonl", jsonl([*COUNTS, {"text": None}]), "text is None (NoneType), not text; remove or fill such rows"),
     ("number.jsonl", jsonl([{"text": i} for i in range(20)]), "(int), not text"),
@@ -492,9 +495,6 @@ def test_data_files_that_are_not_files(tmp_path, tokenizer):
     valid = write(tmp_path / "valid.csv", "text\none two\n")
     assert f"--validation_file {valid} is csv but --train_file {train} is json; pass both in one format" in load_error(
         tokenizer, train_file=train, validation_file=valid
-    )
-    assert "--validation_split_percentage 0 leaves a split empty" in load_error(
-        tokenizer, train_file=train, validation_split_percentage=0
     )
 
 
@@ -747,7 +747,7 @@ def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
         ]
     )
     with pytest.raises(RecipeError) as err:
-        cifar.load_images(args)
+        vision.load_images(args)
     assert message in str(err.value)
 
 
@@ -799,7 +799,7 @@ def test_a_timm_model_without_timm_installed_is_one_line_naming_the_extra(capsys
     line = parse_error(capsys, "cifar", ["--model", "timm/resnet18"])
     assert line == "error: --model timm/resnet18 is a timm model, and timm is not installed: pip install -e '.[timm]'"
     with pytest.raises(RecipeError, match=r"timm is not installed: pip install -e '\.\[timm\]'"):
-        vision.build_model("timm/resnet18", 10)
+        vision.new_model("timm/resnet18", 10)
 
 
 class _Code:  # a pickle that runs code when loaded
@@ -857,7 +857,7 @@ def test_pretrained_path_that_is_not_weights_of_the_model_is_one_line(weight_fil
     cifar = RECIPES["cifar"]
     args = cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)])
     with pytest.raises(RecipeError) as err:
-        cifar.load_model(args, 10)
+        vision.build_model(args, 10, on_gpu=False)
     assert str(err.value).startswith(f"--pretrained_path {weight_files / name}: ") and message in str(err.value)
     assert "code ran" not in capsys.readouterr().out
 
@@ -870,8 +870,8 @@ def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_fil
 
     PartialState()
     cifar = RECIPES["cifar"]
-    model = cifar.load_model(
-        cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10
+    model = vision.build_model(
+        cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10, on_gpu=False
     )
     saved = (
         load_file(weight_files / name)

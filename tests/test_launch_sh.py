@@ -225,6 +225,7 @@ def no_noise(text: str):
     assert not re.search(r"^[EW]\d{4} ", text, flags=re.M), text[-3000:]  # torch's log format
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, nproc):
@@ -406,6 +407,7 @@ def test_a_stop_that_comes_as_the_run_ends_reports_the_finished_run(tiny_lm, tmp
         )
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     """Ctrl-C reaches launch.sh alone (the launcher's process group is not the terminal's); it

@@ -30,6 +30,7 @@ from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, target_to
 RECIPE = REPO / "recipes" / "lm_finetune.py"
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_two_processes_learn_and_from_pretrained_reproduces_the_eval_loss(tiny_lm, tmp_path):
     out = tmp_path / "run"
@@ -275,6 +276,7 @@ def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):
     assert [label for label in row["labels"] if label != IGNORE_INDEX] == tokenizer.convert_tokens_to_ids(trained)
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     from peft import PeftModel

@@ -23,7 +23,8 @@ from make_digits import write_digits
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 COMMANDS = [line for block in BLOCKS for line in block.splitlines() if line.strip() and not line.startswith("#")]
-SETUP, QUICKSTART, COPY = BLOCKS[0], BLOCKS[1], next(b for b in BLOCKS if "mkdir -p myproject" in b)
+SETUP, FLOOR = BLOCKS[0], next(b for b in BLOCKS if "constraints/floor.txt" in b)
+QUICKSTART, COPY = next(b for b in BLOCKS if "make_digits" in b), next(b for b in BLOCKS if "mkdir -p myproject" in b)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def bash(script, cwd, env=None):
 
 
 def test_every_readme_command_is_covered():
-    covered = set(SETUP.splitlines()) | set(QUICKSTART.splitlines()) | set(COPY.splitlines())
+    covered = {line for block in (SETUP, FLOOR, QUICKSTART, COPY) for line in block.splitlines()}
     for line in COMMANDS:
         assert (
             line in covered
@@ -60,8 +61,17 @@ def test_setup_commands_are_what_ci_runs():
     setup = [line for line in SETUP.splitlines() if line.strip()]
     assert len(setup) == 2, "the README has exactly two set-up commands: install, test"
     assert setup == [line for line in ci if line in setup], ".ci/run runs the README's commands, in order"
+    floor = [line for line in FLOOR.splitlines() if line.strip()]
+    assert ci[-2:] == floor, ".ci/run ends with the README's floor check"
+    pinned = dict(
+        line.split("==") for line in (REPO / "constraints/floor.txt").read_text().splitlines() if "==" in line
+    )
+    declared = (REPO / "pyproject.toml").read_text()
+    for package, version in pinned.items():  # the floor set is what pyproject.toml declares
+        assert re.search(rf'"{package}>={re.escape(version.removesuffix(".0"))}(\.0)?"', declared), package
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_quick_start_and_copy_run_as_written(checkout):
     env = user_env()

@@ -57,6 +57,7 @@ def deepspeed(config, nproc, *args, recipe=RECIPE, check=True, command=False):
     return (cmd, env) if command else run(cmd, env=env, check=check)
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("stage", ["zero2", "zero3", "zero3_offload"])
 def test_zero_trains_the_model_one_process_trains_and_saves_it_loadable(tiny_lm, tmp_path, chat_reference, stage):
     """2 processes x batch 2 under ZeRO make the same updates as 1 process x batch 4 (the step's loss
@@ -91,6 +92,7 @@ def test_zero_trains_the_model_one_process_trains_and_saves_it_loadable(tiny_lm,
     assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.floor
 def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterrupted_run(tiny_lm, tmp_path):
     """ZeRO-3 partitions the weights and the optimizer state by process, and DeepSpeed refuses another
     count: the recipe converts the checkpoint with DeepSpeed's ds_to_universal and loads it with
@@ -149,6 +151,7 @@ def zero_args(lm, output_dir, *extra):
     return lm_args(lm, output_dir, "--max_train_steps", "6", "--logging_steps", "1", *extra)[2:]
 
 
+@pytest.mark.floor
 def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_and_32_bit(tiny_lm, tmp_path):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
