@@ -106,10 +106,10 @@ def recipe(steps, accelerator, out):
                 accelerator.sync_gradients = i == len(window) - 1
                 with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = F.cross_entropy(model(x), y)
-                    accelerator.backward(loss * (k / len(window)))
+                    accelerator.backward(loss if len(window) == k else loss * (k / len(window)))
                 log.add(loss, y.shape[0])
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad()
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples

@@ -27,7 +27,6 @@ _WHERE = {
     "mfu": "metrics",
     "parameters_per_process": "metrics",
     "plan_run": "plan",
-    "prepare_data_first": "data",
     "training_parser": "args",
 }
 __all__ = sorted(_WHERE)

@@ -1,12 +1,11 @@
-"""The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds
-its own, and states the defaults of its hyperparameters in one block at its top (HYPERPARAMETERS,
-with a reason each), given to `parser.set_defaults`: `parse_args` refuses a recipe that leaves one
-of the shared training hyperparameters (TRAINING_HYPERPARAMETERS) to chance.
+"""The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds its own and
+states the defaults of its hyperparameters in one block at its top (HYPERPARAMETERS, a reason each).
 
-Every value is checked when the arguments are parsed, by the `type=` beside it (`positive_int`,
-`probability`, ...) or, for a rule between two arguments, in `parse_args`: a mistake costs one
-`error:` line and exit code 2 before anything is loaded, launched or written. No parse error
-repeats a value that looks like a credential.
+Every value is checked once, when the arguments are parsed: by the `type=` beside it (`positive_int`,
+`probability`, ...), and for rules between arguments by the checks registered with the parser
+(`parser.checks`: the shared ones below, those of common.vision and common.text, and the recipe's own). A
+mistake costs one `error:` line and exit code 2 before anything is loaded, launched or written. No message
+repeats a value that looks like a credential. This module imports nothing heavy: launch.sh uses it.
 """
 
 from __future__ import annotations
@@ -19,49 +18,62 @@ import re
 import sys
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
+# transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
+# metric, nor cosine_with_min_lr or warmup_stable_decay, which need more arguments)
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+# The shared arguments whose defaults each recipe states itself, for its model and data.
+TRAINING_HYPERPARAMETERS = (
+    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+    "learning_rate", "reference_batch_size", "lr_scaling", "lr_scheduler_type", "warmup_ratio", "weight_decay",
+    "max_grad_norm", "num_train_epochs", "logging_steps",
+)  # fmt: skip
+GIVEN: dict = {}  # option -> text value of the last parse: where a failing path came from (runtime.os_error_line)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one `error: ...` line (no usage block) and exit code 2, printed by
-    the first process only (every process of a launch parses the same command line), with any
-    credential in the message masked. `parse_args` refuses unknown arguments and combinations no
-    single argument's type can see."""
+    """argparse whose errors are one `error: ...` line (no usage block) and exit code 2, printed by the first
+    process only, credentials masked; unknown and empty arguments refused; then every check in `checks`,
+    `check(parser, args)`, which calls parser.error for a combination no single type can see."""
 
-    def parse_known_args(self, args=None, namespace=None):
-        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
-        return super().parse_known_args(args, namespace)
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = []
 
     def parse_args(self, args=None, namespace=None):
         unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
         if unset:  # a mistake in the recipe, not the user's
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
+        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
+        GIVEN.clear()
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
             if action.option_strings and any(isinstance(v, str) and not v.strip() for v in _listed(value)):
                 self.error(f"argument {action.option_strings[0]}: must not be empty")
-        if (
-            namespace.warmup_steps
-            and namespace.max_train_steps
-            and namespace.warmup_steps >= namespace.max_train_steps
-        ):
-            self.error(
-                f"--warmup_steps {namespace.warmup_steps} leaves no step after the warmup of --max_train_steps "
-                f"{namespace.max_train_steps}; pass fewer warmup steps"
-            )
+            if action.option_strings and isinstance(value, str):
+                GIVEN[action.option_strings[0]] = value
+        for check in self.checks:
+            check(self, namespace)
         return namespace
 
     def _did_you_mean(self, extras) -> str:
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
-        guesses = []
-        for token in extras:
-            if token.startswith("--"):
-                guesses += difflib.get_close_matches(token.split("=", 1)[0], known, n=2, cutoff=0.75)
-        if guesses:
-            return f" (did you mean {' or '.join(dict.fromkeys(guesses))}?)"
-        return f"; {self.prog} --help lists every option"
+        guesses = [g for t in extras if t.startswith("--") for g in difflib.get_close_matches(t, known, 2, 0.75)]
+        return (
+            f" (did you mean {' or '.join(dict.fromkeys(guesses))}?)"
+            if guesses
+            else f"; {self.prog} --help lists every option"
+        )
 
     def error(self, message):
         message = mask_secrets(message, getattr(self, "_argv", []))
@@ -69,16 +81,15 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
-# Credentials ------------------------------------------------------------------------------------
-# Whole words of an option's name: hub_token and api_key are masked, tokenizer_name and max_tokens are not.
+# Credentials: whole words of an option's name (hub_token and api_key are masked, tokenizer_name is not), hub
+# tokens and user:password@ in URLs. The one rule for everything this project prints or writes.
 SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
-SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")  # hub tokens, user:password@ in URLs
+SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")
 
 
 def mask_words(words) -> list:
     """Command-line words with credentials masked: the value of an option named like one (--hub_token X,
-    --hub_token=X, --wandb-api-key X), and any hub token or URL password. The one rule for everything
-    this project prints or writes: errors, launch.sh's command line, results.json, checkpoints, trackers."""
+    --hub_token=X, --wandb-api-key X), and any hub token or URL password."""
     shown, hide_next = [], False
     for word in map(str, words):
         if hide_next and not word.startswith("--"):
@@ -97,12 +108,7 @@ def mask_words(words) -> list:
 def mask_secrets(message: str, argv=()) -> str:
     """`message` with hub tokens, URL passwords and the values `mask_words` hides in `argv` masked."""
     argv = [str(a) for a in argv]
-    secrets = set()
-    for word, shown in zip(argv, mask_words(argv)):
-        if shown == "***":
-            secrets.add(word)
-        elif shown.endswith("=***") and not word.endswith("=***"):
-            secrets.add(word.partition("=")[2])
+    secrets = {w if s == "***" else w.partition("=")[2] for w, s in zip(argv, mask_words(argv)) if s.endswith("***")}
     for secret in sorted(secrets, key=len, reverse=True):
         if len(secret) >= 4:  # shorter ones would mask unrelated letters
             message = message.replace(secret, "***")
@@ -110,22 +116,17 @@ def mask_secrets(message: str, argv=()) -> str:
 
 
 def public_args(args) -> dict:
-    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped,
-    anything that looks like a credential masked (an argument named like one, a hub token, the
-    password in a URL)."""
+    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped, credentials
+    masked."""
     shown = {}
     for name, value in vars(args).items():
-        if value is None:
-            continue
-        if SECRET_NAMES.search(name) and not isinstance(value, bool):
-            value = "***"
-        elif isinstance(value, str):
-            value = SECRET_VALUES.sub("***", value)
-        shown[name] = value
+        if value is not None:
+            secret = SECRET_NAMES.search(name) and not isinstance(value, bool)
+            shown[name] = "***" if secret else SECRET_VALUES.sub("***", value) if isinstance(value, str) else value
     return shown
 
 
-# --- argument types: each returns the value or raises ArgumentTypeError, which argparse prints as
+# Argument types: each returns the value or raises ArgumentTypeError, which argparse prints as
 # "error: argument --NAME: <message>".
 
 
@@ -133,29 +134,20 @@ def _listed(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _number(text, kind, wanted):
-    try:
-        value = kind(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not {'a whole number' if kind is int else 'a number'}; pass {wanted}"
-        ) from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
-    return value
-
-
 def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=None):
-    """An argparse type for numbers of `kind` in [low, high] (an open end when `*_open`)."""
-    parts = []
-    if low is not None:
-        parts.append(f"{'greater than' if low_open else 'at least'} {low}")
-    if high is not None:
-        parts.append(f"{'below' if high_open else 'at most'} {high}")
-    wanted = f"{'a whole number' if kind is int else 'a number'} {' and '.join(parts)}"
+    """An argparse type for finite numbers of `kind` in [low, high] (an open end when `*_open`)."""
+    parts = [f"{'greater than' if low_open else 'at least'} {low}"] if low is not None else []
+    parts += [f"{'below' if high_open else 'at most'} {high}"] if high is not None else []
+    noun = "a whole number" if kind is int else "a number"
+    wanted = f"{noun} {' and '.join(parts)}"
 
     def convert(text):
-        value = _number(text, kind, wanted)
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}; pass {wanted}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
         if (low is not None and (value <= low if low_open else value < low)) or (
             high is not None and (value >= high if high_open else value > high)
         ):
@@ -167,32 +159,18 @@ def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=
 
 
 def at_least(low: int):
-    """An int type of at least `low`."""
     return _ranged(int, low)
 
 
-positive_int = _ranged(int, 1, name="positive_int")
-non_negative_int = _ranged(int, 0, name="non_negative_int")
-positive_float = _ranged(float, 0, low_open=True, name="positive_float")
-non_negative_float = _ranged(float, 0, name="non_negative_float")
-# a fraction where both ends mean something (warmup over none or all steps)
-probability = _ranged(float, 0, 1, name="probability")
-# dropout, smoothing, momentum: 1 leaves nothing to learn
-fraction_below_one = _ranged(float, 0, 1, high_open=True, name="fraction_below_one")
-seed = _ranged(int, 0, 2**32, high_open=True, name="seed")  # what numpy's and torch's generators accept
-percentage = _ranged(float, 0, 100, low_open=True, high_open=True)  # a held-out split: 0% and 100% leave a side empty
-# Registered with each training_parser, so that a recipe names them: add_argument("--hflip", type="probability").
-TYPES = {
-    t.__name__: t
-    for t in (
-        positive_int,
-        non_negative_int,
-        positive_float,
-        non_negative_float,
-        probability,
-        fraction_below_one,
-        seed,
-    )
+TYPES = {  # registered with every training_parser: a recipe names them, add_argument("--hflip", type="probability")
+    "positive_int": _ranged(int, 1),
+    "non_negative_int": _ranged(int, 0),
+    "positive_float": _ranged(float, 0, low_open=True),
+    "non_negative_float": _ranged(float, 0),
+    "probability": _ranged(float, 0, 1),  # both ends mean something (warmup over none or all steps)
+    "fraction_below_one": _ranged(float, 0, 1, high_open=True),  # dropout, smoothing, momentum: 1 leaves nothing
+    "seed": _ranged(int, 0, 2**32, high_open=True),  # what numpy's and torch's generators accept
+    "percentage": _ranged(float, 0, 100, low_open=True, high_open=True),  # a held-out split: neither side empty
 }
 
 
@@ -200,29 +178,14 @@ def checkpointing_steps(text):
     """'epoch' or a number of steps >= 1."""
     if text == "epoch":
         return text
-    try:
-        steps = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'") from None
-    if steps < 1:
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'")
+    if int(text) < 1:
         raise argparse.ArgumentTypeError(
             f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no checkpoints, omit "
             "--checkpointing_steps"
         )
-    return steps
-
-
-# transformers' schedules that run from a warmup and a total length alone: not those that need a metric
-# (reduce_lr_on_plateau) or extra arguments (cosine_with_min_lr, warmup_stable_decay).
-SCHEDULES = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
+    return int(text)
 
 
 def report_to(text):
@@ -238,72 +201,46 @@ def report_to(text):
     return text
 
 
-# The shared arguments whose defaults each recipe states itself, for its model and data.
-TRAINING_HYPERPARAMETERS = (
-    "output_dir",
-    "per_device_train_batch_size",
-    "per_device_eval_batch_size",
-    "gradient_accumulation_steps",
-    "learning_rate",
-    "reference_batch_size",
-    "lr_scaling",
-    "lr_scheduler_type",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-    "num_train_epochs",
-    "logging_steps",
-)
+def _check_warmup(parser, args) -> None:
+    if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
+        parser.error(
+            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
+            f"{args.max_train_steps}; pass fewer warmup steps"
+        )
 
 
-def training_parser(recipe: str, description: str) -> argparse.ArgumentParser:
-    """The shared arguments; `recipe`, the name checkpoints record (a copy renamed to train.py still
-    resumes them), is set as args.recipe."""
+def training_parser(recipe: str, description: str) -> ArgumentParser:
+    """The shared arguments; `recipe`, the name checkpoints record (a copy renamed to train.py still resumes
+    them), is set as args.recipe."""
     p = ArgumentParser(
         description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():
         p.register("type", name, kind)
-    t = p.add_argument_group("training (shared by every recipe)")
-    t.add_argument("--output_dir")
-    t.add_argument("--per_device_train_batch_size", type=positive_int)
-    t.add_argument("--per_device_eval_batch_size", type=positive_int)
-    t.add_argument("--gradient_accumulation_steps", type=positive_int)
-    t.add_argument("--learning_rate", type=positive_float, help="for --reference_batch_size samples")
-    t.add_argument(
-        "--reference_batch_size", type=positive_int, help="the effective batch --learning_rate is meant for"
-    )
-    t.add_argument("--lr_scaling", choices=LR_SCALING_RULES, help="how the learning rate follows the effective batch")
-    t.add_argument("--lr_scheduler_type", choices=SCHEDULES, help="transformers' schedule, over the samples trained")
-    t.add_argument("--warmup_steps", type=non_negative_int, help="overrides --warmup_ratio")
-    t.add_argument("--warmup_ratio", type=probability)
-    t.add_argument("--weight_decay", type=non_negative_float, help="not applied to biases and norms")
-    t.add_argument("--max_grad_norm", type=non_negative_float, help="0 disables clipping")
-    t.add_argument("--num_train_epochs", type=positive_int)
-    t.add_argument("--max_train_steps", type=positive_int, help="stop after this many optimizer steps")
-    t.add_argument(
-        "--checkpointing_steps",
-        type=checkpointing_steps,
-        help="save the full state every N optimizer steps, or 'epoch'; omit it to save no checkpoints",
-    )
-    t.add_argument("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
-    t.add_argument("--save_total_limit", type=positive_int, help="keep only the newest N checkpoints")
-    t.add_argument(
-        "--overwrite_output_dir",
-        action="store_true",
-        help="start over in an --output_dir that holds an earlier run (its checkpoints are deleted)",
-    )
-    t.add_argument("--logging_steps", type=positive_int)
-    t.add_argument(
-        "--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none"
-    )
-    t.add_argument("--dataloader_num_workers", type=non_negative_int, help="per process; default from the CPU count")
-    t.add_argument(
-        "--ddp_timeout",
-        type=_ranged(int, 1, 365 * 86400),
-        default=600,
-        help="seconds before a stuck collective fails (at most a year)",
-    )
-    t.add_argument("--seed", type=seed, default=42)
+    p.checks.append(_check_warmup)
+    t = p.add_argument_group("training (shared by every recipe)").add_argument
+    t("--output_dir")
+    t("--per_device_train_batch_size", type="positive_int")
+    t("--per_device_eval_batch_size", type="positive_int")
+    t("--gradient_accumulation_steps", type="positive_int")
+    t("--learning_rate", type="positive_float", help="for --reference_batch_size samples")
+    t("--reference_batch_size", type="positive_int", help="the effective batch --learning_rate is meant for")
+    t("--lr_scaling", choices=LR_SCALING_RULES, help="how the learning rate follows the effective batch")
+    t("--lr_scheduler_type", choices=SCHEDULES, help="transformers' schedule, over the samples trained")
+    t("--warmup_steps", type="non_negative_int", help="overrides --warmup_ratio")
+    t("--warmup_ratio", type="probability")
+    t("--weight_decay", type="non_negative_float", help="not applied to biases and norms")
+    t("--max_grad_norm", type="non_negative_float", help="0 disables clipping")
+    t("--num_train_epochs", type="positive_int")
+    t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
+    t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
+    t("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
+    t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")
+    t("--overwrite_output_dir", action="store_true", help="start over where an earlier run is (deletes what it wrote)")
+    t("--logging_steps", type="positive_int")
+    t("--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
+    t("--dataloader_num_workers", type="non_negative_int", help="per process; default from the CPU count")
+    t("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600, help="seconds before a stuck collective fails")
+    t("--seed", type="seed", default=42)
     return p

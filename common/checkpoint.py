@@ -1,16 +1,15 @@
 """Checkpoints that are either complete or absent, and final weights that load anywhere.
 
-Layout in `--output_dir` (common.outputs keeps it to one run at a time):
-    checkpoint-<step>/      accelerator.save_state + trainer_state.json (written last: the marker
-                            of a complete checkpoint, with the size and sha256 of every file in it)
-    .tmp-checkpoint-<step>/ a save in progress; never picked by `latest`
-    .old-checkpoint-<step>/ a checkpoint that a complete new save of the same step is replacing
-    model.safetensors       final weights (or save_pretrained files for transformers models); the
-                            names of the files written are kept in .model-files.json
-    results.json            the run's record (metrics.py), written last: the run has finished
+Layout in --output_dir (common.outputs keeps it to one run at a time):
+    checkpoint-<step>/       accelerator.save_state + trainer_state.json, written last: the marker of a
+                             complete checkpoint, with the size and sha256 of every file in it
+    .tmp-checkpoint-<step>/  a save in progress
+    model.safetensors        final weights (or save_pretrained's files; their names in .model-files.json)
+    results.json             the run's record (common.metrics), written last: the run has finished
 
-Every write that all processes take part in (a checkpoint, the final weights) either succeeds on
-all of them or fails on all of them with one line (`_together`): none is left waiting in a
+`latest` is the intact checkpoint written last, which is the newest of the trajectory the folder follows
+now, also after a run resumed by path from an earlier step. Every write all processes take part in either
+succeeds on all of them or fails on all of them with one line (`_together`): none is left waiting in a
 collective for a process that failed, and a full disk says how much space the save needs.
 """
 
@@ -20,11 +19,11 @@ import contextlib
 import errno
 import hashlib
 import io
-import itertools
 import json
 import os
 import re
 import shutil
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -33,27 +32,34 @@ from accelerate.utils import gather_object
 from safetensors.torch import save_file
 
 from .args import public_args
-from .runtime import RecipeError, decide_on_main, library_versions, logger, one_line
+from .runtime import RecipeError, causes, decide_on_main, library_versions, logger, one_line
 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_RE = re.compile(r"\.tmp-checkpoint-(\d+)")
-OLD_CHECKPOINT_RE = re.compile(r"\.old-checkpoint-(\d+)")
-STATE_FILE = "trainer_state.json"
-RESULTS_FILE = "results.json"
-MODEL_FILES = ".model-files.json"
+STATE_FILE, RESULTS_FILE, MODEL_FILES = "trainer_state.json", "results.json", ".model-files.json"
 HASH = "sha256"  # over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+def write_json(path, data: dict) -> None:
+    """JSON through a temporary file and a rename: readers never see half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        publish(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no stray temporary file
         raise
+
+
+def publish(path: Path) -> None:
+    """Give a file the permissions the user's umask gives new files: safetensors writes its files 0600, and a
+    colleague, or a job under a service account, could not read the model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
+        file.chmod(0o666 & ~umask)
 
 
 def read_state(path) -> dict:
@@ -65,34 +71,27 @@ def read_state(path) -> dict:
 
 
 def _all_gather(accelerator, obj) -> list:
-    """`obj` of every process, in process order."""
     return gather_object([obj]) if accelerator is not None and accelerator.num_processes > 1 else [obj]
 
 
-def _rank_and_world(accelerator) -> tuple[int, int]:
-    return (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
-
-
 def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path | None = None, main_only=False):
-    """Run `fn` on every process (or the main one), then agree: either every process returns the list
-    of every process's result, or every process raises. A failure to write files becomes one line (on
-    a full disk: the space `needed()` and the space free); any other exception is re-raised where it
-    happened, with its traceback. `tmp`, a half-written folder, is removed on failure."""
+    """Run `fn` on every process (or the main one), then agree: every process returns the list of every
+    process's result, or every process raises. A failure to write becomes one line (a full disk: the space
+    `needed()` and the space free); any other exception is re-raised where it happened. `tmp`, a half-written
+    folder, is removed on failure."""
     failure = error = result = None
     if accelerator.is_main_process or not main_only:
         try:
             result = fn()
         except Exception as err:
             failure = _write_failure(err) or ("bug", one_line(err))
-            # Kept only to re-raise: the frames of a failed write hold its open file, whose space a full
-            # disk would not get back before the error line measures it.
-            error = err if failure[0] == "bug" else None
+            error = err if failure[0] == "bug" else None  # kept to re-raise; a failed write's frames hold its file
     everyone = _all_gather(accelerator, (failure, result))
     failures = [(rank, f) for rank, (f, _) in enumerate(everyone) if f]
     if not failures:
         return [r for _, r in everyone]
     if accelerator.is_main_process and tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)  # no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
     rank, (kind, text) = failures[0]
@@ -102,22 +101,19 @@ def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path
     if any(k == "space" for _, (k, _) in failures) or (kind == "io" and free is not None and free < needed()):
         have = f", {_human(free)} free" if free is not None else ""
         raise RecipeError(
-            f"no space left on the filesystem of {output_dir} to save the {what}: it needs about "
-            f"{_human(needed())}{have}; free space there or pass another --output_dir (the checkpoints already "
-            "saved are intact)"
+            f"no space left on the filesystem of {output_dir} to save the {what}: it needs about {_human(needed())}"
+            f"{have}; free space there or pass another --output_dir (the checkpoints already saved are intact)"
         )
     where = f" on process {rank}" if accelerator.num_processes > 1 else ""
     raise RecipeError(f"could not save the {what}{where}: {text}; the checkpoints already saved are intact")
 
 
 def _write_failure(err: BaseException) -> tuple | None:
-    """("space" | "io" | "recipe", text) for an error writing files, None for any other error.
-    torch.save reports a full disk without an errno ("unexpected pos ..."): the free space decides."""
+    """("space" | "io" | "recipe", text) for an error writing files, None for any other. torch.save reports a
+    full disk without an errno ("unexpected pos ..."): the free space decides."""
     if isinstance(err, RecipeError):
         return "recipe", str(err)
-    chain = [err]
-    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    chain = causes(err)
     text = " ".join(str(e) for e in chain)
     if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
         r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
@@ -130,14 +126,7 @@ def _write_failure(err: BaseException) -> tuple | None:
     return None
 
 
-def _free_bytes(folder: Path) -> int | None:
-    try:
-        return shutil.disk_usage(nearest_existing(folder)).free
-    except OSError:
-        return None
-
-
-def nearest_existing(path: Path) -> Path:
+def nearest_existing(path) -> Path:
     """`path`, or the nearest folder above it that exists."""
     path = Path(path)
     while not path.exists() and path != path.parent:
@@ -145,14 +134,18 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
+def _free_bytes(folder: Path) -> int | None:
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(nearest_existing(folder)).free
+    return None
+
+
 def _human(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
+    unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), ("bytes", 1))
+    return f"{n} bytes" if scale == 1 else f"{n / scale:.1f} {unit}"
 
 
-# Checksums ----------------------------------------------------------------------------------------
+# Integrity ----------------------------------------------------------------------------------------
 
 
 def _digest(path: Path) -> str:
@@ -164,16 +157,11 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _share(files: dict, rank: int, world: int) -> list:
-    """The files (name: size) process `rank` hashes: the largest first, each to the least loaded
-    process, so that a checkpoint of many shards is hashed by all processes at once and none of
-    them waits in a collective long enough to reach the process-group timeout."""
-    loads, shares = [0] * world, [[] for _ in range(world)]
-    for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
-        i = loads.index(min(loads))
-        shares[i].append(name)
-        loads[i] += size
-    return shares[rank]
+def _share(files: dict, accelerator) -> list:
+    """The files (name: size) this process hashes, largest first dealt in turn: a checkpoint of many shards is
+    hashed by all processes at once, and none waits in a collective long enough to time out."""
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    return sorted(files, key=lambda name: (-files[name], name))[rank::world]
 
 
 def _size_damage(path: Path) -> tuple:
@@ -184,53 +172,47 @@ def _size_damage(path: Path) -> tuple:
     except (OSError, ValueError, TypeError, AttributeError) as err:
         return f"{STATE_FILE} is unreadable ({one_line(err)})", {}, {}
     for name, size in files.items():
-        file = path / name
-        if not file.is_file():
+        if not (path / name).is_file():
             return f"{name} is missing", files, digests
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, {size} were written", files, digests
+        if (path / name).stat().st_size != size:
+            return f"{name} has {(path / name).stat().st_size} bytes, {size} were written", files, digests
     return None, files, digests
 
 
 def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | None:
-    """Why the checkpoint at `path` cannot be loaded, or None: its marker and every file it lists
-    must be there with the size it was written with (a cheap first pass) and, with `checksums`,
-    the same sha256 (bytes altered in place, a bad disk or copy). With `accelerator`, every
-    process must call it: they hash a share of the files each."""
+    """Why the checkpoint at `path` cannot be loaded, or None: every file it lists must be there with its size
+    (a cheap first pass) and, with `checksums`, its sha256 (bytes altered in place, a bad disk or copy). With
+    `accelerator`, every process must call it: they hash a share of the files each."""
     path = Path(path)
     problem, files, digests = decide_on_main(accelerator, lambda: _size_damage(path))
     if problem or not checksums or not digests:
         return problem
     bad = []
-    for name in _share({name: files.get(name, 0) for name in digests}, *_rank_and_world(accelerator)):
-        try:
-            if _digest(path / name) != digests[name]:
-                bad.append(name)
-        except OSError:
-            bad.append(name)
-    bad = sorted(set(itertools.chain.from_iterable(_all_gather(accelerator, bad))))
-    if not bad:
-        return None
+    for name in _share({name: files.get(name, 0) for name in digests}, accelerator):
+        with contextlib.suppress(OSError):
+            if _digest(path / name) == digests[name]:
+                continue
+        bad.append(name)
+    bad = sorted({name for share in _all_gather(accelerator, bad) for name in share})
     more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
-    return f"{bad[0]}{more} does not match the {HASH} written with the checkpoint"
+    return f"{bad[0]}{more} does not match the {HASH} written with the checkpoint" if bad else None
 
 
 # Saving -------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
-    """Save the full training state at position `at` (a common.plan.Position) into
-    --output_dir/checkpoint-<step>, with what resuming needs to know: the position in samples, the
-    layout that wrote it, the plan's length and warmup in samples, the recipe and the model it belongs
-    to, and the arguments. A run whose loss or weights are no longer finite is not saved (`log`)."""
+    """The full training state at position `at` (a common.plan.Position) in --output_dir/checkpoint-<step>, with
+    what a resume needs: the position in samples, the layout, the plan's length and warmup in samples, the
+    recipe, the model and the arguments. A run whose loss or weights are no longer finite is not saved."""
     log.check_finite(at.step, model)
     state = {
-        "step": at.step,
         "epoch": at.epoch,
         "samples_in_epoch": at.sample,
         "samples_seen": at.seen,
         "recipe": args.recipe,
         **model_signature(model),
+        "distributed_type": accelerator.distributed_type.value,
         "world_size": accelerator.num_processes,
         "per_device_train_batch_size": plan.per_device_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
@@ -245,19 +227,13 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
 
 
 def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:
-    """Save the full training state (model, optimizer, RNG) at `step` with `state`, the library
-    versions and every file's size and sha256 in trainer_state.json.
-
-    Every process writes its part into .tmp-checkpoint-<step>; the processes hash the files (a share
-    each); the main process adds trainer_state.json and renames the folder to checkpoint-<step>. A
-    crash at any point leaves either a complete checkpoint or a temporary folder that `latest`
-    ignores (see finish_interrupted_saves for the one case in between). A complete new save replaces
-    an existing checkpoint-<step>: a damaged one must go, and an intact one of the same step belongs
-    to an earlier trajectory (a run resumed from an older checkpoint by path), which this run's later
-    checkpoints and final weights no longer continue. `total_limit` keeps that many of the newest
-    intact checkpoints (and always this one), deleting older ones only once this one is complete.
-    Assumes `output_dir` is on a filesystem every node sees, as checkpoints of multi-node jobs must be.
-    """
+    """The full training state (model, optimizer, RNG) at `step`, with `state`, the library versions, the time and
+    every file's size and sha256 in trainer_state.json. Every process writes its part into .tmp-checkpoint-<step>;
+    they hash a share of the files each; the main process adds the marker and renames the folder into place, so
+    a crash at any point leaves a complete checkpoint or a temporary folder `latest` ignores. A complete new save
+    replaces a checkpoint-<step> there (a damaged one, or one of an earlier trajectory). `total_limit` keeps that
+    many of the intact checkpoints written last, deleting others only once this one is complete. Assumes
+    `output_dir` is on a filesystem every node sees, as checkpoints of multi-node jobs must be."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     if accelerator.is_main_process:
@@ -266,20 +242,21 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
 
     def needed() -> int:  # the newest checkpoint's size, or else the weights and Adam's two moments
         for path in reversed(complete_checkpoints(output_dir)):
-            files = _size_damage(path)[1]
-            if files:
+            if files := _size_damage(path)[1]:
                 return sum(files.values())
-        tensors = itertools.chain(model.parameters(), model.buffers()) if model is not None else ()
+        tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         return 3 * sum(getattr(t, "ds_numel", t.numel()) * t.element_size() for t in tensors)
 
-    together = lambda fn, main_only=False: _together(  # noqa: E731
-        accelerator, f"checkpoint {final}", output_dir, needed, fn, tmp=tmp, main_only=main_only
-    )
+    def together(fn, main_only=False):
+        what = f"checkpoint {final}"
+        return _together(accelerator, what, output_dir, needed, fn, tmp=tmp, main_only=main_only)
+
     together(lambda: accelerator.save_state(str(tmp)))
-    (files,) = [f for f in together(lambda: _sizes(tmp), main_only=True) if f is not None]
-    shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, *_rank_and_world(accelerator))})
+    (files,) = [f for f in together(lambda: (publish(tmp), _sizes(tmp))[1], main_only=True) if f is not None]
+    shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
     digests = {k: v for share in shares for k, v in share.items()}
-    marker = {"step": step, **state, "files": files, HASH: digests, "versions": library_versions()}
+    marker = {"step": step, **state, "saved_at": time.time(), "files": files, HASH: digests}
+    marker["versions"] = library_versions()
     together(lambda: (write_json(tmp / STATE_FILE, marker), _install(tmp, final)), main_only=True)
     if accelerator.is_main_process:
         logger.info(f"saved checkpoint {final}")
@@ -294,37 +271,37 @@ def _sizes(folder: Path) -> dict:
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """Rename the complete save `tmp` to `final`, replacing what is there. Between the two renames
-    a crash leaves the new save complete in `tmp`: finish_interrupted_saves completes it."""
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    old = final.with_name(f".old-{final.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(final, old)
+    """Rename the complete save `tmp` to `final`, replacing what is there. A crash in between leaves the new save
+    complete in `tmp` (finish_interrupted_saves completes it), and what is left of the old one fails its size check."""
+    if final.exists():
+        shutil.rmtree(final)
+        logger.info(f"replacing the earlier {final.name} with this run's")
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    logger.info(f"replaced the earlier {final.name} with this run's")
 
 
 def checkpoint_step(path: Path) -> int:
     return int(path.name.rsplit("-", 1)[1])
 
 
+def _saved_at(path: Path) -> float:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return float(read_state(path).get("saved_at") or (path / STATE_FILE).stat().st_mtime)
+    return 0.0
+
+
 def complete_checkpoints(output_dir) -> list:
-    """The checkpoint-<step> folders with their marker, oldest first."""
+    """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
-    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=checkpoint_step)
+    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: (_saved_at(p), checkpoint_step(p)))
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
-    """--save_total_limit: keep the newest `total_limit` intact checkpoints and the one just written;
-    delete complete checkpoints older than it that are not kept. Damaged ones (sizes only: a full
-    checksum pass at every save would cost too much) never count towards the limit."""
-    intact = [p for p in complete_checkpoints(output_dir) if p == final or not _size_damage(p)[0]]
-    keep = set(intact[-total_limit:]) | {final}
-    for old in complete_checkpoints(output_dir):
-        if old not in keep and checkpoint_step(old) < checkpoint_step(final):
+    """--save_total_limit: keep the `total_limit` intact checkpoints written last, and this one. Damaged ones
+    (sizes only: a checksum pass at every save would cost too much) never count towards the limit."""
+    written = complete_checkpoints(output_dir)
+    keep = {final, *[p for p in written if p == final or not _size_damage(p)[0]][-total_limit:]}
+    for old in written[: written.index(final)]:
+        if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
             logger.info(f"deleted {old} (--save_total_limit {total_limit})")
 
@@ -332,28 +309,39 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
 # Resuming -----------------------------------------------------------------------------------------
 
 
+def not_a_checkpoint(spec: str) -> str:
+    return (
+        f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
+        "folder written by a recipe, or `latest`"
+    )
+
+
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
-    """`--resume_from_checkpoint`: None, `latest` (the newest complete, intact checkpoint in
-    output_dir, or None with a warning when there is none yet, so a requeued job can always pass
-    it), or a path, refused by name when it is incomplete or damaged. With `accelerator`, every
-    process must call it (they share the hashing)."""
+    """--resume_from_checkpoint: None; `latest`, the intact checkpoint written last in output_dir (None, with a
+    warning, when there is none yet: a requeued job can always pass it); or a path, refused by name when it is
+    incomplete or damaged. With `accelerator`, every process must call it (they share the hashing)."""
     if not spec:
         return None
     if spec != "latest":
         path = Path(spec)
         if not decide_on_main(accelerator, lambda: (path / STATE_FILE).is_file()):
             raise RecipeError(not_a_checkpoint(spec))
-        damage = checkpoint_damage(path, accelerator)
-        if damage:
+        if damage := checkpoint_damage(path, accelerator):
             raise RecipeError(
-                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; "
-                f"pass an older checkpoint-<step> folder, or `latest` to pick the newest intact one"
+                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; pass an older "
+                "checkpoint-<step> folder, or `latest` to pick the newest intact one"
             )
         return path
+
+    def candidates():
+        for path in sorted(Path(output_dir).glob("checkpoint-*")):
+            if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
+                logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
+        return complete_checkpoints(output_dir)[::-1]
+
     damaged = 0
-    for path in decide_on_main(accelerator, lambda: _latest_candidates(Path(output_dir))):
-        damage = checkpoint_damage(path, accelerator)
-        if not damage:
+    for path in decide_on_main(accelerator, candidates):
+        if not (damage := checkpoint_damage(path, accelerator)):
             return path
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
         damaged += 1
@@ -362,29 +350,10 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
     return None
 
 
-def not_a_checkpoint(spec: str) -> str:
-    return (
-        f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); "
-        "pass a checkpoint-<step> folder written by a recipe, or `latest`"
-    )
-
-
-def _latest_candidates(output_dir: Path) -> list:
-    """Complete checkpoints, newest first, after a warning about each incomplete one."""
-    for path in sorted(output_dir.glob("checkpoint-*")):
-        if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
-            logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
-    return list(reversed(complete_checkpoints(output_dir)))
-
-
 def finish_interrupted_saves(output_dir: Path) -> None:
-    """On the main process, under the lock, when a run continues. A crash inside write_checkpoint
-    leaves either an incomplete .tmp-checkpoint-<step> (no marker: deleted) or, between the renames
-    that replace a checkpoint, a complete and intact one (renamed into place, as the save would have
-    done) and .old-checkpoint-<step> (deleted once checkpoint-<step> is there, renamed back otherwise)."""
-    if not output_dir.is_dir():
-        return
-    for tmp in sorted(p for p in output_dir.iterdir() if TMP_CHECKPOINT_RE.fullmatch(p.name) and p.is_dir()):
+    """On the main process, under the lock, when a run continues: a crash in write_checkpoint leaves a
+    .tmp-checkpoint-<step>, complete and intact (renamed into place, as the save would have done) or not (deleted)."""
+    for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
         final = output_dir / tmp.name.removeprefix(".tmp-")
         if (tmp / STATE_FILE).is_file() and checkpoint_damage(tmp) is None:
             _install(tmp, final)
@@ -392,32 +361,24 @@ def finish_interrupted_saves(output_dir: Path) -> None:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
             logger.warning(f"deleted {tmp}, a save that did not complete")
-    for old in sorted(p for p in output_dir.iterdir() if OLD_CHECKPOINT_RE.fullmatch(p.name) and p.is_dir()):
-        final = output_dir / old.name.removeprefix(".old-")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(old, final)
 
 
 def model_signature(model) -> dict:
-    """What identifies a model: a digest of its parameter names and full shapes (also under ZeRO-3,
-    where `ds_shape` is the full shape), and its parameter count. Names are those of the model the
-    recipe built: a wrapper's prefix (DDP's module., torch.compile's _orig_mod.) is not part of them."""
+    """A digest of the parameter names and full shapes (`ds_shape` under ZeRO-3), and the parameter count. Names
+    are those of the model the recipe built, without a wrapper's prefix (DDP's module., torch.compile's
+    _orig_mod.)."""
     shapes, count = [], 0
     for name, p in model.named_parameters():
-        name = re.sub(r"^((module|_orig_mod)\.)+", "", name)
-        shapes.append(f"{name}:{tuple(getattr(p, 'ds_shape', p.shape))}")
+        shapes.append(f"{re.sub(r'^((module|_orig_mod)[.])+', '', name)}:{tuple(getattr(p, 'ds_shape', p.shape))}")
         count += getattr(p, "ds_numel", p.numel())
     return {"model_signature": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16], "model_parameters": count}
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan=None) -> dict:
-    """Restore the state saved at `path` into the prepared model and optimizer; return its trainer
-    state. Another recipe's or another model's checkpoint is refused with a line saying whose it is.
-    The optimizer then takes this run's settings (weight decay, momentum, ...): the checkpoint's param
-    groups would otherwise bring back its own, silently overriding the command line. The learning rate
-    is the schedule's of this run's `plan`, set at every step. What differs is logged."""
+    """Restore the state saved at `path` into the prepared model and optimizer; return its trainer state. Another
+    recipe's, another model's, or another distributed strategy's checkpoint is refused with a line saying whose it
+    is. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the checkpoint's; the
+    learning rate is the schedule's of this run's `plan`. What differs is logged."""
     state = read_state(path)
     if state.get("recipe", recipe) != recipe:
         raise RecipeError(
@@ -431,9 +392,18 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan
             f"{identity['model_parameters']:,}); resume with the model arguments that wrote it (its {STATE_FILE} "
             "lists them under args), or use another --output_dir"
         )
-    fresh = [
-        {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in optimizer.param_groups
+    layout = [
+        t if t in ("DEEPSPEED", "FSDP") else "DDP"
+        for t in (state.get("distributed_type"), accelerator.distributed_type.value)
     ]
+    if "distributed_type" in state and layout[0] != layout[1]:  # each writes the model and optimizer its own way
+        raise RecipeError(
+            f"checkpoint {path} was written under {state['distributed_type']}, this run is "
+            f"{accelerator.distributed_type.value}, and each keeps the model and optimizer state in files of its "
+            f"own layout; resume with an accelerate config of the checkpoint's kind ({layout[0]}), or use another "
+            "--output_dir"
+        )
+    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
         if hasattr(model, "load_universal_checkpoint") and state.get("world_size", 1) != accelerator.num_processes:
             _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
@@ -449,10 +419,8 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan
     if plan is not None and state.get("learning_rate", plan.learning_rate) != plan.learning_rate:
         changed.add(f"learning rate {state['learning_rate']:.4g} -> {plan.learning_rate:.4g}")
     for group, settings in zip(optimizer.param_groups, fresh):
-        for key, value in settings.items():
-            if group.get(key) != value:
-                changed.add(f"{key} {group.get(key)} -> {value}")
-            group[key] = value
+        changed |= {f"{k} {group.get(k)} -> {v}" for k, v in settings.items() if group.get(k) != v}
+        group.update(settings)
     if changed:
         logger.warning(f"resumed {path} with this run's optimizer settings: {', '.join(sorted(changed))}")
     logger.info(f"resumed from {path} at step {state['step']}")
@@ -460,12 +428,11 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan
 
 
 def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) -> None:
-    """Load a ZeRO checkpoint written by another number of processes. DeepSpeed partitions the
-    optimizer state (and under ZeRO-3 the weights) by process and refuses another count, so the main
-    process converts the engine's folder with DeepSpeed's own ds_to_universal (every parameter's fp32
-    weights and optimizer moments, whole) into `.universal-checkpoint-<step>/` beside it, and every
-    process loads that with DeepSpeed's universal loader, which partitions it for this run. The
-    checkpoint itself is not touched; the conversion is deleted once loaded."""
+    """A ZeRO checkpoint written by another number of processes. DeepSpeed partitions the optimizer state (and
+    under ZeRO-3 the weights) by process and refuses another count: the main process converts the engine's folder
+    with DeepSpeed's own ds_to_universal (every parameter's weights and moments, whole) into
+    .universal-checkpoint-<step>/ beside it, which every process loads with DeepSpeed's universal loader, for
+    this run's partitions. The checkpoint itself is not touched; the conversion is deleted once loaded."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     view = path.parent / f".universal-{path.name}"
@@ -478,27 +445,19 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
                 (view / item.name).symlink_to(item.resolve())
         logger.warning(
             f"{path.name} was written by {written_by} processes, this run has {accelerator.num_processes}: "
-            f"converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it"
+            "converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it"
         )
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            for tag in tags:
+            for tag in tags:  # inject_missing_state: ZeRO-1/2 checkpoints lack its metadata
                 options = dict(num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True)
-                # inject_missing_state: ZeRO-1/2 checkpoints lack its metadata
-                ds_to_universal(
-                    Namespace(
-                        input_folder=str(path / tag),
-                        output_folder=str(view / tag),
-                        **options,
-                        inject_missing_state=True,
-                    )
-                )
+                convert = dict(input_folder=str(path / tag), output_folder=str(view / tag), inject_missing_state=True)
+                ds_to_universal(Namespace(**options, **convert))
     accelerator.wait_for_everyone()
     try:
         with universal_loading(engine):
             accelerator.load_state(str(view))
-        # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step`
-        # tensor, which torch's Adam increments in place: with two groups (decay, no decay) it would count
-        # two steps per step and get the bias correction wrong. One each.
+        # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step` tensor,
+        # which torch's Adam increments in place: with two groups it would count two steps a step. One each.
         for state in getattr(getattr(engine.optimizer, "optimizer", None), "state", {}).values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -510,9 +469,9 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
 
 @contextlib.contextmanager
 def universal_loading(engine):
-    """A DeepSpeed engine that loads the next checkpoint as a universal one. DeepSpeed reads this from
-    its config's `checkpoint.load_universal`, fixed when the engine is built, and offers no public
-    switch afterwards: the one private use, `engine._config` (tests/test_zero.py checks it exists)."""
+    """A DeepSpeed engine that loads the next checkpoint as a universal one. DeepSpeed reads this from its config's
+    `checkpoint.load_universal`, fixed when the engine is built, with no public switch afterwards: the one private
+    use, `engine._config` (tests/test_common.py checks it is still read)."""
     engine._config.load_universal_checkpoint = True
     try:
         yield
@@ -524,15 +483,11 @@ def universal_loading(engine):
 
 
 def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
-    """Save the final weights (and the tokenizer) from the main process, correct under DDP, ZeRO
-    and FSDP.
-
-    `get_state_dict` runs on every process because under ZeRO-3 and FSDP it gathers the shards.
-    Models with `save_pretrained` (transformers, peft) are saved with it; others as
-    model.safetensors. Files are written to a temporary name and renamed; the names are recorded
-    in .model-files.json, so that the next save removes the files of this one it does not write
-    again (an adapter, other shards) and --overwrite_output_dir removes exactly these.
-    """
+    """The final weights (and the tokenizer) from the main process, correct under DDP, ZeRO and FSDP:
+    `get_state_dict` runs on every process, since under ZeRO-3 and FSDP it gathers the shards. Models with
+    `save_pretrained` (transformers, peft) are saved with it, others as model.safetensors, through temporary
+    names and renames. The names are recorded in .model-files.json, so that the next save removes the files of
+    this one it does not write again, and --overwrite_output_dir removes exactly these."""
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -549,33 +504,36 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
 
 def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    earlier = model_files(output_dir)
-    if hasattr(unwrapped, "save_pretrained"):
-        tmp = output_dir / ".tmp-model"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
+    earlier, tmp = model_files(output_dir), output_dir / ".tmp-model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if hasattr(unwrapped, "save_pretrained"):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        names = sorted(f.name for f in tmp.iterdir())
-        for name in names:
-            os.replace(tmp / name, output_dir / name)
-        tmp.rmdir()
-    else:
-        names, tmp = ["model.safetensors"], output_dir / ".model.safetensors.tmp"
-        try:
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, output_dir / "model.safetensors")
+        else:
+            tmp.mkdir()
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
+        publish(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    names = sorted(f.name for f in tmp.iterdir())
+    for name in names:
+        os.replace(tmp / name, output_dir / name)
+    tmp.rmdir()
     write_json(output_dir / MODEL_FILES, {"files": names})
     for stale in set(earlier) - set(names):
-        (output_dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(output_dir / stale) if (output_dir / stale).is_dir() else (output_dir / stale).unlink(
+            missing_ok=True
+        )
     logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
+
+
+def record_written(output_dir, *names) -> None:
+    """Add files or folders a run wrote beside its weights (zero.py's fp32/) to what save_model recorded, so that
+    --overwrite_output_dir and the next save remove them too."""
+    write_json(Path(output_dir) / MODEL_FILES, {"files": sorted({*model_files(Path(output_dir)), *names})})
 
 
 def model_files(output_dir: Path) -> list:

@@ -1,5 +1,4 @@
-"""What a run reports: the training log (loss, learning rate, rates, progress bar), peak memory, and
-results.json."""
+"""What a run reports: the training log (loss, learning rate, rates, progress bar), peak memory, results.json."""
 
 from __future__ import annotations
 
@@ -18,18 +17,15 @@ from .runtime import RecipeError, library_versions, logger
 
 
 class TrainLog:
-    """The training loss, weighted by items (samples, or target tokens) over every micro-batch and
-    process since the last log; the history (results.json, trackers); the progress bar; the rates.
-    Its state is its own: the loop hands it each micro-batch's loss and each step's number."""
+    """The training loss, weighted by items (samples, or target tokens) over every micro-batch and process since
+    the last log; the history (results.json, trackers); the progress bar; the rates. The loop hands it each
+    micro-batch's loss and each step's number; nothing else changes it."""
 
     def __init__(self, accelerator, plan, start, logging_steps: int):
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
-        self.train_loss, self.history = None, []
-        self._added = []  # (loss, items, per) of each micro-batch since the last log: no host sync per step
-        self._start = (start.step, start.seen)  # where this process's run began: its rates count from there
-        self.train_seconds, self._first = 0.0, None  # training seconds; (seconds, samples) after the first step
-        self._lr = self._seen = None  # the learning rate and the samples trained after the last step
-        self._clock = time.perf_counter()
+        self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
+        self._start, self._first = (start.step, start.seen), None  # this run's start; (seconds, samples) at step 1
+        self.train_seconds, self._clock, self._lr, self._seen = 0.0, time.perf_counter(), None, None
         self._bar = tqdm(
             total=plan.max_train_steps,
             initial=start.step,
@@ -38,70 +34,56 @@ class TrainLog:
         )
 
     def add(self, loss: torch.Tensor, items, per=None) -> None:
-        """One micro-batch of this process: its loss, a mean over `per` items (default: its own number
-        of `items`; an LM's loss is a share of the step's mean over every process's target tokens)."""
+        """A micro-batch of this process: its loss, a mean over `per` items (default: its own `items`; an LM's is
+        a share of the step's mean over every process's target tokens)."""
         self._added.append((loss.detach(), items, items if per is None else per))
 
     def step(self, step: int, seen: int, lr: float | None = None) -> None:
-        """After each optimizer step (its number, the samples trained after it): the clock and the bar,
-        and every --logging_steps (and at the last step) the loss in the history, with the learning rate
-        at that point of the schedule (the plan's, or `lr`: a DeepSpeed config's own scheduler's)."""
-        self._lr, self._seen = lr, seen
+        """After each optimizer step (its number, the samples trained after it): the clock and the bar, and every
+        --logging_steps and at the last step the loss in the history, with the rate of the plan's schedule there
+        (or `lr`: a DeepSpeed config's own scheduler's)."""
         now = time.perf_counter()
-        self.train_seconds += now - self._clock
-        self._clock = now
-        if self._first is None:
-            self._first = (self.train_seconds, seen)
+        self.train_seconds, self._clock, self._lr, self._seen = self.train_seconds + now - self._clock, now, lr, seen
+        self._first = self._first or (self.train_seconds, seen)
         self._bar.update(1)
         if step % self.logging_steps == 0 or step >= self.plan.max_train_steps:
             self.flush(step)
 
     def flush(self, step: int) -> None:
-        """The loss since the last log into the history (one all-reduce), if any was added."""
+        """The loss since the last log into the history (one all-reduce), if any was added. train_seconds is read
+        after the loss reached the host (a device sync), so consecutive logs time the steps between them."""
         if not self._added:
             return
-        seen = self._seen
-        lr = self.plan.lr_at(seen) if self._lr is None else self._lr
-        self.train_loss = self._mean_loss(step)
-        # train_seconds: this run's training time so far, read after the loss reached the host (a device
-        # sync), so consecutive logs time the steps between them (benchmarks/)
-        record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss, "lr": lr}
+        sums = self._sums()
+        self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        if not math.isfinite(self.train_loss):
+            raise _diverged(step, f"the training loss became {self.train_loss}")
+        lr = self.plan.lr_at(self._seen) if self._lr is None else self._lr
+        record = {"step": step, "samples_seen": self._seen, "train_loss": self.train_loss, "lr": lr}
         self.history.append({**record, "train_seconds": round(self.train_seconds, 4)})
         self.accelerator.log(record, step=step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 
     def _sums(self, extra=0.0) -> torch.Tensor:
-        """(loss x items, items, extra) summed over the micro-batches since the last log and every process."""
-        device = self.accelerator.device
-        local = torch.zeros(3, dtype=torch.float64, device=device)
+        """(loss x per, items, extra) summed over the micro-batches since the last log and every process."""
+        local = torch.zeros(3, dtype=torch.float64, device=self.accelerator.device)
         if self._added:
-            losses, items, per = ([torch.as_tensor(v, device=device) for v in column] for column in zip(*self._added))
-            local[0] = (torch.stack(losses).double() * torch.stack(per).double()).sum()
-            local[1] = torch.stack(items).double().sum()
+            loss, items, per = (
+                torch.stack([torch.as_tensor(v, device=local.device) for v in c]).double() for c in zip(*self._added)
+            )
+            local[0], local[1] = (loss * per).sum(), items.sum()
         local[2] = extra
         return self.accelerator.reduce(local, reduction="sum")
 
-    def _mean_loss(self, step: int) -> float:
-        sums = self._sums()
-        self._added = []
-        loss = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
-        if not math.isfinite(loss):
-            raise _diverged(step, f"the training loss became {loss}")
-        return loss
-
     def check_finite(self, step: int, model) -> None:
-        """Before a checkpoint or the final save: raise if the loss since the last log, or the weights
-        (each process checks what it holds: its ZeRO-3 or FSDP shard, or the whole model), are NaN or
-        inf, so nothing of a diverged run is saved."""
-        bad = 0.0
-        for p in model.parameters():
-            local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
-            if local.numel() and not torch.isfinite(local).all():
-                bad = 1.0
-                break
-        sums = self._sums(bad)
-        loss = float(sums[0] / sums[1].clamp(min=1))
-        if not math.isfinite(loss):
+        """Before a checkpoint or the final save: raise if the loss since the last log, or the weights this process
+        holds (its ZeRO-3 or FSDP shard, or the whole model), are NaN or inf, so nothing diverged is saved."""
+        local = (
+            p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+            for p in model.parameters()
+        )
+        sums = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in local)))
+        if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
         if sums[2] > 0:
             raise _diverged(step, "the weights hold NaN or inf")
@@ -117,8 +99,8 @@ class TrainLog:
 
     def summary(self, at, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training. samples_per_second spans every step of this run;
-        steady_samples_per_second leaves out the first, whose one-time costs (kernel selection, the
-        allocator, torch.compile) a short run cannot amortize."""
+        steady_samples_per_second leaves out the first, whose one-time costs (kernel selection, the allocator,
+        torch.compile) a short run cannot amortize."""
         self._bar.close()
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
         rate = samples / self.train_seconds if steps and self.train_seconds else None
@@ -148,30 +130,24 @@ def _diverged(step: int, what: str) -> RecipeError:
 
 
 def count_parameters(model, trainable_only=False) -> int:
-    """Parameter count, also under ZeRO-3, where each process holds only a shard (`ds_numel` is the full size)."""
+    """Parameters, also under ZeRO-3, where a process holds a shard (`ds_numel`: the full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def parameters_per_process(accelerator, model) -> list:
     """Parameter elements each process holds: all of them under DDP, about 1/N under ZeRO-3 or FSDP."""
-    local = sum(
-        p.ds_tensor.numel()
-        if hasattr(p, "ds_tensor")
-        else p.to_local().numel()
-        if hasattr(p, "to_local")
-        else p.numel()
+    held = (
+        p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
         for p in model.parameters()
     )
-    return accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
+    return accelerator.gather(torch.tensor([sum(t.numel() for t in held)], device=accelerator.device)).tolist()
 
 
-# Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), for MFU.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 per GPU (datasheets, SXM)
 
 
 def mfu(accelerator, tokens_per_second: float | None, flops_per_token: float):
-    """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak, or None where the
-    peak is unknown (CPU, unlisted GPUs)."""
+    """Model FLOPs utilisation: training FLOP/s over the devices' peak; None where the peak is unknown."""
     if accelerator.device.type != "cuda" or not tokens_per_second:
         return None
     name = torch.cuda.get_device_name(accelerator.device)
@@ -180,8 +156,7 @@ def mfu(accelerator, tokens_per_second: float | None, flops_per_token: float):
 
 
 def peak_memory_gb(accelerator) -> dict:
-    """Peak memory of every process (gathered: the record shows the most loaded device): the
-    accelerator's allocator on GPU, the resident set on CPU."""
+    """Peak memory of every process: the accelerator's allocator on GPU, the resident set on CPU."""
     if accelerator.device.type == "cuda":
         kind, value = "cuda_max_allocated", torch.cuda.max_memory_allocated(accelerator.device) / 2**30
     else:
@@ -201,10 +176,9 @@ def tracker_config(args) -> dict:
 
 
 def write_results(accelerator, args, plan, **metrics) -> Path:
-    """results.json in --output_dir, from the main process, written atomically: what every run
-    reports (processes, distributed type, precision, effective batch, learning rate, peak memory of
-    every process, library versions, the arguments) and the recipe's own `metrics`. A number that is
-    not finite is written as null: JSON has no NaN."""
+    """results.json in --output_dir, from the main process, written atomically: what every run reports (processes,
+    distributed type, precision, effective batch, learning rate, peak memory, library versions, the arguments) and
+    the recipe's `metrics`. A number that is not finite is written as null: JSON has no NaN."""
     dist = torch.distributed
     record = {
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
@@ -228,10 +202,8 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
 
 
 def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
-    return value
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -1,11 +1,10 @@
-"""The run's plan: batch arithmetic, the learning rate scaled to the effective batch and its schedule,
-and where the run starts, fresh or resumed, also with another number of processes, per-device batch
-or accumulation than the checkpoint's.
+"""The run's plan: batch arithmetic, the learning rate scaled to the effective batch and its schedule, and where
+the run starts, fresh or resumed, also in another layout (processes, per-device batch, accumulation).
 
-A learning rate is stated for a reference batch (--reference_batch_size) and scaled here, once, to the
-effective batch the launch produces. Positions and the schedule count samples, not steps: the order of
-an epoch's samples depends on --seed and the epoch alone (common.data.EpochSampler), so a run resumed
-in another layout continues with the first sample it had not trained, its schedule where it was.
+A learning rate is stated for a reference batch (--reference_batch_size) and scaled here, once, to the effective
+batch the launch produces. Positions and the schedule count samples, not steps: the order of an epoch's samples
+depends on --seed and the epoch alone (common.data.EpochSampler), so a run resumed in another layout continues
+with the first sample it had not trained, its schedule where it was.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ def effective_batch_size(per_device_batch_size: int, num_processes: int, gradien
 
 
 def scale_lr(learning_rate: float, batch_size: int, reference_batch_size: int, rule: str) -> float:
-    """`linear`: lr x batch/reference (Goyal et al., 2017); `sqrt`: lr x sqrt(batch/reference),
-    common for Adam; `none`: lr unchanged."""
+    """`linear`: lr x batch/reference (Goyal et al., 2017); `sqrt`: lr x sqrt(batch/reference), common for
+    Adam; `none`: lr unchanged."""
     if rule not in LR_SCALING_RULES:
         raise ValueError(f"unknown lr scaling rule {rule!r}; choose from {', '.join(LR_SCALING_RULES)}")
     ratio = batch_size / reference_batch_size
@@ -35,8 +34,8 @@ def scale_lr(learning_rate: float, batch_size: int, reference_batch_size: int, r
 
 @dataclass
 class Position:
-    """Where a run is: optimizer steps taken, the epoch, the samples of that epoch's order trained, and
-    the samples trained since the run began (the schedule's clock). Only the training loop moves it."""
+    """Where a run is: optimizer steps taken, the epoch, the samples of its order trained, and the samples
+    trained since the run began (the schedule's clock). Only the training loop moves it."""
 
     step: int = 0
     epoch: int = 0
@@ -46,9 +45,9 @@ class Position:
 
 @dataclass(frozen=True)
 class TrainingPlan:
-    """What the loop needs to know in advance. The job's samples come in rounds of one batch per
-    process (`round_samples`); an optimizer step takes up to `gradient_accumulation_steps` rounds, and
-    an epoch's last step may take fewer; an incomplete last round is dropped."""
+    """What the loop needs to know in advance. Samples come in rounds of one batch per process (`round_samples`);
+    an optimizer step takes up to `gradient_accumulation_steps` rounds, an epoch's last step may take fewer, and
+    an incomplete last round is dropped."""
 
     num_samples: int  # in the training set
     per_device_batch_size: int
@@ -75,20 +74,21 @@ class TrainingPlan:
     def samples_for_steps(self, steps: int) -> int:
         """Samples trained by the first `steps` optimizer steps of a run started at an epoch's start."""
         epochs, rest = divmod(steps, self.steps_per_epoch)
-        rounds = epochs * self.epoch_rounds + min(rest * self.gradient_accumulation_steps, self.epoch_rounds)
-        return rounds * self.round_samples
+        return (
+            epochs * self.epoch_rounds + min(rest * self.gradient_accumulation_steps, self.epoch_rounds)
+        ) * self.round_samples
 
     def steps_from(self, epoch: int, sample: int, *, until_epoch: int | None = None, samples: int | None = None):
-        """Walk forward from `sample` of `epoch` to the end of epoch `until_epoch - 1`, or until at least
-        `samples` more are trained. Returns (optimizer steps, the samples they train, the epoch after)."""
+        """Walk from `sample` of `epoch` to the end of epoch `until_epoch - 1`, or until at least `samples` more are
+        trained: (optimizer steps, the samples they train, the epoch after)."""
         steps = trained = 0
+        k = self.gradient_accumulation_steps
         while (until_epoch is None or epoch < until_epoch) and (samples is None or trained < samples):
             rounds = (self.num_samples - sample) // self.round_samples
             if samples is not None:  # whole steps, only as many as the budget needs
                 needed = -(-(samples - trained) // self.round_samples)
-                rounds = min(rounds, -(-needed // self.gradient_accumulation_steps) * self.gradient_accumulation_steps)
-            steps += -(-rounds // self.gradient_accumulation_steps)
-            trained += rounds * self.round_samples
+                rounds = min(rounds, -(-needed // k) * k)
+            steps, trained = steps + -(-rounds // k), trained + rounds * self.round_samples
             epoch, sample = epoch + 1, 0
         return steps, trained, epoch
 
@@ -98,33 +98,23 @@ class TrainingPlan:
 
     @functools.cached_property
     def _schedule(self):
-        """transformers' schedule `lr_scheduler_type` as a factor of the samples trained: its LambdaLR's
-        function, built over samples instead of steps (a LambdaLR steps by one)."""
+        """transformers' schedule as a factor of the samples trained: its LambdaLR's function, built over samples
+        instead of steps."""
         import torch
         from transformers import get_scheduler  # here: a parse error need not wait for transformers
 
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.learning_rate)
-        schedule = get_scheduler(self.lr_scheduler_type, dummy, self.warmup_samples, self.total_samples)
-        return schedule.lr_lambdas[0]
+        return get_scheduler(self.lr_scheduler_type, dummy, self.warmup_samples, self.total_samples).lr_lambdas[0]
 
 
 def plan_training(
-    *,
-    num_samples: int,
-    per_device_batch_size: int,
-    num_processes: int,
-    gradient_accumulation_steps: int,
-    learning_rate: float,
-    reference_batch_size: int,
-    lr_scaling: str,
-    num_train_epochs: int,
-    max_train_steps: int | None = None,
-    warmup_steps: int | None = None,
-    warmup_ratio: float = 0.0,
+    *, num_samples: int, per_device_batch_size: int, num_processes: int, gradient_accumulation_steps: int,
+    learning_rate: float, reference_batch_size: int, lr_scaling: str, num_train_epochs: int,
+    max_train_steps: int | None = None, warmup_steps: int | None = None, warmup_ratio: float = 0.0,
     lr_scheduler_type: str = "constant",
-) -> TrainingPlan:
-    """The plan of a run that starts at step 0, from the size of the training set. Made before
-    `accelerator.prepare`, because DeepSpeed needs the loaders, model and optimizer in one call."""
+) -> TrainingPlan:  # fmt: skip
+    """The plan of a run that starts at step 0, made before `accelerator.prepare` (DeepSpeed needs the loaders,
+    model and optimizer in one call)."""
     rounds = num_samples // (per_device_batch_size * num_processes)
     if rounds == 0:
         raise RecipeError(
@@ -143,20 +133,10 @@ def plan_training(
     warmup_steps = math.ceil(warmup_ratio * max_train_steps) if warmup_steps is None else warmup_steps
     batch = effective_batch_size(per_device_batch_size, num_processes, gradient_accumulation_steps)
     plan = TrainingPlan(
-        num_samples=num_samples,
-        per_device_batch_size=per_device_batch_size,
-        num_processes=num_processes,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        effective_batch_size=batch,
-        learning_rate=scale_lr(learning_rate, batch, reference_batch_size, lr_scaling),
-        steps_per_epoch=steps_per_epoch,
-        max_train_steps=max_train_steps,
-        num_epochs=math.ceil(max_train_steps / steps_per_epoch),
-        warmup_steps=warmup_steps,
-        warmup_samples=0,
-        total_samples=0,
-        lr_scheduler_type=lr_scheduler_type,
-    )
+        num_samples, per_device_batch_size, num_processes, gradient_accumulation_steps, batch,
+        scale_lr(learning_rate, batch, reference_batch_size, lr_scaling), steps_per_epoch, max_train_steps,
+        math.ceil(max_train_steps / steps_per_epoch), warmup_steps, 0, 0, lr_scheduler_type,
+    )  # fmt: skip
     return replace(
         plan,
         warmup_samples=plan.samples_for_steps(warmup_steps),
@@ -168,36 +148,27 @@ LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_st
 
 
 def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
-    """(plan, start) of this run: a fresh plan from the arguments, or the continuation of the run that
-    wrote the checkpoint `resume`, whose layout may differ.
-
-    With the same layout the arguments' plan stands (a larger --num_train_epochs or --max_train_steps
-    extends the run). With another, the run continues from the same sample of the same epoch; the
-    learning rate follows the new effective batch by --lr_scaling; the schedule keeps its place in
-    samples; and what is left (the rest of --num_train_epochs, or the samples --max_train_steps
-    meant) is counted in steps of the new layout. One line says what changed.
-    """
+    """(plan, start) of this run: a fresh plan from the arguments, or the continuation of the run that wrote the
+    checkpoint `resume`. With the same layout the arguments' plan stands (a larger --num_train_epochs or
+    --max_train_steps extends the run). With another, the run continues from the same sample of the same epoch,
+    the learning rate follows the new effective batch by --lr_scaling, the schedule keeps its place in samples,
+    and what is left (the rest of --num_train_epochs, or the samples --max_train_steps meant) is counted in steps
+    of the new layout. One line says what changed."""
     plan = plan_training(
-        num_samples=num_samples,
-        per_device_batch_size=args.per_device_train_batch_size,
-        num_processes=num_processes,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate,
-        reference_batch_size=args.reference_batch_size,
-        lr_scaling=args.lr_scaling,
-        num_train_epochs=args.num_train_epochs,
-        max_train_steps=args.max_train_steps,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        lr_scheduler_type=args.lr_scheduler_type,
-    )
+        num_samples=num_samples, per_device_batch_size=args.per_device_train_batch_size,
+        num_processes=num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size, lr_scaling=args.lr_scaling,
+        num_train_epochs=args.num_train_epochs, max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio, lr_scheduler_type=args.lr_scheduler_type,
+    )  # fmt: skip
     described = (
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "
         f"{args.reference_batch_size} -> {plan.learning_rate:.4g} ({args.lr_scaling}); "
+        f"{plan.max_train_steps} steps of which {plan.warmup_steps} warmup"
     )
     if resume is None:
-        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
+        logger.info(described)
         return plan, Position()
     state = read_state(resume)
     saved_args = state.get("args", {})
@@ -215,9 +186,8 @@ def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[T
     new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
     start = _position(state, plan, old)
     if old == new:
-        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
+        logger.info(described)
         return plan, start
-
     note = ""
     if num_samples - start.sample < plan.round_samples:  # no full round of the new layout left in this epoch
         note = (
@@ -235,15 +205,10 @@ def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[T
         steps, samples, end = plan.steps_from(start.epoch, start.sample, samples=max(budget, 0))
     warmup = state.get("warmup_samples", plan.warmup_samples)
     plan = replace(
-        plan,
-        max_train_steps=start.step + steps,
-        num_epochs=max(end, start.epoch),
-        total_samples=start.seen + samples,
-        warmup_samples=warmup,
-        warmup_steps=round(warmup / plan.effective_batch_size),
-    )
-    old_lr = state.get("learning_rate")
-    lr = f"{old_lr:.4g} -> " if old_lr is not None else ""
+        plan, max_train_steps=start.step + steps, num_epochs=max(end, start.epoch), total_samples=start.seen + samples,
+        warmup_samples=warmup, warmup_steps=round(warmup / plan.effective_batch_size),
+    )  # fmt: skip
+    lr = f"{state['learning_rate']:.4g} -> " if state.get("learning_rate") is not None else ""
     logger.warning(
         f"resuming checkpoint-{start.step} with another layout: processes x per-device batch x accumulation "
         f"{' x '.join(str(old[k]) for k in LAYOUT)} -> {' x '.join(str(new[k]) for k in LAYOUT)}, effective batch "
@@ -266,8 +231,8 @@ def _position(state: dict, plan: TrainingPlan, old_layout: dict) -> Position:
 
 
 def decay_groups(model, weight_decay: float) -> list:
-    """Optimizer parameter groups: weight decay on matrices and kernels, none on biases and
-    normalisation weights (decaying those only pulls activations' scale toward zero)."""
+    """Optimizer parameter groups: weight decay on matrices and kernels, none on biases and normalisation weights
+    (decaying those only pulls activations' scale toward zero). Frozen parameters are in none."""
     params = [p for p in model.parameters() if p.requires_grad]
     ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731  ZeRO-3 leaves an empty placeholder in p
     groups = [

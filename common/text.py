@@ -1,17 +1,16 @@
-"""Text data for causal-LM recipes: local or hub datasets, tokenization, chat-prompt masking, and
-packing into fixed-length blocks.
+"""Text data and causal LMs for the LM recipes: local or hub datasets, tokenization, chat-prompt masking, packing
+into fixed-length blocks; models and tokenizers from a hub id or a folder; the token-weighted loss and evaluation.
 
-Whatever `datasets`, the tokenizer or the chat template raise about the user's data becomes one
-RecipeError naming the file (or dataset) and what to do about it."""
+What `datasets`, transformers, the tokenizer or the chat template raise about the user's data or model becomes
+one RecipeError naming the file (or dataset) and what to do; an operating-system error about a path is left to
+common.exit_codes, which names the path and the option it came from."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import logging
 import math
-import os
 import reprlib
 from itertools import chain
 from pathlib import Path
@@ -19,367 +18,34 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .args import at_least, percentage, positive_int
+from .args import at_least
 from .data import make_dataloader, prepare_data_first
-from .runtime import RecipeError, logger, one_line
+from .runtime import RecipeError, causes, check_path, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 MESSAGE_SHAPE = '{"role": ..., "content": "..."}'
 
 
-def _excerpt(value, limit=80) -> str:
-    """A short repr of a user's value for an error line (long rows would bury the message)."""
-    r = reprlib.Repr()
-    r.maxstring, r.maxother, r.maxlist, r.maxdict, r.maxlevel = limit, limit, 4, 4, 3
-    return r.repr(value)
-
-
-def _cause(err: BaseException) -> str:
-    """The exception under datasets' generic "An error occurred while generating the dataset", as
-    `Type: first line` (the type says what went wrong: ArrowInvalid, UnicodeDecodeError, ...)."""
-    from datasets.exceptions import DatasetGenerationError
-
-    seen = err
-    while isinstance(seen, DatasetGenerationError) and (seen.__cause__ or seen.__context__):
-        seen = seen.__cause__ or seen.__context__
-    text = str(seen).strip().splitlines()
-    return f"{type(seen).__name__}: {text[0]}" if text else type(seen).__name__
-
-
-def _blank(path) -> bool:
-    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True
-
-
-def _read_error(err: BaseException, fmt: str, path) -> str:
-    """Why a local file could not be read as `fmt`, and what to do."""
-    cause = err
-    while cause is not None and not isinstance(cause, UnicodeDecodeError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:
-        return _not_utf8(cause)
-    if "corresponds to no data" in str(err) or _blank(path):  # each format fails its own way on no data
-        return "holds no rows; add data or pass another file"
-    if isinstance(err, OSError) and err.errno == 28:  # ENOSPC: datasets' cache, not the file
-        return f"the datasets cache is out of space ({err}); free space or point HF_DATASETS_CACHE elsewhere"
-    hint = {
-        "json": 'each line must be one JSON object, such as {"text": "..."}',
-        "csv": "it must be comma-separated with a header row naming the columns",
-        "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
-        "text": "it must be plain UTF-8 text",
-    }[fmt]
-    return f"cannot be read as {fmt} ({_cause(err)}); {hint}"
-
-
-def _not_utf8(err: UnicodeDecodeError) -> str:
-    around = err.object[max(0, err.start - 20) : err.start + 20]
-    return (
-        f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); "
-        "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
-    )
-
-
-def _check_local_file(flag: str, path) -> str:
-    """The `datasets` builder for a local data file, after checking the file is one it can read."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise RecipeError(f"{flag} {path}: is a folder; pass a data file, or the folder as --dataset_name")
-    if not path.is_file():
-        raise RecipeError(f"{flag} {path}: no such file")
-    if not os.access(path, os.R_OK):
-        raise RecipeError(f"{flag} {path}: not readable by this user (permission denied); fix its permissions")
-    fmt = LOCAL_FORMATS[path.suffix.lower()]  # a known one: check_text_args refused any other
-    if fmt == "parquet":  # checked here: datasets would log its own error line before raising
-        import pyarrow
-        import pyarrow.parquet
-
-        try:
-            pyarrow.parquet.read_metadata(path)
-        except (pyarrow.ArrowException, OSError) as err:
-            raise RecipeError(
-                f"{flag} {path}: not a parquet file ({str(err).splitlines()[0]}); "
-                "write it again with a parquet writer, or pass .jsonl/.csv/.txt"
-            ) from err
-    return fmt
-
-
-def _load_local_file(flag: str, path, fmt: str):
-    from datasets import load_dataset
-
-    # The builder logs its own error line before raising; ours names the file and the fix instead.
-    builder_log = logging.getLogger(f"datasets.packaged_modules.{fmt}.{fmt}")
-    level = builder_log.level
-    builder_log.setLevel(logging.CRITICAL)
-    try:
-        data = load_dataset(fmt, data_files={"train": str(Path(path).expanduser())})["train"]
-    except Exception as err:  # anything datasets, pyarrow or pandas raise about the file's contents
-        raise RecipeError(f"{flag} {path}: {_read_error(err, fmt, path)}") from err
-    finally:
-        builder_log.setLevel(level)
-    if len(data) == 0:
-        raise RecipeError(f"{flag} {path}: holds no rows; add data or pass another file")
-    return data
-
-
-def _load_named(dataset_name: str, config_name=None):
-    from datasets import load_dataset
-
-    flag = f"--dataset_name {dataset_name}" + (f" --dataset_config_name {config_name}" if config_name else "")
-    if dataset_name.startswith(("/", ".", "~")) and not Path(dataset_name).expanduser().is_dir():
-        raise RecipeError(
-            f"--dataset_name {dataset_name}: no such folder; pass a folder of data files or a hub dataset id"
-        )
-    try:
-        raw = load_dataset(dataset_name, config_name)
-    except Exception as err:  # not on the hub, offline, no data files, a bad config name, unreadable files
-        raise RecipeError(
-            f"{flag}: {_cause(err)}; pass a hub dataset id (with network, or cached) or a folder of "
-            "data files, or --train_file"
-        ) from err
-    if "train" not in raw:
-        raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
-    return raw
-
-
-def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
-    """How error messages name each split's data."""
-    if dataset_name:
-        return {split: f"--dataset_name {dataset_name} ({split} split)" for split in ("train", "validation")}
-    return {
-        "train": f"--train_file {train_file}",
-        "validation": f"--validation_file {validation_file}"
-        if validation_file
-        else f"the part of --train_file {train_file} held out for validation",
-    }
-
-
-def load_raw_datasets(
-    *,
-    dataset_name=None,
-    dataset_config_name=None,
-    train_file=None,
-    validation_file=None,
-    validation_split_percentage=5,
-    seed=0,
-):
-    """A DatasetDict with `train` and `validation`, from the hub or from local files.
-
-    With no validation split, `validation_split_percentage` percent of train is held out (seeded).
-    """
-    from datasets import DatasetDict
-
-    if dataset_name:
-        raw = _load_named(dataset_name, dataset_config_name)
-        source = f"--dataset_name {dataset_name}"
-    elif train_file:
-        train_format = _check_local_file("--train_file", train_file)
-        if validation_file:
-            validation_format = _check_local_file("--validation_file", validation_file)
-            if validation_format != train_format:
-                raise RecipeError(
-                    f"--validation_file {validation_file} is {validation_format} but --train_file "
-                    f"{train_file} is {train_format}; pass both in one format"
-                )
-        raw = DatasetDict(train=_load_local_file("--train_file", train_file, train_format))
-        if validation_file:
-            raw["validation"] = _load_local_file("--validation_file", validation_file, validation_format)
-        source = f"--train_file {train_file}"
-    else:
-        raise RecipeError("no data: pass --dataset_name (hub) or --train_file (local txt, json, jsonl, csv, parquet)")
-    if "validation" not in raw:  # (the percentage is between 0 and 100, exclusive: its argparse type)
-        rows = len(raw["train"])
-        try:
-            split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
-        except ValueError as err:  # a side would be empty
-            raise RecipeError(
-                f"{source}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
-                "validation; add rows, pass --validation_file, or change "
-                "--validation_split_percentage"
-            ) from err
-        raw = DatasetDict(train=split["train"], validation=split["test"])
-    return raw
-
-
-def check_conversation(messages) -> None:
-    """Refuse a conversation the chat template cannot render faithfully or that teaches nothing: it
-    must be a list of {"role": str, "content": str} messages with at least one assistant reply."""
-    if not isinstance(messages, list) or not messages:
-        raise RecipeError(f"`messages` is {_excerpt(messages)}, not a list of {MESSAGE_SHAPE} messages")
-    for number, message in enumerate(messages, 1):
-        if not isinstance(message, dict):
-            raise RecipeError(f"message {number} is {_excerpt(message)}, not an object {MESSAGE_SHAPE}")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role:
-            raise RecipeError(f"message {number} has no role: {_excerpt(message)}")
-        # An assistant's tool call may come without text; any other content must be text.
-        if content is None and not message.get("tool_calls"):  # a tool call may come without text
-            raise RecipeError(f"message {number} has no content: {_excerpt(message)}")
-        if content is not None and not isinstance(content, str):
-            fix = "join its text parts into one string" if isinstance(content, list) else "make it text"
-            raise RecipeError(
-                f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), not a string: {fix}"
-            )
-    if not any(message["role"] == "assistant" for message in messages):
-        raise RecipeError(f"no assistant message, so nothing to train on: {_excerpt(messages)}")
-
-
-def chat_example(tokenizer, messages) -> dict:
-    """Tokenize a conversation with the tokenizer's chat template; only assistant replies are
-    labelled, so the loss never trains the model to write the user's prompts.
-
-    Each assistant reply is located as the text between the rendering of the conversation before
-    it (with the generation prompt) and the rendering that includes it; tokens whose characters
-    fall inside such a span keep their label.
-    """
-    from jinja2 import TemplateError
-
-    check_conversation(messages)
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = ""  # a conversation that opens with the assistant has no prompt (nor renders an empty one)
-            if i:
-                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            if not (text.startswith(before) and text.startswith(through)):
-                raise RecipeError(
-                    "the tokenizer's chat template does not render conversations incrementally, "
-                    "so prompt tokens cannot be masked; use --data_format text"
-                )
-            spans.append((len(before), len(through)))
-    except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first, ...
-        raise RecipeError(f"the chat template rejects the conversation ({err}): {_excerpt(messages)}") from err
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
-        token if any(start <= a and b <= end for start, end in spans) else IGNORE_INDEX
-        for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])
-    ]
-    return {"input_ids": encoded["input_ids"], "labels": labels}
-
-
-def pack(examples: dict, block_size: int) -> dict:
-    """Concatenate the batch's examples and cut them into blocks of `block_size` tokens (the
-    remainder is dropped), so no compute is spent on padding."""
-    joined = {key: list(chain.from_iterable(examples[key])) for key in ("input_ids", "labels")}
-    usable = len(joined["input_ids"]) // block_size * block_size
-    return {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in joined.items()}
-
-
-def max_block_size(tokenizer, config) -> int:
-    """The longest sequence both the model and the tokenizer accept."""
-    limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
-    return min(limit for limit in limits if limit and limit < 1_000_000_000)
-
-
-def tokenize_and_pack(
-    raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None, sources=None
-):
-    """Tokenize `raw` (text: `text_column` plus EOS; chat: the `messages` column, prompts
-    masked) and pack into blocks. `datasets` caches each step, so a process that runs this after
-    the main one (see prepare_data_first) loads the cache instead of recomputing it. `sources`
-    names each split's data in error messages (see data_sources)."""
-    from datasets import DatasetDict
-
-    sources = {split: f"the {split} split" for split in raw} | (sources or {})
-    column = text_column if data_format == "text" else "messages"
-    for split in raw:
-        columns = raw[split].column_names
-        if column not in columns:
-            if data_format == "text":
-                hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
-                message = f"--text_column {column}: not in the data (columns: {', '.join(columns)}){hint}"
-            else:
-                message = (
-                    f"--data_format chat needs a column named messages: not in the data (columns: "
-                    f"{', '.join(columns)}); pass --data_format text for plain text"
-                )
-            raise RecipeError(f"{sources[split]}: {message}")
-    if data_format == "chat" and not tokenizer.chat_template:
-        raise RecipeError(
-            f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat "
-            "renders conversations with; use a tokenizer that has one, or --data_format text"
-        )
-
-    def tokenize(batch, source):
-        if data_format == "chat":
-            try:
-                rows = [chat_example(tokenizer, messages) for messages in batch[column]]
-            except RecipeError as err:
-                raise RecipeError(f"{source}: {err}; fix or remove that row") from None
-            return {key: [row[key] for row in rows] for key in ("input_ids", "labels")}
-        for text in batch[column]:
-            if not isinstance(text, str):
-                raise RecipeError(
-                    f"{source}: a row's {column} is {_excerpt(text)} ({type(text).__name__}), not text; "
-                    f"remove or fill such rows, or pass the --text_column that holds the text"
-                )
-        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
-        texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
-        ids = [tokens + eos for tokens in tokenizer(texts)["input_ids"]] if texts else []
-        return {"input_ids": ids, "labels": ids}
-
-    packed = DatasetDict()
-    for split, data in raw.items():
-        try:
-            tokenized = data.map(
-                tokenize,
-                batched=True,
-                fn_kwargs={"source": sources[split]},
-                remove_columns=data.column_names,
-                num_proc=num_proc,
-                desc=f"tokenizing {split}",
-            )
-        except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
-            raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
-        if len(tokenized) == 0:  # whatever the file's size: no row holds text
-            raise RecipeError(f"{sources[split]}: holds no text (no row has any); pass data that does")
-        packed[split] = tokenized.map(
-            pack,
-            batched=True,
-            fn_kwargs={"block_size": block_size},
-            num_proc=num_proc,
-            desc=f"packing {split} into blocks of {block_size}",
-        )
-    for split in ("train", "validation"):
-        if len(packed[split]) == 0:
-            raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
-    return packed.with_format("torch")
+# Arguments ----------------------------------------------------------------------------------------
 
 
 def add_text_args(parser) -> None:
-    """The data arguments of the causal-LM recipes (names from transformers' run_clm)."""
-    d = parser.add_argument_group("data")
-    d.add_argument("--dataset_name", help="a hub dataset, or a local folder of data files")
-    d.add_argument("--dataset_config_name")
-    d.add_argument("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
-    d.add_argument("--validation_file", help="in the format of --train_file")
-    d.add_argument(
-        "--validation_split_percentage",
-        type=percentage,
-        default=5,
-        help="held out when there is no validation split (between 0 and 100)",
-    )
-    d.add_argument("--text_column", default="text")
-    d.add_argument(
-        "--data_format",
-        choices=["text", "chat"],
-        default="text",
-        help="chat: a `messages` column rendered with the chat template, prompts masked out of the loss",
-    )
-    d.add_argument("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
-    d.add_argument("--preprocessing_num_workers", type=positive_int)
+    """The data arguments of the causal-LM recipes (names from transformers' run_clm), and their rules."""
+    d = parser.add_argument_group("data").add_argument
+    d("--dataset_name", help="a hub dataset, or a local folder of data files")
+    d("--dataset_config_name")
+    d("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
+    d("--validation_file", help="in the format of --train_file")
+    d("--validation_split_percentage", type="percentage", default=5, help="held out when there is no validation split")
+    d("--text_column", default="text")
+    d("--data_format", choices=["text", "chat"], default="text", help="chat: a `messages` column, prompts masked out")
+    d("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
+    d("--preprocessing_num_workers", type="positive_int")
+    parser.checks.append(_check_text_args)
 
 
-def check_text_args(parser, args) -> None:
-    """The data arguments' rules between each other (add_text_args' types check each alone)."""
+def _check_text_args(parser, args) -> None:
     if args.dataset_name and (args.train_file or args.validation_file):
         parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
     if not args.dataset_name and not args.train_file:
@@ -395,32 +61,29 @@ def check_text_args(parser, args) -> None:
             parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
 
 
-# --- models and tokenizers: what from_pretrained raises about a model's files, as one line.
-
-
-def add_model_args(group) -> None:
-    """Where the causal-LM recipes' model and tokenizer come from (names from transformers' run_clm)."""
-    group.add_argument("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
-    group.add_argument(
-        "--config_name",
-        help="or a new model, randomly initialized: the config of a hub id or local folder",
-    )
-    group.add_argument(
+def add_model_args(parser):
+    """Where the model and tokenizer come from (names from transformers' run_clm); returns the argument group."""
+    group = parser.add_argument_group("model")
+    m = group.add_argument
+    m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
+    m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
+    m(
         "--config_overrides",
         type=config_overrides,
         help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32",
     )
-    group.add_argument("--tokenizer_name", help="default: --model_name_or_path or --config_name")
-    group.add_argument(
+    m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
+    m(
         "--resize_token_embeddings",
         action="store_true",
-        help="grow the model's embeddings to a tokenizer larger than its vocabulary (new rows start at "
-        "the others' mean, as transformers' resize_token_embeddings does)",
+        help="grow the embeddings to a larger tokenizer (at their mean)",
     )
-    group.add_argument("--trust_remote_code", action="store_true", help="run the model repo's own code")
+    m("--trust_remote_code", action="store_true", help="run the model repo's own code")
+    parser.checks.append(_check_model_args)
+    return group
 
 
-def check_model_args(parser, args) -> None:
+def _check_model_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
         parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
     if args.config_overrides and not args.config_name:
@@ -430,60 +93,18 @@ def check_model_args(parser, args) -> None:
         )
 
 
-def load_causal_lm(args, **model_kwargs):
-    """(model, tokenizer) as add_model_args' arguments say: pretrained weights, or a new model from a config
-    (and its overrides); the tokenizer of --tokenizer_name or of the model; the embeddings grown to the
-    tokenizer with --resize_token_embeddings. Call it once the Accelerator exists: under ZeRO-3,
-    transformers then creates or loads the weights straight into their shards."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    flag, source = (
-        ("--model_name_or_path", args.model_name_or_path)
-        if args.model_name_or_path
-        else ("--config_name", args.config_name)
-    )
-    check_model_folder(flag, source)
-    trust = args.trust_remote_code
-    if args.tokenizer_name:
-        check_model_folder("--tokenizer_name", args.tokenizer_name, config=False)
-        tokenizer = load_tokenizer("--tokenizer_name", args.tokenizer_name, trust_remote_code=trust)
-    else:
-        tokenizer = load_tokenizer(flag, source, trust_remote_code=trust)
-    try:
-        if args.model_name_or_path:
-            model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
-        else:
-            config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
-            if args.config_overrides:
-                config = apply_config_overrides(config, args.config_overrides, source)
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
-    except (*MODEL_LOAD_ERRORS, SafetensorError) as err:  # not found, offline, damaged, attention not installed
-        if args.config_overrides and not isinstance(err, RecipeError):  # the model the overrides make cannot be built
-            raise RecipeError(
-                f"--config_overrides {args.config_overrides}: the model {source} builds from them does not run "
-                f"({type(err).__name__}: {one_line(err)}); give values that agree with each other and with the rest "
-                "of the config"
-            ) from err
-        raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
-    vocab = getattr(model.config, "vocab_size", None)
-    if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
-        logger.info(
-            f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the mean of "
-            "the others"
+def config_overrides(text):
+    """An argparse type: key=value pairs, comma-separated, as transformers' update_from_string reads them."""
+    if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
         )
-        model.resize_token_embeddings(len(tokenizer))
-    elif args.resize_token_embeddings:
-        logger.info(
-            f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} "
-            "tokens; nothing to resize"
-        )
-    return model, tokenizer
+    return text
 
 
 def attn_implementation(text):
-    """An argparse type: an attention implementation transformers knows (whether its package is
-    installed is transformers' to say, when the model loads), or a hub kernel `org/repo`."""
+    """An argparse type: an attention implementation transformers knows (whether its package is installed is for
+    transformers to say, when the model loads), or a hub kernel `org/repo`."""
     if text in ("eager", "sdpa"):  # the usual ones, without the seconds of importing transformers' models
         return text
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -496,9 +117,358 @@ def attn_implementation(text):
     return text
 
 
+# Data ---------------------------------------------------------------------------------------------
+
+
+def _excerpt(value, limit=80) -> str:
+    """A short repr of a user's value for an error line."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxdict, r.maxlevel = limit, limit, 4, 4, 3
+    return r.repr(value)
+
+
+def _not_utf8(err: UnicodeDecodeError) -> str:
+    around = err.object[max(0, err.start - 20) : err.start + 20]
+    return (
+        f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); convert the file to UTF-8, "
+        "e.g. iconv -f latin1 -t utf-8"
+    )
+
+
+def _read_error(err: BaseException, fmt: str | None) -> str | None:
+    """Why data could not be read (as `fmt`, for a local file), and what to do; None for an operating-system
+    error about a path (a cache that cannot be written, say): common.exit_codes says that one."""
+    found = causes(err)
+    if any(isinstance(e, OSError) and e.filename for e in found):
+        return None
+    if decode := next((e for e in found if isinstance(e, UnicodeDecodeError)), None):
+        return _not_utf8(decode)
+    cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
+    what = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}".rstrip(": ")
+    if fmt is None:
+        return f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
+    hint = {
+        "json": 'each line must be one JSON object, such as {"text": "..."}',
+        "csv": "it must be comma-separated with a header row naming the columns",
+        "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
+        "text": "it must be plain UTF-8 text",
+    }[fmt]
+    return f"cannot be read as {fmt} ({what}); {hint}"
+
+
+def _load(flag: str, builder: str, *load_args, fmt=None, **load_kwargs):
+    """datasets.load_dataset(builder, ...), what it raises as one line naming `flag`."""
+    from datasets import load_dataset
+
+    quiet = logging.getLogger(f"datasets.packaged_modules.{fmt}.{fmt}")  # it logs its own error line first
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        return load_dataset(builder, *load_args, **load_kwargs)
+    except Exception as err:  # anything datasets, pyarrow or pandas raise about the data
+        why = _read_error(err, fmt)
+        if why is None:
+            raise
+        if fmt and ("corresponds to no data" in str(err) or _blank(load_kwargs["data_files"]["train"])):  # no rows
+            why = "holds no rows; add data or pass another file"
+        raise RecipeError(f"{flag}: {why}") from err
+    finally:
+        quiet.setLevel(level)
+
+
+def _blank(path) -> bool:
+    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
+    """How error messages name each split's data."""
+    if dataset_name:
+        return {split: f"--dataset_name {dataset_name} ({split} split)" for split in ("train", "validation")}
+    held_out = f"the part of --train_file {train_file} held out for validation"
+    return {
+        "train": f"--train_file {train_file}",
+        "validation": f"--validation_file {validation_file}" if validation_file else held_out,
+    }
+
+
+def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
+                      validation_split_percentage=5, seed=0):  # fmt: skip
+    """A DatasetDict with `train` and `validation`, from the hub or local files; without a validation split,
+    `validation_split_percentage` percent of train is held out (seeded)."""
+    from datasets import DatasetDict
+
+    if dataset_name:
+        flag = f"--dataset_name {dataset_name}" + (
+            f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
+        )
+        if dataset_name.startswith(("/", ".", "~")):  # a folder: say so if it is not there
+            check_path("--dataset_name", dataset_name, folder=True)
+        raw = _load(flag, dataset_name, dataset_config_name)
+        if "train" not in raw:
+            raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
+    else:
+        raw = DatasetDict()
+        for split, flag, path in (
+            ("train", "--train_file", train_file),
+            ("validation", "--validation_file", validation_file),
+        ):
+            if path:
+                check_path(flag, path)
+                fmt = LOCAL_FORMATS[Path(path).suffix.lower()]
+                raw[split] = _load(f"{flag} {path}", fmt, fmt=fmt, data_files={"train": str(Path(path).expanduser())})[
+                    "train"
+                ]
+                if len(raw[split]) == 0:
+                    raise RecipeError(f"{flag} {path}: holds no rows; add data or pass another file")
+    if "validation" not in raw:
+        try:
+            split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        except ValueError as err:  # a side would be empty
+            source = f"--dataset_name {dataset_name}" if dataset_name else f"--train_file {train_file}"
+            raise RecipeError(
+                f"{source}: {len(raw['train'])} row(s) are too few to hold out {validation_split_percentage}% for "
+                "validation; add rows, pass --validation_file, or change --validation_split_percentage"
+            ) from err
+        raw = DatasetDict(train=split["train"], validation=split["test"])
+    return raw
+
+
+def check_conversation(messages) -> None:
+    """Refuse a conversation the chat template cannot render faithfully or that teaches nothing: a list of
+    {"role": str, "content": str} messages with at least one assistant reply."""
+    if not isinstance(messages, list) or not messages:
+        raise RecipeError(f"`messages` is {_excerpt(messages)}, not a list of {MESSAGE_SHAPE} messages")
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            raise RecipeError(f"message {number} is {_excerpt(message)}, not an object {MESSAGE_SHAPE}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise RecipeError(f"message {number} has no role: {_excerpt(message)}")
+        if content is None and not message.get("tool_calls"):  # an assistant's tool call may come without text
+            raise RecipeError(f"message {number} has no content: {_excerpt(message)}")
+        if content is not None and not isinstance(content, str):
+            fix = "join its text parts into one string" if isinstance(content, list) else "make it text"
+            raise RecipeError(
+                f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), not a string: {fix}"
+            )
+    if not any(message["role"] == "assistant" for message in messages):
+        raise RecipeError(f"no assistant message, so nothing to train on: {_excerpt(messages)}")
+
+
+def chat_example(tokenizer, messages) -> dict:
+    """A conversation tokenized with the tokenizer's chat template, only the assistant's replies labelled, so the
+    loss never trains the model to write the user's prompts. Each reply is the text between the rendering of
+    the conversation before it (with the generation prompt) and the rendering that includes it; tokens whose
+    characters fall inside such a span keep their label."""
+    from jinja2 import TemplateError
+
+    check_conversation(messages)
+    render = tokenizer.apply_chat_template
+    try:
+        text, spans = render(messages, tokenize=False), []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                before = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+                through = render(messages[: i + 1], tokenize=False)
+                if not (text.startswith(before) and text.startswith(through)):
+                    raise RecipeError(
+                        "the tokenizer's chat template does not render conversations incrementally, so prompt "
+                        "tokens cannot be masked; use --data_format text"
+                    )
+                spans.append((len(before), len(through)))
+    except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first
+        raise RecipeError(f"the chat template rejects the conversation ({err}): {_excerpt(messages)}") from err
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [
+        token if any(start <= a and b <= end for start, end in spans) else IGNORE_INDEX
+        for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])
+    ]
+    return {"input_ids": encoded["input_ids"], "labels": labels}
+
+
+def pack(examples: dict, block_size: int) -> dict:
+    """The batch's examples concatenated and cut into blocks of `block_size` tokens (the rest dropped): no compute
+    spent on padding."""
+    joined = {key: list(chain.from_iterable(examples[key])) for key in ("input_ids", "labels")}
+    usable = len(joined["input_ids"]) // block_size * block_size
+    return {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in joined.items()}
+
+
+def tokenize_and_pack(
+    raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None, sources=None
+):
+    """`raw` tokenized (text: `text_column` plus EOS; chat: the `messages` column, prompts masked) and packed into
+    blocks, each split holding at least one block in which something is trained. `datasets` caches each step, so a
+    process that runs this after the main one (prepare_data_first) loads the cache. `sources` names each split's
+    data in error messages (data_sources)."""
+    from datasets import DatasetDict
+
+    sources = {split: f"the {split} split" for split in raw} | (sources or {})
+    column = text_column if data_format == "text" else "messages"
+    for split in raw:
+        if column not in (columns := raw[split].column_names):
+            if data_format == "text":
+                hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
+                message = f"--text_column {column}: not in the data (columns: {', '.join(columns)}){hint}"
+            else:
+                message = (
+                    f"--data_format chat needs a column named messages: not in the data (columns: "
+                    f"{', '.join(columns)}); pass --data_format text for plain text"
+                )
+            raise RecipeError(f"{sources[split]}: {message}")
+    if data_format == "chat" and not tokenizer.chat_template:
+        raise RecipeError(
+            f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
+            "conversations with; use a tokenizer that has one, or --data_format text"
+        )
+
+    def tokenize(batch, source):
+        if data_format == "chat":
+            try:
+                rows = [chat_example(tokenizer, messages) for messages in batch[column]]
+            except RecipeError as err:
+                raise RecipeError(f"{source}: {err}; fix or remove that row") from None
+            return {key: [row[key] for row in rows] for key in ("input_ids", "labels")}
+        if bad := [text for text in batch[column] if not isinstance(text, str)]:
+            raise RecipeError(
+                f"{source}: a row's {column} is {_excerpt(bad[0])} ({type(bad[0]).__name__}), not text; remove or "
+                "fill such rows, or pass the --text_column that holds the text"
+            )
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
+        texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
+        ids = [tokens + eos for tokens in tokenizer(texts)["input_ids"]] if texts else []
+        return {"input_ids": ids, "labels": ids}
+
+    packed = DatasetDict()
+    for split, data in raw.items():
+        try:
+            tokenized = data.map(
+                tokenize, batched=True, fn_kwargs={"source": sources[split]}, remove_columns=data.column_names,
+                num_proc=num_proc, desc=f"tokenizing {split}",
+            )  # fmt: skip
+        except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
+            raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
+        if len(tokenized) == 0:  # whatever the file's size: no row holds text
+            raise RecipeError(f"{sources[split]}: holds no text (no row has any); pass data that does")
+        packed[split] = tokenized.map(
+            pack, batched=True, fn_kwargs={"block_size": block_size}, num_proc=num_proc,
+            desc=f"packing {split} into blocks of {block_size}",
+        )  # fmt: skip
+        if len(packed[split]) == 0:
+            raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
+        blocks = packed[split].with_format("numpy").iter(batch_size=1024)  # stops at the first block with a target
+        if not any((b["labels"][:, 1:] != IGNORE_INDEX).any() for b in blocks):  # a mean over nothing: NaN, 1/0
+            raise RecipeError(
+                f"{sources[split]}: no block of {block_size} tokens holds a token to train on (an assistant's reply, "
+                "in chat data); raise --block_size, or pass data with longer replies"
+            )
+    return packed.with_format("torch")
+
+
+def lm_dataloaders(args, accelerator, tokenizer, config):
+    """(train, eval, block_size): tokenized and packed once by the main process (the others read datasets'
+    cache), in fixed-size blocks that need no padding."""
+    from transformers import default_data_collator
+
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
+        raise RecipeError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
+            "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the tokenizer the "
+            "model was trained with"
+        )
+    limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
+    limit = min(n for n in limits if n and n < 1_000_000_000)  # what both the model and the tokenizer accept
+    block_size = args.block_size or min(limit, 1024)
+    if block_size > limit:
+        raise RecipeError(
+            f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less"
+        )
+    with prepare_data_first(accelerator):
+        raw = load_raw_datasets(
+            dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
+            validation_file=args.validation_file, validation_split_percentage=args.validation_split_percentage,
+            seed=args.seed,
+        )  # fmt: skip
+        data = tokenize_and_pack(
+            raw, tokenizer, data_format=args.data_format, text_column=args.text_column, block_size=block_size,
+            num_proc=args.preprocessing_num_workers,
+            sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
+        )  # fmt: skip
+    workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
+    loaders = [
+        make_dataloader(
+            data[split], batch, train=train, seed=args.seed, num_workers=workers, collate_fn=default_data_collator
+        )
+        for split, batch, train in (
+            ("train", args.per_device_train_batch_size, True),
+            ("validation", args.per_device_eval_batch_size, False),
+        )
+    ]
+    return *loaders, block_size
+
+
+# Models and tokenizers ----------------------------------------------------------------------------
+
+
 def _is_local(name: str) -> bool:
     """Whether from_pretrained reads `name` from disk rather than the hub."""
     return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
+
+
+def load_causal_lm(args, **model_kwargs):
+    """(model, tokenizer) as add_model_args' arguments say: pretrained weights, or a new model from a config (and its
+    overrides); the tokenizer of --tokenizer_name or of the model; the embeddings grown to the tokenizer with
+    --resize_token_embeddings. Called once the Accelerator exists: under ZeRO-3, transformers then creates or loads
+    the weights straight into their shards."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    pretrained = bool(args.model_name_or_path)
+    flag, source = (
+        ("--model_name_or_path", args.model_name_or_path) if pretrained else ("--config_name", args.config_name)
+    )
+    if _is_local(source):  # transformers takes a missing folder for a hub id: the path, said plainly, instead
+        check_path(flag, source, folder=True)
+        if not (Path(source).expanduser() / "config.json").is_file():
+            raise RecipeError(f"{flag} {source}: no config.json in the folder; {_where_fix(source)}")
+    trust = args.trust_remote_code
+    if args.tokenizer_name and _is_local(args.tokenizer_name):
+        check_path("--tokenizer_name", args.tokenizer_name, folder=True)
+    tokenizer = load_tokenizer(
+        *(("--tokenizer_name", args.tokenizer_name) if args.tokenizer_name else (flag, source)), trust
+    )
+    try:
+        if pretrained:
+            model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
+        else:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+            if args.config_overrides:
+                config = apply_config_overrides(config, args.config_overrides, source)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
+    except (OSError, ValueError, ImportError, RuntimeError, KeyError, SafetensorError) as err:
+        if args.config_overrides and not isinstance(err, RecipeError):  # the model the overrides make cannot be built
+            raise RecipeError(
+                f"--config_overrides {args.config_overrides}: the model {source} builds from them does not run "
+                f"({type(err).__name__}: {one_line(err)}); give values that agree with each other and with the rest "
+                "of the config"
+            ) from err
+        raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
+    vocab = getattr(model.config, "vocab_size", None)
+    if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
+        logger.info(
+            f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the others' mean"
+        )
+        model.resize_token_embeddings(len(tokenizer))
+    elif args.resize_token_embeddings:
+        logger.info(
+            f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} tokens"
+        )
+    return model, tokenizer
 
 
 def _where_fix(name: str) -> str:
@@ -507,119 +477,77 @@ def _where_fix(name: str) -> str:
     return "check the hub id, the network (or HF_HUB_OFFLINE and the cache), or pass a local folder"
 
 
-def check_model_folder(flag: str, name: str, *, config=True) -> None:
-    """A local model (a path, or a name that exists here, as from_pretrained reads it) must be a
-    folder and, for a model, hold a readable config.json."""
-    if not _is_local(name):
-        return  # a hub id
-    path = Path(name).expanduser()
-    if path.is_file():
-        raise RecipeError(f"{flag} {name}: is a file; pass the folder that holds it (from_pretrained reads a folder)")
-    if not path.is_dir():
-        raise RecipeError(f"{flag} {name}: no such folder; pass a saved model's folder or a hub id")
-    if config:
-        if not (path / "config.json").is_file():
-            raise RecipeError(f"{flag} {name}: no config.json in the folder; {_where_fix(name)}")
-        try:
-            json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (ValueError, OSError) as err:  # ValueError: not JSON, or not UTF-8
-            raise RecipeError(
-                f"{flag} {name}: config.json is damaged ({err}); download or save the model again"
-            ) from err
-
-
 def load_tokenizer(flag: str, name: str, trust_remote_code=False):
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
-        if "trust_remote_code" in str(err):
+        if "trust_remote_code" in str(err) or isinstance(err, OSError):
             raise model_load_error(flag, name, err) from err
-        fix = (
-            _where_fix(name)
-            if isinstance(err, OSError)
-            else "pass a model folder or hub id whose tokenizer files (tokenizer.json, tokenizer_config.json) load"
-        )
         raise RecipeError(
-            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {one_line(err)}); {fix}"
+            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {one_line(err)}); pass a model "
+            "folder or hub id whose tokenizer files load"
         ) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _damaged_weights(name: str) -> list:
-    """The .safetensors files of a local model folder whose header safetensors cannot read."""
-    from safetensors import safe_open
-
-    damaged = []
-    for path in sorted(Path(name).expanduser().glob("*.safetensors")):
-        try:
-            with safe_open(path, framework="pt"):
-                pass
-        except Exception:
-            damaged.append(path.name)
-    return damaged
-
-
-MODEL_LOAD_ERRORS = (OSError, ValueError, ImportError, RuntimeError, KeyError)
-
-
 def model_load_error(flag: str, name: str, err: BaseException, attn_implementation=None) -> RecipeError:
-    """The RecipeError for an exception from from_pretrained/from_config: damaged weights, an
-    attention implementation that is not installed, remote code, a missing or foreign file."""
-    from safetensors import SafetensorError
+    """The RecipeError for what from_pretrained or from_config raised: damaged weights, an attention implementation
+    that is not installed, remote code, a missing or foreign file."""
+    from safetensors import SafetensorError, safe_open
 
     text = one_line(err)
     if isinstance(err, SafetensorError):
-        files = ", ".join(_damaged_weights(name)) or "its weights"
-        return RecipeError(f"{flag} {name}: {files} is damaged ({text}); download or save the model again")
+        damaged = []
+        for path in sorted(Path(name).expanduser().glob("*.safetensors")) if _is_local(name) else []:
+            try:
+                safe_open(path, framework="pt").__enter__()
+            except Exception:
+                damaged.append(path.name)
+        return RecipeError(
+            f"{flag} {name}: {', '.join(damaged) or 'its weights'} is damaged ({text}); download or save the model "
+            "again"
+        )
     if isinstance(err, ImportError) and attn_implementation not in (None, "eager", "sdpa"):
         return RecipeError(
-            f"--attn_implementation {attn_implementation} cannot be used here ({text}); "
-            "install what it needs, or pass --attn_implementation sdpa"
+            f"--attn_implementation {attn_implementation} cannot be used here ({text}); install what it needs, or "
+            "pass --attn_implementation sdpa"
         )
     if "trust_remote_code" in str(err):
         return RecipeError(
-            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if "
-            "you trust that code"
+            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if you trust that "
+            "code"
         )
     if "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
         return RecipeError(f"{flag} {name}: {text}; pass a causal language model")
+    if "not a valid JSON" in text:
+        return RecipeError(f"{flag} {name}: config.json is damaged ({text}); download or save the model again")
     return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {_where_fix(name)}")
 
 
-def config_overrides(text):
-    """An argparse type: key=value pairs, comma-separated, as transformers' update_from_string reads them."""
-    if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
-        )
-    return text
-
-
 def apply_config_overrides(config, overrides: str, source: str):
-    """`config` updated from 'key=value,key=value', refusing keys it does not have, values of the
-    wrong type, and values that leave no working model (an empty or unrunnable architecture)."""
+    """`config` updated from 'key=value,key=value', refusing keys it does not have, values of the wrong type, and
+    values transformers' own check finds contradict each other (save_pretrained runs it, at the end of training)."""
     known = list(config.to_dict())
     for key in (pair.partition("=")[0] for pair in overrides.split(",")):
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
             raise RecipeError(
-                f"--config_overrides {overrides}: {source}'s config has no {key}"
-                + (f" (did you mean {close[0]}?)" if close else "")
-                + "; pass keys of its config.json"
+                f"--config_overrides {overrides}: {source}'s config has no {key}{hint}; pass keys of its config.json"
             )
     try:
         config.update_from_string(overrides)
     except ValueError as err:  # a value that does not parse as the key's type
         raise RecipeError(
-            f"--config_overrides {overrides}: {one_line(err)}; give each key a value of the type "
-            f"it has in {source}'s config.json"
+            f"--config_overrides {overrides}: {one_line(err)}; give each key a value of the type it has in {source}'s "
+            "config.json"
         ) from err
     try:
-        config.validate()  # transformers' own check of the values against each other (save_pretrained runs it)
+        config.validate()
     except AttributeError:  # a config class without the check
         pass
     except Exception as err:  # huggingface_hub's validation error, its cause the readable one
@@ -631,79 +559,25 @@ def apply_config_overrides(config, overrides: str, source: str):
     return config
 
 
-def lm_dataloaders(args, accelerator, tokenizer, config):
-    """(train, eval, block_size): tokenized and packed once by the main process (the others read
-    datasets' cache), in fixed-size blocks that need no padding."""
-    from transformers import default_data_collator
-
-    vocab = getattr(config, "vocab_size", None)
-    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
-        raise RecipeError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
-            "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the tokenizer the "
-            "model was trained with"
-        )
-    limit = max_block_size(tokenizer, config)
-    block_size = args.block_size or min(limit, 1024)
-    if block_size > limit:
-        raise RecipeError(
-            f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less"
-        )
-    with prepare_data_first(accelerator):
-        raw = load_raw_datasets(
-            dataset_name=args.dataset_name,
-            dataset_config_name=args.dataset_config_name,
-            train_file=args.train_file,
-            validation_file=args.validation_file,
-            validation_split_percentage=args.validation_split_percentage,
-            seed=args.seed,
-        )
-        data = tokenize_and_pack(
-            raw,
-            tokenizer,
-            data_format=args.data_format,
-            text_column=args.text_column,
-            block_size=block_size,
-            num_proc=args.preprocessing_num_workers,
-            sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
-        )
-    workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
-    train = make_dataloader(
-        data["train"],
-        args.per_device_train_batch_size,
-        train=True,
-        seed=args.seed,
-        num_workers=workers,
-        collate_fn=default_data_collator,
-    )
-    evals = make_dataloader(
-        data["validation"],
-        args.per_device_eval_batch_size,
-        train=False,
-        num_workers=workers,
-        collate_fn=default_data_collator,
-    )
-    return train, evals, block_size
+# Training and evaluation --------------------------------------------------------------------------
 
 
 def target_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """The tokens a causal LM is trained to predict in a batch: the labels after the first position
-    (the model shifts them by one) that are not masked with -100. A step's loss is its mean over every
-    target token of every micro-batch and process: transformers' causal-LM losses divide their sum by
-    the count passed as `num_items_in_batch`."""
+    """The tokens a causal LM is trained to predict in a batch: the labels after the first position (the model
+    shifts them by one) not masked with -100. A step's loss is its mean over every target token of every
+    micro-batch and process: transformers' causal-LM losses divide their sum by `num_items_in_batch`."""
     return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def window_tokens(accelerator, window) -> torch.Tensor:
-    """The target tokens of a whole optimizer step: every micro-batch of the window on every process (one
-    scalar all-reduce, on the device: no host sync), at least 1, so that a step without any is a zero
-    update rather than NaN."""
+    """The target tokens of a whole optimizer step, every micro-batch on every process (one scalar all-reduce, on
+    the device: no host sync), at least 1, so that a step without any is a zero update rather than NaN."""
     return accelerator.reduce(sum(target_tokens(batch["labels"]) for batch in window), reduction="sum").clamp(min=1)
 
 
 def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
-    """Token-weighted loss and perplexity over the whole eval set, each block counted once; None if
-    `stop` (a common.StopOnSignal) reports a signal, which every process sees at the same batch."""
+    """Token-weighted loss and perplexity over the whole eval set, each block counted once; None if `stop` (a
+    common.StopOnSignal) reports a signal, which every process sees at the same batch."""
     model.eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
@@ -711,24 +585,20 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
             if stop is not None and stop.requested():
                 model.train()
                 return None
-            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
-            labels = batch["labels"][:, 1:]
-            per_block = torch.stack(
+            logits, labels = model(input_ids=batch["input_ids"]).logits[:, :-1], batch["labels"][:, 1:]
+            per_block = torch.stack(  # a row at a time: fp32 logits are large
                 [
                     F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
                     for row, lab in zip(logits, labels)
                 ]
-            )  # a row at a time: fp32 logits are large
+            )
             # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
             per_block, counts = accelerator.gather_for_metrics((per_block, (labels != IGNORE_INDEX).sum(-1)))
-            loss_sum += per_block.sum().item()
-            tokens += counts.sum().item()
+            loss_sum, tokens = loss_sum + per_block.sum().item(), tokens + counts.sum().item()
     model.train()
-    eval_loss = loss_sum / tokens
-    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50)), "eval_tokens": tokens}
+    return {"eval_loss": loss_sum / tokens, "perplexity": math.exp(min(loss_sum / tokens, 50)), "eval_tokens": tokens}
 
 
 def flops_per_token(model, block_size: int, parameters: int) -> float:
     """Training FLOPs per token: 6N for the matrix multiplies plus the attention scores (PaLM, appendix B)."""
-    config = model.config
-    return 6 * parameters + 12 * config.num_hidden_layers * config.hidden_size * block_size
+    return 6 * parameters + 12 * model.config.num_hidden_layers * model.config.hidden_size * block_size

@@ -1,7 +1,7 @@
-"""Images and image classifiers for vision recipes: reading image files (16-bit, damaged, too large),
-a pair of ImageFolders, torchvision and timm models with a new head, pretrained weights (published, or a
-file on disk, loaded as weights only), freezing a backbone, the normalization layer, and a shape check of
-a model against an image size before any data is read."""
+"""Images and image classifiers for the vision recipe: reading image files (16-bit, damaged, too large), CIFAR or a
+pair of ImageFolders, torchvision and timm models with a new head, pretrained weights (published, or a file read as
+weights only), a frozen backbone, the normalization layer, and a check of a model against the image size made
+before any data is read."""
 
 import contextlib
 import difflib
@@ -18,35 +18,34 @@ from accelerate import PartialState
 from PIL import Image
 from safetensors.torch import load_file
 
-from .args import positive_float
 from .data import prepare_data_first
 from .metrics import count_parameters
 from .plan import decay_groups
-from .runtime import DataError, RecipeError, logger, one_line
+from .runtime import DataError, RecipeError, check_path, logger, one_line
+
+CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def to_rgb(image, path):
-    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (mode I;16, as in 16-bit PNGs) keeps its
-    high byte, as PIL does for 16-bit colour: PIL's own convert would clip every value above 255."""
-    if image.mode.startswith("I;16"):
-        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L")
-    elif image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
-        raise DataError(
-            f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; "
-            "convert the images to 8 or 16 bits per channel"
-        )
-    return image.convert("RGB")
+# Images -------------------------------------------------------------------------------------------
 
 
 def load_image(path):
-    """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker)."""
+    """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker). 16-bit grey
+    keeps its high byte, as PIL does for 16-bit colour: PIL's own convert would clip every value above 255."""
     try:
-        with warnings.catch_warnings():
-            # above Image.MAX_IMAGE_PIXELS PIL warns, above twice that it refuses: either way a
-            # decode this large per sample per epoch is a mistake (a scan, a panorama, a bomb)
+        with warnings.catch_warnings():  # above PIL's pixel limit a decode per sample per epoch is a mistake
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
-                return to_rgb(image, path)
+                if image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
+                    raise DataError(
+                        f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; convert the "
+                        "images to 8 or 16 bits per channel"
+                    )
+                if image.mode.startswith("I;16"):
+                    return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L").convert("RGB")
+                return image.convert("RGB")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise DataError(
             f"{path}: too large to decode ({err}); shrink it first: every image is resized to --image_size anyway"
@@ -55,123 +54,77 @@ def load_image(path):
         raise DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
 
 
-def image_folders(train_dir, val_dir):
-    """The training and validation ImageFolders (images read by load_image), which must hold the same
-    two or more class sub-folders, so that a label means the same class in each."""
-    datasets = []
-    for flag, folder in (("--train_dir", train_dir), ("--val_dir", val_dir)):
-        try:
-            datasets.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
-        except OSError as err:  # no such folder, no class folders, no images in them, not readable
-            why = "no such folder" if not Path(folder).exists() else one_line(err)
-            raise RecipeError(
-                f"{flag} {folder}: {why}; --dataset imagefolder needs a folder with one sub-folder of images per class"
-            ) from err
-    train, evals = datasets
-    if train.classes != evals.classes:
-        only_val = sorted(set(evals.classes) - set(train.classes))
-        only_train = sorted(set(train.classes) - set(evals.classes))
-        raise RecipeError(
-            f"{train_dir} and {val_dir} have different class folders ("
-            + "; ".join(
-                f"only in {where}: {', '.join(names)}"
-                for where, names in (("--val_dir", only_val), ("--train_dir", only_train))
-                if names
-            )
-            + "); give both the same class sub-folders, so that a label means the same class in each"
-        )
-    if len(train.classes) < 2:
-        raise RecipeError(
-            f"--train_dir {train_dir} has {len(train.classes)} class folder; a classifier "
-            "needs two or more (one sub-folder of images per class)"
-        )
-    return train, evals
-
-
-CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
 def load_images(args):
-    """(train, eval, image size, mean, std, num_classes) of --dataset: CIFAR (downloaded into --data_dir
-    when it is not there) or --train_dir/--val_dir, the images not yet transformed; normalized with the
-    statistics --pretrained's weights were trained with, if any."""
-    if args.dataset == "imagefolder":
-        train, evals = image_folders(args.train_dir, args.val_dir)
-        size, mean, std = args.image_size, IMAGENET_MEAN, IMAGENET_STD
-    else:
-        try:
-            train = CIFAR[args.dataset](args.data_dir, train=True, download=True)
-            evals = CIFAR[args.dataset](args.data_dir, train=False, download=True)
-        except (OSError, RuntimeError) as err:
-            raise RecipeError(
-                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); "
-                f"download it where there is network and pass --data_dir, or use --dataset imagefolder"
-            ) from err
-        size, mean, std = 32, CIFAR_MEAN, CIFAR_STD
+    """(train, eval, image size, mean, std, num_classes) of --dataset, not yet transformed: CIFAR (downloaded into
+    --data_dir when it is not there) or --train_dir/--val_dir, two ImageFolders of the same two or more classes;
+    normalized as --pretrained's weights were trained, if any. Read by the main process first (a download, a scan
+    of a shared filesystem), then by the others."""
+    with prepare_data_first(PartialState()):
+        train, evals = _image_sets(args)
+    folder = args.dataset == "imagefolder"
+    size, mean, std = (args.image_size, IMAGENET_MEAN, IMAGENET_STD) if folder else (32, CIFAR_MEAN, CIFAR_STD)
     if args.pretrained:  # the weights expect the inputs they were trained on
         mean, std = published_normalization(args.model)
     return train, evals, size, mean, std, len(train.classes)
 
 
-def build_model(args, num_classes: int, on_gpu: bool):
-    """--model with `num_classes` outputs, as the model arguments say: random, or --pretrained's published
-    weights (downloaded once per node: the others wait, then read the cache) or --pretrained_path's, with
-    a new head; the backbone frozen (--freeze_backbone); the norm layer (--norm_layer)."""
-    with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
-        model = new_model(args.model, num_classes, pretrained=args.pretrained)
-    if args.pretrained_path:
-        load_weights(model, args.pretrained_path, args.model)
-    if args.freeze_backbone:
-        model = freeze_backbone(model)
-    return set_norm_layer(model, args.norm_layer, on_gpu)
+def _image_sets(args):
+    if args.dataset != "imagefolder":
+        try:
+            return [CIFAR[args.dataset](args.data_dir, train=split, download=True) for split in (True, False)]
+        except (OSError, RuntimeError) as err:
+            raise RecipeError(
+                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); download it where "
+                "there is network and pass --data_dir, or use --dataset imagefolder"
+            ) from err
+    folders = []
+    for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
+        check_path(flag, folder, folder=True)
+        try:
+            folders.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
+        except OSError as err:  # no class folders, no images in them
+            raise RecipeError(
+                f"{flag} {folder}: {one_line(err)}; --dataset imagefolder needs a folder with one sub-folder of "
+                "images per class"
+            ) from err
+    train, evals = folders
+    only = {
+        flag: sorted(set(a.classes) - set(b.classes))
+        for flag, a, b in (("--val_dir", evals, train), ("--train_dir", train, evals))
+    }
+    if any(only.values()):
+        where = "; ".join(f"only in {flag}: {', '.join(names)}" for flag, names in only.items() if names)
+        raise RecipeError(
+            f"{args.train_dir} and {args.val_dir} have different class folders ({where}); give both the same "
+            "class sub-folders, so that a label means the same class in each"
+        )
+    if len(train.classes) < 2:
+        raise RecipeError(
+            f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier needs two or more "
+            "(one sub-folder of images per class)"
+        )
+    return train, evals
 
 
-def param_groups(model, args) -> list:
-    """The optimizer's parameter groups: weight decay on weights, not biases and norms; frozen parameters in
-    none; with --head_lr_scale, the head's last, at that multiple of the rate (their `lr_scale`, timm's name,
-    which the recipe's loop applies)."""
-    groups = decay_groups(model, args.weight_decay)
-    if args.head_lr_scale == 1:
-        return groups
-    head = head_parameters(model)
-    groups = [
-        {**g, "params": [p for p in g["params"] if (id(p) in head) == is_head], "lr_scale": scale}
-        for is_head, scale in ((False, 1.0), (True, args.head_lr_scale))
-        for g in groups
-    ]
-    return [g for g in groups if g["params"]]
+# Model arguments ----------------------------------------------------------------------------------
 
 
-def published_normalization(name):
-    """(mean, std) of the inputs --model `name`'s published weights were trained on."""
-    if name.startswith("timm/"):
-        cfg = timm_weights(name)
-    else:
-        cfg = torchvision.models.get_model_weights(name).DEFAULT.transforms()
-    return tuple(cfg.mean), tuple(cfg.std)
-
-
-def add_model_args(group) -> None:
-    """--model and the options that build, load, freeze and normalize it (an argparse group)."""
-    add = group.add_argument
+def add_model_args(parser) -> None:
+    """--model and the options that build, load, freeze and normalize it, and their rules."""
+    add = parser.add_argument_group("model").add_argument
     add("--model", help="resnet18_cifar (3x3 stem, no max-pool), a torchvision model, or timm/NAME (pip install timm)")
     add("--pretrained", action="store_true", help="start from --model's published weights, with a new head")
     add("--pretrained_path", help="start from weights on disk (.safetensors, or a state dict saved with torch.save)")
     add("--freeze_backbone", action="store_true", help="train the head only; BatchNorm keeps the loaded statistics")
-    add("--head_lr_scale", type=positive_float, default=1.0, help="the head's rate: --learning_rate times this")
+    add("--head_lr_scale", type="positive_float", default=1.0, help="the head's rate: --learning_rate times this")
     add(
-        "--norm_layer",
-        choices=["batch", "sync_batch", "group"],
-        default="batch",
+        "--norm_layer", choices=["batch", "sync_batch", "group"], default="batch",
         help="BatchNorm (statistics per process), synced across processes (GPUs only), or GroupNorm (per sample)",
-    )
+    )  # fmt: skip
+    parser.checks.append(_check_model_args)
 
 
-def check_model_args(parser, args) -> None:
-    """parser.error for model options that cannot work together, or a --model that cannot take --image_size
-    images in batches of --per_device_train_batch_size."""
+def _check_model_args(parser, args) -> None:
     tuned = args.pretrained or args.pretrained_path
     for wrong, message in (
         (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
@@ -193,9 +146,91 @@ def check_model_args(parser, args) -> None:
             f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
             "see (the images are resized to it), such as 224"
         )
-    problem = model_problem(args.model, size, batch, getattr(args, "dataset", "imagefolder"), args.pretrained)
-    if problem:
+    if problem := model_problem(args.model, size, batch, args.dataset, args.pretrained):
         parser.error(problem)
+
+
+def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
+    """Why --model cannot train on `size`-pixel images in batches of `batch`, or None: a name that is no model, and
+    a forward on the meta device (shapes only, no memory, no compute), where too small an input fails as it would
+    in training or reaches a layer that strides over a single pixel."""
+    if name.startswith("timm/"):
+        with contextlib.suppress(RecipeError):
+            timm_weights(name)  # imports timm, or says how to install it
+        try:
+            import timm
+        except ImportError:
+            return f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
+        if not timm.is_model(name[5:]):
+            close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
+            hint = f" (did you mean timm/{' or timm/'.join(close)}?)" if close else ""
+            return f"--model {name}: not a timm model{hint}; pass timm/ and a name from timm.list_models()"
+        if ("." in name or pretrained) and timm_weights(name) is None:
+            return (
+                f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
+                f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+            )
+    elif name == "resnet18_cifar" and pretrained:
+        return (
+            "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 (or "
+            "another torchvision or timm/ model) with --pretrained, or --pretrained_path"
+        )
+    elif name != "resnet18_cifar" and name not in (
+        models := torchvision.models.list_models(module=torchvision.models)
+    ):
+        close = difflib.get_close_matches(name, models, n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        return (
+            f"--model {name}: not a torchvision classification model{hint}; pass resnet18_cifar or a name from "
+            "torchvision.models.list_models(module=torchvision.models)"
+        )
+    try:
+        with torch.device("meta"):
+            model = new_model(name, 10).train()  # batch norm's one-value-per-channel check is a training one
+    except Exception:  # a model whose construction needs real data cannot be checked this way
+        return None
+
+    def fails(size, batch=2):
+        collapsed = []
+
+        def check(module, inputs):
+            stride = module.stride if isinstance(module.stride, tuple) else (module.stride,) * 2
+            if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
+                collapsed.append(f"a {type(module).__name__} strides over a single pixel")
+
+        layers = (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d)
+        hooks = [m.register_forward_pre_hook(check) for m in model.modules() if isinstance(m, layers)]
+        try:
+            model(torch.empty(batch, 3, size, size, device="meta"))
+        except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size
+            return one_line(err)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return collapsed[0] if collapsed else None
+
+    if problem := fails(size):
+        sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
+        if (fits := next((s for s in sizes if s > size and not fails(s)), None)) is None:
+            return None  # no size passes on the meta device: this model cannot be checked there
+        if dataset != "imagefolder":
+            return (
+                f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: use "
+                f"--model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size {fits}"
+            )
+        return (
+            f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size it "
+            "takes), or choose another --model"
+        )
+    if batch == 1 and fails(size, batch=1):
+        return (
+            f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
+            "--per_device_train_batch_size 1; pass 2 or more"
+        )
+    return None
+
+
+# Models -------------------------------------------------------------------------------------------
 
 
 def timm_weights(name):
@@ -213,6 +248,29 @@ def timm_weights(name):
     return cfg if cfg and (cfg.hf_hub_id or cfg.url) else None
 
 
+def published_normalization(name):
+    """(mean, std) of the inputs --model `name`'s published weights were trained on."""
+    cfg = (
+        timm_weights(name)
+        if name.startswith("timm/")
+        else torchvision.models.get_model_weights(name).DEFAULT.transforms()
+    )
+    return tuple(cfg.mean), tuple(cfg.std)
+
+
+def build_model(args, num_classes: int, on_gpu: bool):
+    """--model with `num_classes` outputs, as the model arguments say: random, or --pretrained's published weights
+    (downloaded once per node: the others wait, then read the cache) or --pretrained_path's, with a new head; the
+    backbone frozen (--freeze_backbone); the norm layer (--norm_layer)."""
+    with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
+        model = new_model(args.model, num_classes, pretrained=args.pretrained)
+    if args.pretrained_path:
+        load_weights(model, args.pretrained_path, args.model)
+    if args.freeze_backbone:
+        model = freeze_backbone(model)
+    return set_norm_layer(model, args.norm_layer, on_gpu)
+
+
 def new_model(name, num_classes, pretrained=False):
     """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
     if name.startswith("timm/"):
@@ -225,22 +283,18 @@ def new_model(name, num_classes, pretrained=False):
             if not pretrained:
                 raise
             raise RecipeError(
-                f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); "
-                f"where there is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache "
-                "(hf download; HF_HOME sets the folder), or pass --pretrained_path"
+                f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); where there "
+                f"is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache (hf download; HF_HOME sets "
+                "the folder), or pass --pretrained_path"
             ) from err
     if name == "resnet18_cifar":  # 32x32 inputs: a 7x7/2 stem and max-pool would discard 3/4 of them
         model = torchvision.models.resnet18(num_classes=num_classes)
-        model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        model.maxpool = torch.nn.Identity()
+        model.conv1, model.maxpool = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.Identity()
         return model
     # Inception and GoogLeNet add auxiliary heads in training, which a plain cross-entropy cannot take.
     extra = {"aux_logits": False, "init_weights": True} if name in ("inception_v3", "googlenet") else {}
     if not pretrained:
-        try:
-            return torchvision.models.get_model(name, num_classes=num_classes, **extra)
-        except ValueError as err:
-            raise RecipeError(f"--model {name}: {err}") from err
+        return torchvision.models.get_model(name, num_classes=num_classes, **extra)
     weights = torchvision.models.get_model_weights(name).DEFAULT
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     try:  # torchvision's builders load with weights_only=False: torch's own switch makes it True
@@ -248,11 +302,11 @@ def new_model(name, num_classes, pretrained=False):
             model = torchvision.models.get_model(name, weights=weights)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # offline, damaged, pickled code
         why = "not plain weights" if isinstance(err, pickle.UnpicklingError) else one_line(err)
+        state = "cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded"
         raise RecipeError(
-            f"--pretrained: torchvision's weights for --model {name} ({weights}) "
-            + ("cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded")
-            + f" ({why}); download {weights.url} where there is network and put it at {path} (TORCH_HOME sets the "
-            "folder), or pass --pretrained_path"
+            f"--pretrained: torchvision's weights for --model {name} ({weights}) {state} ({why}); download "
+            f"{weights.url} where there is network and put it at {path} (TORCH_HOME sets the folder), or pass "
+            "--pretrained_path"
         ) from err
     for aux in ("AuxLogits", "aux1", "aux2"):  # the weights come with the auxiliary heads: drop them as above
         if getattr(model, aux, None) is not None:
@@ -260,13 +314,12 @@ def new_model(name, num_classes, pretrained=False):
             model.aux_logits = False
     (head,) = head_names(model)
     old, (parent, _, leaf) = model.get_submodule(head), head.rpartition(".")
-    setattr(
-        model.get_submodule(parent),
-        leaf,
+    new = (
         torch.nn.Linear(old.in_features, num_classes)
         if isinstance(old, torch.nn.Linear)
-        else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size),
+        else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size)
     )
+    setattr(model.get_submodule(parent), leaf, new)
     return model
 
 
@@ -284,25 +337,17 @@ def head_parameters(model) -> set:
 
 
 def load_weights(model, path, name):
-    """--pretrained_path into `model`: every tensor must fit but the head's, which stays new if the file's is
-    for another number of classes (or missing)."""
-    if not Path(path).is_file():
-        raise RecipeError(
-            f"--pretrained_path {path}: "
-            + (
-                "a folder; pass the weights file in it (.safetensors, or a torch.save'd state dict)"
-                if Path(path).is_dir()
-                else "no such file"
-            )
-        )
+    """--pretrained_path into `model`: every tensor must fit but the head's, which stays new if the file's is for
+    another number of classes (or missing)."""
+    check_path("--pretrained_path", path)
     try:
         state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
         state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only
     except Exception as err:  # safetensors', zip's and pickle's errors, a dict of other things: not weights
         why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
         raise RecipeError(
-            f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a "
-            "state dict saved with torch.save"
+            f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a state dict saved "
+            "with torch.save"
         ) from err
     own = model.state_dict()
     head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
@@ -318,20 +363,21 @@ def load_weights(model, path, name):
         ],
     }
     if any(misfits.values()):
+        found = "; ".join(f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
         raise RecipeError(
-            f"--pretrained_path {path}: does not fit --model {name} ("
-            + "; ".join(f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
-            + "); pass weights of that architecture, or the --model they belong to"
+            f"--pretrained_path {path}: does not fit --model {name} ({found}); pass weights of that architecture, or "
+            "the --model they belong to"
         )
     model.load_state_dict({k: v for k, v in state.items() if k not in new_head}, strict=False)
-    new = f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else ""
-    logger.info(f"loaded {path}{new}")
+    logger.info(
+        f"loaded {path}" + (f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else "")
+    )
 
 
 def freeze_backbone(model):
-    """Train only the head: the other parameters stop requiring gradients (set before prepare, so DDP
-    neither syncs nor waits for them), and BatchNorm becomes FrozenBatchNorm2d, so the backbone computes
-    what it was trained to whatever the batch and the number of processes."""
+    """Train only the head: the other parameters stop requiring gradients (before prepare, so DDP neither syncs
+    nor waits for them), and BatchNorm becomes FrozenBatchNorm2d, so the backbone computes what it was trained to
+    whatever the batch and the number of processes."""
     head, total = head_parameters(model), count_parameters(model)
     for p in model.parameters():
         p.requires_grad_(id(p) in head)
@@ -344,17 +390,17 @@ def freeze_backbone(model):
             if type(child) is torch.nn.BatchNorm2d:
                 setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(child.num_features, child.eps))
                 getattr(parent, name).load_state_dict(child.state_dict())
+    trained = count_parameters(model, True)
     logger.info(
-        f"--freeze_backbone: training {', '.join(head_names(model))} only, "
-        f"{count_parameters(model, True):,} of {total:,} parameters"
+        f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained:,} of {total:,} parameters"
     )
     return model
 
 
 def set_norm_layer(model, kind: str, on_gpu: bool):
-    """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b
-    do not train exactly as 1 x Nb. sync_batch computes them over every process (an all-reduce per
-    layer, GPUs only in torch); group (GroupNorm, up to 32 groups) needs no batch statistics at all."""
+    """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b do not train
+    exactly as 1 x Nb: sync_batch computes them over every process (an all-reduce per layer, GPUs only in torch);
+    group (GroupNorm, up to 32 groups) needs no batch statistics at all."""
     if kind == "sync_batch":
         if not on_gpu:
             raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
@@ -367,8 +413,10 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
         for parent in list(model.modules()):
             for name, child in parent.named_children():
                 if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
-                    groups = max(g for g in range(1, 33) if child.num_features % g == 0)
-                    norm = torch.nn.GroupNorm(groups, child.num_features)  # timm's BatchNormAct2d also activates:
+                    norm = torch.nn.GroupNorm(
+                        max(g for g in range(1, 33) if child.num_features % g == 0), child.num_features
+                    )
+                    # timm's BatchNormAct2d also drops out and activates
                     setattr(
                         parent,
                         name,
@@ -377,90 +425,17 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
     return model
 
 
-def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
-    """Why --model cannot train on `size`-pixel images in batches of `batch`, or None. Checked by
-    running the model on the meta device (shapes only: no memory, no compute), where too small an
-    input fails as it would in training, or reaches a layer that strides over a single pixel."""
-    models = torchvision.models.list_models(module=torchvision.models)  # the classification models
-    if name.startswith("timm/"):
-        try:
-            timm_weights(name)
-        except RecipeError as err:  # timm is not installed
-            return str(err)
-        import timm
-
-        if not timm.is_model(name[5:]):
-            close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
-            return (
-                f"--model {name}: not a timm model"
-                + (f" (did you mean timm/{' or timm/'.join(close)}?)" if close else "")
-                + "; pass timm/ and a name from timm.list_models()"
-            )
-        if ("." in name or pretrained) and timm_weights(name) is None:  # an unknown tag fails even without
-            return (
-                f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
-                f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
-            )
-    elif pretrained and name == "resnet18_cifar":
-        return (
-            "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 "
-            "(or another torchvision or timm/ model) with --pretrained, or --pretrained_path"
-        )
-    elif name != "resnet18_cifar" and name not in models:
-        close = difflib.get_close_matches(name, models, n=3)
-        return (
-            f"--model {name}: not a torchvision classification model"
-            + (f" (did you mean {' or '.join(close)}?)" if close else "")
-            + "; pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)"
-        )
-    try:
-        with torch.device("meta"):
-            model = new_model(name, 10)
-    except Exception:  # a model whose construction needs real data cannot be checked this way
-        return None
-
-    def fails(size, batch=2):
-        collapsed = []
-
-        def check(module, inputs):
-            stride = module.stride if isinstance(module.stride, tuple) else (module.stride, module.stride)
-            if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
-                collapsed.append(f"a {type(module).__name__} strides over a single pixel")
-
-        hooks = [
-            m.register_forward_pre_hook(check)
-            for m in model.modules()
-            if isinstance(m, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d))
-        ]
-        try:
-            model(torch.empty(batch, 3, size, size, device="meta"))
-        except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size, ...
-            return (str(err).strip().splitlines() or [type(err).__name__])[0]
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return collapsed[0] if collapsed else None
-
-    model.train()  # batch norm's check of the values per channel is a training-mode one
-    problem = fails(size)
-    if problem:
-        sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
-        fits = next((s for s in sizes if s > size and not fails(s)), None)
-        if fits is None:
-            return None  # no size passes on the meta device: this model cannot be checked there
-        if dataset != "imagefolder":
-            return (
-                f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: "
-                "use --model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size "
-                f"{fits}"
-            )
-        return (
-            f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size "
-            "it takes), or choose another --model"
-        )
-    if batch == 1 and fails(size, batch=1):
-        return (
-            f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
-            "--per_device_train_batch_size 1; pass 2 or more"
-        )
-    return None
+def param_groups(model, args) -> list:
+    """The optimizer's groups: weight decay on weights, not biases and norms; frozen parameters in none; with
+    --head_lr_scale, the head's last, at that multiple of the rate (their `lr_scale`, timm's name, which the
+    recipe's loop applies)."""
+    groups = decay_groups(model, args.weight_decay)
+    if args.head_lr_scale == 1:
+        return groups
+    head = head_parameters(model)
+    groups = [
+        {**g, "params": [p for p in g["params"] if (id(p) in head) == is_head], "lr_scale": scale}
+        for is_head, scale in ((False, 1.0), (True, args.head_lr_scale))
+        for g in groups
+    ]
+    return [g for g in groups if g["params"]]

@@ -60,53 +60,44 @@ def parse_args(argv=None):
     p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
     p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
     p.add_argument("--image_size", type="positive_int", default=32, help="ImageFolder images are resized to this")
-    vision.add_model_args(p.add_argument_group("model"))  # --model, --pretrained[_path], --freeze_backbone, ...
+    vision.add_model_args(p)  # --model, --pretrained[_path], --freeze_backbone, --head_lr_scale, --norm_layer
     p.add_argument("--optimizer", choices=["sgd", "adamw"])
     p.add_argument("--momentum", type="fraction_below_one")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
     p.add_argument("--label_smoothing", type="fraction_below_one")
     p.add_argument(
-        "--hflip",
-        type="probability",
-        help="probability of a horizontal flip in training: "
-        "0.5 for CIFAR and, as in torchvision's and timm's recipes, for ImageFolder, since a mirrored photo "
-        "shows the same class; 0 where it does not (digits, text)",
+        "--hflip", type="probability", help="probability of a horizontal flip in training (0: digits, text)"
     )
     p.add_argument(
-        "--random_crop",
-        action=argparse.BooleanOptionalAction,
-        help="pad-and-crop in training (scale-and-crop above 64 px)",
+        "--random_crop", action=argparse.BooleanOptionalAction, help="pad-and-crop (scale-and-crop above 64 px)"
     )
     p.add_argument(
         "--data_on_device",
         action="store_true",
-        help="keep the whole dataset on the accelerator as uint8 and crop/flip there: no loader workers, "
-        "no host-to-device copies (images of 64 px or less)",
+        help="keep the dataset on the accelerator as uint8 and crop/flip there (images of 64 px or less)",
     )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(**HYPERPARAMETERS)
-    args = p.parse_args(argv)
-    if args.dataset == "imagefolder":
-        if not (args.train_dir and args.val_dir):
-            p.error(
-                "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images "
-                "per class"
-            )
-    elif args.train_dir or args.val_dir:
+    args = p.parse_args(argv)  # and vision's checks of the model arguments
+    folders = args.train_dir or args.val_dir
+    if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
         p.error(
-            f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; "
-            "add --dataset imagefolder"
+            "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images per class"
         )
-    elif args.image_size != 32:
+    if args.dataset != "imagefolder" and folders:
+        p.error(
+            f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; add --dataset "
+            "imagefolder"
+        )
+    if args.dataset != "imagefolder" and args.image_size != 32:
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
     if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
         p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
     if args.data_on_device and args.image_size > 64:
         p.error(
-            f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not "
-            f"--image_size {args.image_size}"
+            f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not --image_size "
+            f"{args.image_size}"
         )
-    vision.check_model_args(p, args)
     return args
 
 
@@ -166,10 +157,9 @@ def build_device_datasets(args, device):
 
 
 def get_dataloaders(args, accelerator):
-    with common.prepare_data_first(accelerator):
-        train, evals, num_classes = (
-            build_device_datasets(args, accelerator.device) if args.data_on_device else build_datasets(args)
-        )
+    train, evals, num_classes = (
+        build_device_datasets(args, accelerator.device) if args.data_on_device else build_datasets(args)
+    )
     train_dl = common.make_dataloader(
         train, args.per_device_train_batch_size, train=True, seed=args.seed, num_workers=args.dataloader_num_workers
     )
@@ -245,14 +235,14 @@ def main(argv=None):
                     if on_gpu:
                         images = images.contiguous(memory_format=torch.channels_last)
                     loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
-                    # Accelerate divides by the accumulation steps: an epoch's shorter last window is
-                    # weighted up, so every step's gradient is the mean over the samples it trained
-                    accelerator.backward(loss * (k / len(window)))
+                    # Accelerate divides by the accumulation steps: an epoch's shorter last window is weighted
+                    # up, so every step's gradient is the mean over the samples it trained
+                    accelerator.backward(loss if len(window) == k else loss * (k / len(window)))
                 log.add(loss, labels.shape[0])
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples

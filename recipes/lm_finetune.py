@@ -27,8 +27,6 @@ from common.text import (
     add_model_args,
     add_text_args,
     attn_implementation,
-    check_model_args,
-    check_text_args,
     evaluate_causal_lm,
     flops_per_token,
     lm_dataloaders,
@@ -61,8 +59,7 @@ HYPERPARAMETERS = dict(
 
 def parse_args(argv=None):
     p = common.training_parser("lm_finetune", __doc__.split("\n")[0])
-    m = p.add_argument_group("model")
-    add_model_args(m)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
+    m = add_model_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
     m.add_argument(
         "--torch_dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -84,8 +81,7 @@ def parse_args(argv=None):
     )
     add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
-    args = p.parse_args(argv)
-    check_model_args(p, args)
+    args = p.parse_args(argv)  # and the checks of common.text's arguments
     if args.torch_dtype == "auto" and args.config_name:
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
@@ -101,7 +97,6 @@ def parse_args(argv=None):
             "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
             "--lora_r, or use the model's own tokenizer without --resize_token_embeddings"
         )
-    check_text_args(p, args)
     return args
 
 
@@ -202,7 +197,7 @@ def main(argv=None):
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples

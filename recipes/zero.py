@@ -29,8 +29,6 @@ from common import RecipeError, logger
 from common.text import (
     add_model_args,
     add_text_args,
-    check_model_args,
-    check_text_args,
     evaluate_causal_lm,
     lm_dataloaders,
     load_causal_lm,
@@ -58,16 +56,12 @@ HYPERPARAMETERS = dict(
 
 def parse_args(argv=None):
     p = common.training_parser("zero", __doc__.split("\n")[0])
-    m = p.add_argument_group("model")
-    add_model_args(m)
+    m = add_model_args(p)
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
-    args = p.parse_args(argv)
-    check_model_args(p, args)
-    check_text_args(p, args)
-    return args
+    return p.parse_args(argv)  # and the checks of common.text's arguments
 
 
 def build_model(args):
@@ -191,7 +185,7 @@ def main(argv=None):
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples
@@ -217,6 +211,7 @@ def main(argv=None):
     out.save_model(model, tokenizer)
     if args.save_fp32:
         export_fp32(accelerator, model, args.output_dir)
+        out.record_written("fp32")  # --overwrite_output_dir and the next save remove it
     out.write_results(
         plan,
         **log.summary(at, tokens_per_sample=block_size),

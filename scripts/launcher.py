@@ -82,11 +82,17 @@ def by(sig: int | None) -> str:
     return "a signal" if sig is None else "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
 
 
+def stopped_code(sig: int | None) -> int:
+    """A stop before training saved nothing to lose: Ctrl-C is the user's 130; any other stop (preemption, Slurm's
+    time limit) 75, like a stop at a checkpoint, so that a requeued job starts again."""
+    return 128 + sig if sig == signal.SIGINT else 75
+
+
 def on_stop(signum, frame) -> None:
     stops.append(signum)
     if not started:  # nothing to save (a helper such as `doctor --report` ends too)
-        say(f"stopped by {by(signum)} before the processes started; nothing was saved (exit {128 + signum})")
-        finish(128 + signum)
+        say(f"stopped by {by(signum)} before the processes started; nothing was saved (exit {stopped_code(signum)})")
+        finish(stopped_code(signum))
 
 
 # ---------------------------------------------------------------- the command
@@ -344,15 +350,15 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     status, _, saved = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]  # preempted STEP PATH
-    if status == "preempted":
+    if status == "preempted" and saved != "None":
         say(f"stopped by {by(stop)} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
         return 75
     if stop and status == "finished":  # the stop came as the processes exited
         say(f"the run had finished when {by(stop)} came; its model and results.json are complete (exit 0)")
         return 0
-    if stop and status not in ("error", "interrupted"):  # they said nothing: they died of the SIGTERM
-        say(f"stopped by {by(stop)}; the processes ended without saving a checkpoint (exit {128 + stop})")
-        return 128 + stop
+    if stop and status not in ("error", "interrupted"):  # before training, or they died of the SIGTERM starting
+        say(f"stopped by {by(stop)} before training; nothing was saved (exit {stopped_code(stop)})")
+        return stopped_code(stop)
     if isinstance(err, ChildFailedError):
         rank, failure = first_failure(err.failures)
         return exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")

@@ -114,20 +114,19 @@ def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no .tmp- or .old- folder left
 
 
-def test_the_limit_counts_only_intact_checkpoints_and_never_deletes_the_newest_intact_one(acc, tmp_path):
+def test_the_limit_keeps_the_intact_checkpoints_written_last_and_latest_is_the_one_written_last(acc, tmp_path):
     out = tmp_path / "run"
     for step in (2, 4, 6, 8):
         save(acc, out, step)
     damage(out / "checkpoint-6", "truncated")
     damage(out / "checkpoint-8", "truncated")
-    save(acc, out, 7, limit=2)  # resumed from 4 (the newest intact), saving before the damaged ones
-    # kept: the 2 newest intact (4, 7); 2 and the damaged 6 go; the damaged 8, newer than this save, stays
-    assert steps(out) == [4, 7, 8]
-    save(acc, out, 9, limit=1)
-    assert steps(out) == [9]  # 9 is the newest intact: everything older goes
-    save(acc, out, 3, limit=1)  # a run resumed by path from an older step: what is newer stays
-    assert steps(out) == [3, 9]
-    assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-9"
+    save(acc, out, 7, limit=2)  # resumed from 4, the newest intact one: 6 and 8 are of the trajectory it left
+    assert steps(out) == [4, 7]  # the 2 intact ones written last; 2 and the damaged 6 and 8 go
+    save(acc, out, 9)
+    save(acc, out, 3)  # a run resumed by path from an earlier step: its checkpoints are the newest
+    assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-3"
+    save(acc, out, 5, limit=2)
+    assert steps(out) == [3, 5] and ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-5"
 
 
 class Crash(BaseException):
@@ -231,6 +230,11 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
     save(acc, out, 6)
     assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-6"
+    outputs._RunLock.release_all()
+    # Resumed by path from an earlier step, the run saved checkpoint-3, then was stopped: `latest` continues that
+    # trajectory, not the finished one nor the one at step 6.
+    save(acc, out, 3)
+    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-3"
 
 
 def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):

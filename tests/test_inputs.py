@@ -449,7 +449,7 @@ TEXT_FILES = [  # (file name, content, the error line's text)
     ("header.csv", "text\n", "holds no rows"),
     ("nocolumn.csv", "body\n" + "one two three\n" * 20, "--text_column text: not in the data (columns: body)"),
     ("chat.jsonl", jsonl([CHAT] * 20), "(columns: messages); it looks like chat data: pass --data_format chat"),
-    ("fake.parquet", "not parquet at all", "not a parquet file (Parquet magic bytes not found"),
+    ("fake.parquet", "not parquet at all", "cannot be read as parquet (ArrowInvalid: Parquet magic bytes not found"),
     ("few.txt", "one\n" * 20, "holds fewer than 32 tokens; lower --block_size or add data"),
 ]
 
@@ -484,18 +484,20 @@ def test_a_broken_data_file_is_one_error_naming_it(tmp_path, tokenizer, name, co
 
 def test_data_files_that_are_not_files(tmp_path, tokenizer):
     (tmp_path / "folder.jsonl").mkdir()
-    assert "is a folder; pass a data file, or the folder as --dataset_name" in load_error(
+    assert "folder.jsonl: is a directory; pass a file in it" in load_error(
         tokenizer, train_file=tmp_path / "folder.jsonl"
     )
-    assert "--dataset_name ./no/such: no such folder" in load_error(tokenizer, dataset_name="./no/such")
+    no_folder = "--dataset_name ./no/such: no such file or directory; check the path"
+    assert no_folder in load_error(tokenizer, dataset_name="./no/such")
     (tmp_path / "nodata").mkdir()
     error = load_error(tokenizer, dataset_name=str(tmp_path / "nodata"))
     assert f"--dataset_name {tmp_path / 'nodata'}: EmptyDatasetError" in error and "or --train_file" in error
+    # Each file is read in its own format: a json training file and a csv validation file load together.
     train = write(tmp_path / "train.jsonl", jsonl(COUNTS))
-    valid = write(tmp_path / "valid.csv", "text\none two\n")
-    assert f"--validation_file {valid} is csv but --train_file {train} is json; pass both in one format" in load_error(
-        tokenizer, train_file=train, validation_file=valid
-    )
+    valid = write(tmp_path / "valid.csv", "text\n" + "one two three four five six\n" * 20)
+    data = tokenize_and_pack(load_raw_datasets(train_file=train, validation_file=valid), tokenizer, data_format="text",
+                             text_column="text", block_size=32)  # fmt: skip
+    assert len(data["train"]) > 0 and len(data["validation"]) > 0
 
 
 CONVERSATIONS = [  # (messages, the error's text)
@@ -846,7 +848,7 @@ def weight_files(tmp_path_factory):
         ("garbage.safetensors", "not a file of weights (Error while deserializing header"),
         ("code.pt", "not a file of weights (not plain tensors)"),
         ("list.pt", "not a file of weights (not plain tensors)"),
-        ("folder.pt", "a folder; pass the weights file in it"),
+        ("folder.pt", "is a directory; pass a file in it"),
         ("missing.pt", "no such file"),
     ],
 )

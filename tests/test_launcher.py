@@ -168,7 +168,9 @@ def test_exit_codes(capfd):
         ("preempted 6 /out/checkpoint-6", signal.SIGTERM, 75, "stopped by SIGTERM after saving /out/checkpoint-6;"),
         ("preempted 6 /out/checkpoint-6", None, 75, "stopped by a signal after saving /out/checkpoint-6;"),
         ("finished", signal.SIGINT, 0, "the run had finished when Ctrl-C came;"),
-        ("", signal.SIGUSR1, 138, "stopped by SIGUSR1; the processes ended without saving a checkpoint (exit 138)"),
+        ("", signal.SIGUSR1, 75, "stopped by SIGUSR1 before training; nothing was saved (exit 75)"),  # requeued
+        ("preempted None None", signal.SIGTERM, 75, "stopped by SIGTERM before training; nothing was saved (exit 75)"),
+        ("preempted None None", signal.SIGINT, 130, "stopped by Ctrl-C before training; nothing was saved (exit 130)"),
         ("error", signal.SIGTERM, 2, None),  # the process said why (the error in a ChildFailedError: 2)
         ("finished", None, 0, None),
     ],

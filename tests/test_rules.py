@@ -1,0 +1,177 @@
+"""The rules a run holds whatever the case, each tried on cases of its own: a run writes only what it owns; a
+stop is honoured from a process's first line, with an exit code a requeue understands; an operating-system
+error names the path, where it came from and the fix; no mean is taken over data that holds nothing to average;
+what a run writes, its user's group can read."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import BIN, REPO, error_lines, lm_args, run, snapshot, user_env
+
+from common import checkpoint as ckpt
+from common import outputs
+from common.runtime import RecipeError
+
+LM = REPO / "recipes" / "lm_finetune.py"
+
+
+@pytest.fixture
+def acc():
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model, optimizer = accelerator.prepare(
+        torch.nn.Linear(8, 8), torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
+    )
+    yield accelerator, model
+    outputs._RunLock.release_all()
+
+
+def options(out, **kw):
+    import argparse
+
+    given = {"resume_from_checkpoint": None, "overwrite_output_dir": False, **kw}
+    return argparse.Namespace(output_dir=str(out), recipe="t", **given)
+
+
+# 1. A run writes only what it owns ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [{}, {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}])
+def test_a_folder_holding_a_model_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags):
+    """--output_dir pointed at the pretrained model's own folder: refused whatever the flags, the folder as it was."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm["model"], model)
+    before = snapshot(model)
+    with pytest.raises(
+        RecipeError, match=r"holds a model that no run of these recipes wrote \(model.safetensors, config"
+    ):
+        outputs.prepare_output_dir(acc[0], options(model, **flags))
+    assert snapshot(model) == before
+
+
+def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
+    """zero.py's fp32/ export is recorded with the weights: --overwrite_output_dir removes it, not a user's folder."""
+    out = tmp_path / "run"
+    ckpt.save_model(*acc, out)
+    (out / "fp32").mkdir()
+    (out / "fp32" / "model.safetensors").write_bytes(b"weights")
+    ckpt.record_written(out, "fp32")
+    (out / "mine").mkdir()
+    outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True))
+    assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
+
+
+@pytest.mark.slow
+def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(tiny_lm, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm["model"], model)
+    before = snapshot(model)
+    args = lm_args(tiny_lm, model, "--model_name_or_path", model, "--resume_from_checkpoint", "latest")
+    proc = run([REPO / "launch.sh", "lm_finetune", *args], env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "holds a model that no run of these recipes wrote" in lines[0]
+    assert snapshot(model) == before
+
+
+# 5. Every stop is honoured ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_written(tiny_lm, tmp_path, sig):
+    """Slurm's time-limit warning or preemption while the run claims its folder and reads its data: the process
+    ends at once with 75 (requeue.sbatch requeues it), saying nothing was saved, and leaves no output behind; a
+    signal that lands once training started stops at a checkpoint, 75 as well."""
+    out = tmp_path / "run"
+    cmd = [BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "5")]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(), stderr=err, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not (out / outputs.LOCK_FILE).exists():  # the run has claimed its folder: data and model are next
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never claimed its folder"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 75
+        err.seek(0)
+        stderr = err.read()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    name = signal.Signals(sig).name
+    if f"stopped by {name} before training started; nothing to save" in stderr:
+        assert not out.exists(), sorted(p.name for p in out.iterdir())
+    else:  # it landed in the loop: a checkpoint of the step it stopped at
+        assert f"preempted: stopped by {name} " in stderr and ckpt.resolve_checkpoint(out, "latest") is not None
+
+
+# 6. An operating-system error names the path, where it came from, and the fix ---------------------
+
+
+@pytest.mark.slow
+def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path):
+    """HF_DATASETS_CACHE under a file: the one line names the variable, the path and what is wrong with it, not
+    the data file datasets was reading."""
+    (tmp_path / "file").write_text("not a folder")
+    env = user_env(HF_DATASETS_CACHE=str(tmp_path / "file" / "cache"))
+    proc = run([BIN / "python", LM, *lm_args(tiny_lm, tmp_path / "run")], env=env, check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: $HF_DATASETS_CACHE {tmp_path / 'file' / 'cache'}: not a directory; a part of that path is a file, "
+        "not a folder"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+# 7. No computation divides by data it did not check -----------------------------------------------
+
+
+def test_chat_data_whose_blocks_hold_no_reply_is_refused_before_training(tmp_path):
+    """A held-out conversation whose reply falls in the remainder packing drops: its one block is all prompt. A
+    mean over no token would be NaN in evaluation, at the end of every attempt to finish the run."""
+    from common.text import load_raw_datasets, tokenize_and_pack
+
+    rows = [{"messages": [{"role": "user", "content": "one " * 40}, {"role": "assistant", "content": "two"}]}] * 20
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = load_raw_datasets(train_file=path, validation_split_percentage=5)  # one conversation: one block of 32
+    with pytest.raises(RecipeError, match="validation split: no block of 32 tokens holds a token to train on"):
+        tokenize_and_pack(raw, _chat_tokenizer(), data_format="chat", text_column="text", block_size=32)
+
+
+def _chat_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "one", "two"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    return tokenizer
+
+
+# 8. What a run writes, its user's group can read --------------------------------------------------
+
+
+def test_what_a_run_writes_gets_the_permissions_the_umask_gives(acc, tmp_path):
+    """safetensors writes 0600 whatever the umask: a colleague, or a job under a service account, could not read
+    the model. Every file of a checkpoint and of the final save is as readable as the umask allows."""
+    old = os.umask(0o002)
+    try:
+        out = tmp_path / "run"
+        ckpt.write_checkpoint(acc[0], out, 2, {"epoch": 0, "samples_in_epoch": 0}, None, acc[1])
+        ckpt.save_model(*acc, out)
+        ckpt.write_json(out / "results.json", {"steps": 2})
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and "checkpoint-2/model.safetensors" in modes
+    assert set(modes.values()) == {0o664}, modes
