@@ -90,7 +90,7 @@ def recipe(steps, accelerator, out):
     args = recipe_args(steps, out)
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
-    plan, at = common.plan_run(args, len(data), accelerator.num_processes)
+    plan, at = common.plan_run(args, data, accelerator.num_processes)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     stop = common.StopOnSignal(accelerator)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)

@@ -219,6 +219,7 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "effective_batch_size": plan.effective_batch_size,
         "learning_rate": plan.learning_rate,
         "num_samples": plan.num_samples,
+        "data_fingerprint": plan.data_fingerprint,
         "total_samples": plan.total_samples,
         "warmup_samples": plan.warmup_samples,
         "args": public_args(args),
@@ -364,21 +365,29 @@ def finish_interrupted_saves(output_dir: Path) -> None:
 
 
 def model_signature(model) -> dict:
-    """A digest of the parameter names and full shapes (`ds_shape` under ZeRO-3), and the parameter count. Names
-    are those of the model the recipe built, without a wrapper's prefix (DDP's module., torch.compile's
-    _orig_mod.)."""
-    shapes, count = [], 0
-    for name, p in model.named_parameters():
-        shapes.append(f"{re.sub(r'^((module|_orig_mod)[.])+', '', name)}:{tuple(getattr(p, 'ds_shape', p.shape))}")
-        count += getattr(p, "ds_numel", p.numel())
-    return {"model_signature": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16], "model_parameters": count}
+    """Digests of the parameters' and the buffers' names and full shapes (`ds_shape` under ZeRO-3: a BatchNorm and a
+    GroupNorm differ in buffers alone), and the parameter count. Names are those of the model the recipe built,
+    without a wrapper's prefix (DDP's module., torch.compile's _orig_mod.)."""
+
+    def digest(named):
+        shapes = (
+            f"{re.sub(r'^((module|_orig_mod)[.])+', '', n)}:{tuple(getattr(t, 'ds_shape', t.shape))}" for n, t in named
+        )
+        return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
+
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return {
+        "model_signature": digest(model.named_parameters()),
+        "model_buffers": digest(model.named_buffers()),
+        "model_parameters": count,
+    }
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan=None) -> dict:
+def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str) -> dict:
     """Restore the state saved at `path` into the prepared model and optimizer; return its trainer state. Another
     recipe's, another model's, or another distributed strategy's checkpoint is refused with a line saying whose it
     is. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the checkpoint's; the
-    learning rate is the schedule's of this run's `plan`. What differs is logged."""
+    learning rate is the schedule's of this run's `plan`."""
     state = read_state(path)
     if state.get("recipe", recipe) != recipe:
         raise RecipeError(
@@ -386,7 +395,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan
             "with that recipe, or use another --output_dir"
         )
     identity = model_signature(model)
-    if state.get("model_signature", identity["model_signature"]) != identity["model_signature"]:
+    if any(state.get(key, identity[key]) != identity[key] for key in ("model_signature", "model_buffers")):
         raise RecipeError(
             f"checkpoint {path} holds another model ({state.get('model_parameters', 0):,} parameters, this run's has "
             f"{identity['model_parameters']:,}); resume with the model arguments that wrote it (its {STATE_FILE} "
@@ -415,14 +424,8 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, plan
             "to pick the newest intact one",
             same_on_every_rank=False,
         ) from err
-    changed = set()
-    if plan is not None and state.get("learning_rate", plan.learning_rate) != plan.learning_rate:
-        changed.add(f"learning rate {state['learning_rate']:.4g} -> {plan.learning_rate:.4g}")
-    for group, settings in zip(optimizer.param_groups, fresh):
-        changed |= {f"{k} {group.get(k)} -> {v}" for k, v in settings.items() if group.get(k) != v}
+    for group, settings in zip(optimizer.param_groups, fresh):  # this run's, not the checkpoint's (plan_run lists)
         group.update(settings)
-    if changed:
-        logger.warning(f"resumed {path} with this run's optimizer settings: {', '.join(sorted(changed))}")
     logger.info(f"resumed from {path} at step {state['step']}")
     return state
 

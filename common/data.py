@@ -4,6 +4,7 @@ any layout, and datasets that live on the training device."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 
 import torch
@@ -145,6 +146,28 @@ class SeededTransform(Dataset):
                 ((self.seed * 1_000_003 + int(self._epoch)) * 1_000_003 + index) % 2**63
             )
             return self.transform(sample), target
+
+
+def fingerprint(dataset, samples: int = 64) -> str:
+    """A digest of the data a run trains on, as read before any augmentation (SeededTransform and a device
+    dataset's transform are looked through): its size and `samples` items spread over it. A checkpoint resumes
+    only the data that wrote it: another file of the same length, another block size or tokenizer differ."""
+    base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
+    digest = hashlib.sha256(str(len(base)).encode())
+    for i in sorted({i * len(base) // samples for i in range(samples)}):
+        item = tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]
+        stack = [item]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (tuple, list)):
+                stack.extend(reversed(value))
+            elif isinstance(value, dict):
+                stack.extend(value[k] for k in sorted(value, reverse=True))
+            elif isinstance(value, torch.Tensor):
+                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+            else:  # a PIL image, a label, text
+                digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+    return digest.hexdigest()[:16]
 
 
 def _mix32(x):

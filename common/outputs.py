@@ -66,8 +66,8 @@ class OutputDir:
         self.accelerator, self.args = accelerator, args
         self.resume_from = prepare_output_dir(accelerator, args)
 
-    def load_checkpoint(self, model, optimizer, plan) -> dict:
-        return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args.recipe, plan)
+    def load_checkpoint(self, model, optimizer) -> dict:
+        return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args.recipe)
 
     def save_checkpoint(self, model, plan, at, log) -> Path:
         return save_checkpoint(self.accelerator, model, self.args, plan, at, log)
@@ -95,6 +95,14 @@ def prepare_output_dir(accelerator, args) -> Path | None:
     now, not at the first checkpoint hours in; then the trackers (--report_to) start there."""
     output_dir, spec = Path(args.output_dir), args.resume_from_checkpoint
     overwrite = bool(getattr(args, "overwrite_output_dir", False))
+    for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
+        if name not in ("output_dir", "resume_from_checkpoint") and isinstance(value, str) and Path(value).is_dir():
+            if output_dir.resolve().is_relative_to(Path(value).resolve()):
+                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
+                raise RecipeError(
+                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
+                    "would become part of its input, or replace it; pass an --output_dir outside it"
+                )
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not spec and restarts > 0:
         logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")

@@ -13,8 +13,9 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from .args import LR_SCALING_RULES
+from .args import LR_SCALING_RULES, public_args
 from .checkpoint import read_state
+from .data import fingerprint
 from .runtime import RecipeError, logger
 
 
@@ -62,6 +63,7 @@ class TrainingPlan:
     warmup_samples: int
     total_samples: int  # what max_train_steps trains: the schedule's length
     lr_scheduler_type: str = "constant"
+    data_fingerprint: str = ""  # common.data.fingerprint of the training set
 
     @property
     def round_samples(self) -> int:
@@ -145,15 +147,24 @@ def plan_training(
 
 
 LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
+# Arguments that decide how long, where and how a run goes, not what it computes: a resume may change them.
+RUN_CONTROL = {
+    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_train_steps", "num_train_epochs",
+    "logging_steps", "checkpointing_steps", "save_total_limit", "report_to", "dataloader_num_workers",
+    "preprocessing_num_workers", "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed",
+}  # fmt: skip
 
 
-def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
-    """(plan, start) of this run: a fresh plan from the arguments, or the continuation of the run that wrote the
-    checkpoint `resume`. With the same layout the arguments' plan stands (a larger --num_train_epochs or
-    --max_train_steps extends the run). With another, the run continues from the same sample of the same epoch,
-    the learning rate follows the new effective batch by --lr_scaling, the schedule keeps its place in samples,
-    and what is left (the rest of --num_train_epochs, or the samples --max_train_steps meant) is counted in steps
-    of the new layout. One line says what changed."""
+def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
+    """(plan, start) of this run on `dataset`: a fresh plan from the arguments, or the continuation of the run that
+    wrote the checkpoint `resume`, which must have trained the same data (its fingerprint), with the same seed.
+    Every other setting that changes the computation and differs from the checkpoint's is listed. With the same
+    layout the arguments' plan stands (a larger --num_train_epochs or --max_train_steps extends the run). With
+    another, the run continues from the same sample of the same epoch, the learning rate follows the new effective
+    batch by --lr_scaling, the schedule keeps its place in samples, and what is left (the rest of --num_train_epochs,
+    or the samples --max_train_steps meant) is counted in steps of the new layout. One line says what changed."""
+    num_samples = len(dataset)
     plan = plan_training(
         num_samples=num_samples, per_device_batch_size=args.per_device_train_batch_size,
         num_processes=num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -161,6 +172,7 @@ def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[T
         num_train_epochs=args.num_train_epochs, max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps,
         warmup_ratio=args.warmup_ratio, lr_scheduler_type=args.lr_scheduler_type,
     )  # fmt: skip
+    plan = replace(plan, data_fingerprint=fingerprint(dataset))
     described = (
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "
@@ -177,11 +189,20 @@ def plan_run(args, num_samples: int, num_processes: int, resume=None) -> tuple[T
             f"the checkpoint was written with --seed {saved_args['seed']}, which fixes the order of the data it has "
             f"not trained yet; resume with --seed {saved_args['seed']}"
         )
-    if state.get("num_samples", num_samples) != num_samples:
+    shown = public_args(args)
+    changed = [f"--{k} {saved_args[k]} -> {v}" for k, v in shown.items() if k in saved_args and saved_args[k] != v]
+    changed = [c for c in changed if c.split()[0][2:] not in RUN_CONTROL]
+    if state.get("data_fingerprint", plan.data_fingerprint) != plan.data_fingerprint or (
+        state.get("num_samples", num_samples) != num_samples  # a checkpoint from before fingerprints
+    ):
+        differs = f"; this run differs in {', '.join(changed)}" if changed else ""
         raise RecipeError(
-            f"the checkpoint was written for a training set of {state['num_samples']:,} samples, this one has "
-            f"{num_samples:,}; resume with the data that wrote it, or start a new --output_dir"
+            f"checkpoint {resume} was written for other training data ({state['num_samples']:,} samples, this run "
+            f"has {num_samples:,}, the contents differ){differs}; resume with the data and preprocessing that wrote "
+            "it (its trainer_state.json lists the arguments), or start a new --output_dir"
         )
+    if changed:
+        logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
     old = {key: state.get(key) for key in LAYOUT}
     new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
     start = _position(state, plan, old)

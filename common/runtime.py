@@ -33,6 +33,11 @@ from . import args as _args
 from .preemption import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, Preempted, install_stop_handlers, write_status
 
 logger = get_logger("recipes")
+HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (not 75: nothing saved)
+LOST_PEERS = (
+    "a collective operation did not complete within --ddp_timeout: a process stalled, died, or the job was suspended "
+    "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
+)
 CPU_FIX = (
     "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
     "(accelerate_configs/cpu.yaml)"
@@ -183,13 +188,19 @@ def exit_codes():
             write_status("interrupted")
         together, code = False, 130
     except Exception as err:
-        line = os_error_line(err)
-        if line:
+        if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
+            if first:  # a collective that did not complete: a process stalled, died or the job was suspended
+                tqdm.write(f"error: {LOST_PEERS}", file=sys.stderr)
+                write_status("error")
+            code = HUNG_EXIT_CODE
+        elif line := os_error_line(err):
             tqdm.write(f"error: {line}", file=sys.stderr)
             write_status("error")
+            code = 2
         else:  # printed now, so the frames holding DataLoader workers (which ignore SIGTERM) go before exit
             traceback.print_exc()
-        together, code = False, 2 if line else 1
+            code = 1
+        together = False
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash. Taken down only when every process is here: one still in a collective would make it wait for ever.
     if together and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -241,6 +252,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _cache_missing_optional_packages()
     _check_process_group(accelerator, expected)
+    _check_config_honoured(accelerator)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's
         config, k = accelerator.state.deepspeed_plugin.deepspeed_config, args.gradient_accumulation_steps
         if config.get("gradient_accumulation_steps", "auto") not in ("auto", k):
@@ -333,6 +345,23 @@ def _check_process_group(accelerator: Accelerator, expected: int) -> None:
                 f"an all-reduce over the process group counted {total} processes, expected {expected}; check the "
                 "launcher's --num_processes and --num_machines"
             )
+
+
+def _check_config_honoured(accelerator: Accelerator) -> None:
+    """What the accelerate config asked for is what Accelerate set up, or nothing runs: it falls back without a word
+    (an FSDP config on CPU trains DDP, fp16 on CPU trains fp32 while reporting fp16)."""
+    kind = accelerator.distributed_type.value
+    for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if os.environ.get(asked, "").lower() == "true" and kind != name:
+            raise RecipeError(
+                f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "
+                f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"
+            )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu" and kind != "DEEPSPEED":
+        raise RecipeError(
+            "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; pass "
+            "--mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+        )
 
 
 def library_versions() -> dict:

@@ -206,7 +206,7 @@ def main(argv=None):
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
-    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
+    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
     model = vision.build_model(args, num_classes, on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
@@ -217,7 +217,7 @@ def main(argv=None):
     optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
-        out.load_checkpoint(model, optimizer, plan)
+        out.load_checkpoint(model, optimizer)
     stop = common.StopOnSignal(accelerator)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 

@@ -162,7 +162,7 @@ def main(argv=None):
 
     model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
+    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)
@@ -172,7 +172,7 @@ def main(argv=None):
     )
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
-        out.load_checkpoint(model, optimizer, plan)
+        out.load_checkpoint(model, optimizer)
     stop = common.StopOnSignal(accelerator)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 

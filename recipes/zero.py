@@ -152,14 +152,14 @@ def main(argv=None):
     model, tokenizer = build_model(args)
     estimates = memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, at = common.plan_run(args, len(train_dl.dataset), accelerator.num_processes, out.resume_from)
+    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
     parameters = common.count_parameters(model)
     optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan)
     model, optimizer, train_dl, eval_dl, ds_scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, ds_scheduler
     )
     if out.resume_from:
-        out.load_checkpoint(model, optimizer, plan)
+        out.load_checkpoint(model, optimizer)
     stop = common.StopOnSignal(accelerator)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 

@@ -109,8 +109,19 @@ def number(name: str, value: str | None, low: int, what: str, high: int = 999999
     return int(value) if value else None
 
 
+# The keys of an accelerate YAML (accelerate's ClusterConfig fields; tests/test_launcher.py keeps this equal to the
+# installed accelerate's): a key outside them does nothing, silently. Listed here, so the check imports no torch.
+CONFIG_KEYS = """command_file commands compute_environment debug deepspeed_config distributed_type downcast_bf16
+dynamo_config enable_cpu_affinity fp8_config fsdp_config gpu_ids machine_rank main_process_ip main_process_port
+main_training_function megatron_lm_config mixed_precision mpirun_config num_machines num_processes parallelism_config
+rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm tpu_zone use_cpu""".split()
+
+
 def read_config(path: Path) -> tuple[int, int, str, bool]:
-    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, checked."""
+    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, checked: its keys, the
+    numbers, the DeepSpeed config file it names."""
+    import difflib
+
     import yaml
 
     try:
@@ -120,6 +131,14 @@ def read_config(path: Path) -> tuple[int, int, str, bool]:
         raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
+    for key in sorted(set(config) - set(CONFIG_KEYS)):
+        close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+        raise ValueError(
+            f"{path}: {key} is not a key accelerate reads" + (f" (did you mean {close[0]}?)" if close else "")
+        )
+    deepspeed_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if deepspeed_file and not Path(deepspeed_file).is_file():
+        raise ValueError(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")
     machines, processes = config.get("num_machines", 1), config.get("num_processes", 1)
     kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
     for key, value in (("num_machines", machines), ("num_processes", processes)):
@@ -243,6 +262,12 @@ def main(argv: list[str]) -> int:
             f"{gpus} or a config for {gpus} GPU(s)"
         )
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
+        die(
+            f"{per_node} CPU processes requested on this node, which has {cores} core(s); pass --num_processes {cores}"
+        )
+
     if nodes > 1:  # read inside the srun step: in the batch script SLURM_NODEID is 0 on every node
         if not env("SLURM_STEP_ID"):
             die(
@@ -338,7 +363,7 @@ def run(launch_args: list[str], grace: int) -> int:
                 say(f"process {pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it")
             kill([pid], signal.SIGKILL)
             killed.add(pid)
-        if late and not alive:  # e.g. a rendezvous waiting for nodes that will not come: nothing left to stop here
+        if not alive and (late or not present):  # none to stop: a rendezvous waiting for nodes that will not come
             break
     return ending(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
 

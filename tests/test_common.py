@@ -119,7 +119,7 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_position_in_samples(t
         checkpoint / common.checkpoint.STATE_FILE,
         {"step": 13, "epoch": 1, "batches_in_epoch": 4, **layout, "args": {"seed": args.seed}},
     )
-    plan, at = plan_run(args, 1400, 2, checkpoint)
+    plan, at = plan_run(args, [0] * 1400, 2, checkpoint)
     assert plan.steps_per_epoch == 11
     assert at == Position(step=13, epoch=1, sample=4 * 64, seen=(21 + 4) * 64)
 
@@ -198,7 +198,7 @@ def test_an_epoch_that_ends_mid_accumulation_ends_in_a_shorter_step_and_the_coun
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
     train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
-    plan, at = common.plan_run(args, len(data), accelerator.num_processes)
+    plan, at = common.plan_run(args, data, accelerator.num_processes)
     assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (4, 8, 28)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
     windows = []

@@ -358,6 +358,7 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
             ),
         ]
     )
-    assert "with this run's optimizer settings: learning rate 0.003 -> 0.001, weight_decay 0.0 -> 0.1" in proc.stderr
+    line = next(line for line in proc.stderr.splitlines() if "with settings that differ from the checkpoint's" in line)
+    assert "--learning_rate 0.003 -> 0.001, --lr_scheduler_type cosine -> constant, --weight_decay 0.0 -> 0.1" in line
     res = results(out)
     assert res["learning_rate"] == 1e-3 and [h["lr"] for h in res["log_history"]] == [1e-3, 1e-3]

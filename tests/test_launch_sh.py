@@ -141,10 +141,14 @@ def tree(tmp_path_factory):
     for name in ("scripts", "recipes", "accelerate_configs", "common"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "accelerate_configs/broken.yaml").write_text("num_processes: two\n")
+    (root / "accelerate_configs/typo.yaml").write_text("distributed_type: MULTI_GPU\nnum_processs: 2\n")
+    (root / "accelerate_configs/nofile.yaml").write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /no/such/ds.json\n"
+    )
     return root
 
 
-CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp multi_node zero2 zero3 zero3_offload"
+CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp multi_node nofile typo zero2 zero3 zero3_offload"
 
 PROCESSES = "--num_processes must be a positive integer (the processes on this node),"
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,"
@@ -182,6 +186,13 @@ INVALID = [
         {},
         "accelerate_configs/broken.yaml: num_processes must be a whole number from 1, got 'two'",
     ),
+    (
+        ["cifar", "--config", "typo"],
+        {},
+        "typo.yaml: num_processs is not a key accelerate reads (did you mean num_processes?)",
+    ),
+    (["cifar", "--config", "nofile"], {}, "nofile.yaml: deepspeed_config_file /no/such/ds.json: no such file"),
+    (["cifar", "--num_processes", "999999"], {}, "999999 CPU processes requested on this node, which has"),
     (
         ["cifar", "--config", "fsdp"],
         {},

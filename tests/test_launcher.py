@@ -289,3 +289,13 @@ def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_the_config_keys_launch_sh_knows_are_the_installed_accelerates():
+    """launcher.CONFIG_KEYS is accelerate's ClusterConfig, listed so that checking a YAML imports no torch: a new
+    accelerate that reads other keys fails here first."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert sorted(launcher.CONFIG_KEYS) == sorted(f.name for f in dataclasses.fields(ClusterConfig))

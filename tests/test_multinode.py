@@ -3,6 +3,7 @@
 node whose head cannot be reached fails in bounded time with one clear line, instead of hanging."""
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -144,6 +145,25 @@ def test_a_head_left_alone_or_on_a_taken_port_fails_with_one_line():
         "launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s; check that launch.sh "
         "started on every node of the job and that each reaches 127.0.0.1:"
     ), line
+
+    # Stopped while it waits (SIGTERM, as scancel sends): it ends at once, nothing having started; the port is free.
+    port = free_port()
+    waiting = subprocess.Popen(
+        [LAUNCH, "cifar", "--config", "cpu", "--num_processes", "1"],
+        cwd=REPO,
+        env=node_env(0, port, RDZV_TIMEOUT="600"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(8)  # the launcher has started torch's agent, which waits for the other node
+    tic = time.monotonic()
+    waiting.send_signal(signal.SIGTERM)
+    _, stderr = waiting.communicate(timeout=60)
+    assert waiting.returncode == 75 and time.monotonic() - tic < 15, (waiting.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr and stderr.rstrip().endswith("nothing was saved (exit 75)"), stderr[-3000:]
+    with socket.socket() as free:  # no process listens on the port any more (TIME_WAIT aside)
+        free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        free.bind(("127.0.0.1", port))
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import BIN, REPO, error_lines, lm_args, run, snapshot, user_env
+from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, lm_args, run, snapshot, user_env
 
 from common import checkpoint as ckpt
 from common import outputs
-from common.runtime import RecipeError
+from common.runtime import LOST_PEERS, RecipeError
 
 LM = REPO / "recipes" / "lm_finetune.py"
 
@@ -69,6 +69,16 @@ def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
 
 
+def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
+    """An --output_dir inside --train_dir would add its folder to the data (an ImageFolder takes it for a class)."""
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    with pytest.raises(
+        RecipeError, match=r"--output_dir .*/train/out lies inside --train_dir .*, which the run reads"
+    ):
+        outputs.prepare_output_dir(acc[0], options(tmp_path / "train" / "out", train_dir=str(tmp_path / "train")))
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["cat"]
+
+
 @pytest.mark.slow
 def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(tiny_lm, tmp_path):
     model = tmp_path / "model"
@@ -77,8 +87,76 @@ def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_
     args = lm_args(tiny_lm, model, "--model_name_or_path", model, "--resume_from_checkpoint", "latest")
     proc = run([REPO / "launch.sh", "lm_finetune", *args], env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)
     lines = error_lines(proc.stderr)
-    assert proc.returncode == 2 and len(lines) == 1 and "holds a model that no run of these recipes wrote" in lines[0]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"--output_dir {model} is --model_name_or_path {model}, which the run reads" in lines[0]
     assert snapshot(model) == before
+
+
+# 3. A checkpoint resumes only what produced it, and a refusal names what differs ------------------
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_only_its_own_data_and_lists_every_setting_that_changed(tiny_lm, tmp_path):
+    """Another file with as many rows, or the same file in other blocks, is other data: refused, naming what
+    differs. A setting that changes the computation (clipping, weight decay, the schedule) is taken from this
+    command line and listed."""
+    out = tmp_path / "run"
+    base = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--dataloader_num_workers", "0"]
+    run([BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--max_train_steps", "2")])
+    other = tmp_path / "other.jsonl"  # the same number of rows, other sentences
+    rows = tiny_lm["train"].read_text().splitlines()
+    other.write_text("\n".join(json.dumps({"text": " ".join(reversed(json.loads(r)["text"].split()))}) for r in rows))
+    before, resume = snapshot(out), ["--resume_from_checkpoint", out / "checkpoint-2"]  # the finished run, further
+    for extra, differs in (
+        (["--train_file", other], f"--train_file {tiny_lm['train']} -> {other}"),
+        (["--block_size", "16"], "--block_size 32 -> 16"),
+    ):
+        proc = run([BIN / "python", LM, *lm_args(tiny_lm, out, *base, *extra, *resume)],
+                   check=False)  # fmt: skip
+        lines = error_lines(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert "was written for other training data" in lines[0] and f"this run differs in {differs}" in lines[0]
+        assert snapshot(out) == before
+    changed = ["--max_grad_norm", "0.5", "--weight_decay", "0.1", "--lr_scheduler_type", "linear"]
+    proc = run([BIN / "python", LM, *lm_args(tiny_lm, out, *base, *changed, *resume)])
+    assert (
+        "with settings that differ from the checkpoint's: --lr_scheduler_type cosine -> linear, --weight_decay 0.0 -> "
+        "0.1, --max_grad_norm 1.0 -> 0.5"
+    ) in proc.stderr
+
+
+@pytest.mark.slow
+def test_another_norm_layer_is_another_model(digits, tmp_path):
+    """GroupNorm in place of BatchNorm: the same parameters, other buffers. Refused, not loaded into other layers."""
+    out = tmp_path / "run"
+    args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "2", "--checkpointing_steps", "2")
+    run([BIN / "python", REPO / "recipes/cifar.py", *args, "--dataloader_num_workers", "0"])
+    again = [*args, "--norm_layer", "group", "--resume_from_checkpoint", out / "checkpoint-2"]
+    proc = run([BIN / "python", REPO / "recipes/cifar.py", *again], check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "holds another model" in lines[0], proc.stderr[-3000:]
+
+
+# 4. What the user asked for runs, or nothing runs -------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, extra, message",
+    [
+        ("fsdp", [], "the accelerate config asks for FSDP, and Accelerate set up MULTI_CPU instead"),
+        ("cpu", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32"),
+    ],
+)
+def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path, config, extra, message):
+    """An FSDP config on CPU trains DDP, fp16 on CPU trains fp32, each reporting what was asked: one line instead."""
+    env = user_env(ACCELERATE_USE_CPU="true")
+    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / f"accelerate_configs/{config}.yaml", *extra]
+    cmd += ["--num_processes", "2", "--main_process_port", env["MASTER_PORT"], LM, *lm_args(tiny_lm, tmp_path / "r")]
+    proc = run(cmd, env=env, check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
 
 
 # 5. Every stop is honoured ------------------------------------------------------------------------
@@ -108,6 +186,47 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
         assert not out.exists(), sorted(p.name for p in out.iterdir())
     else:  # it landed in the loop: a checkpoint of the step it stopped at
         assert f"preempted: stopped by {name} " in stderr and ckpt.resolve_checkpoint(out, "latest") is not None
+
+
+@pytest.mark.slow
+def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_one_line(tiny_lm, tmp_path):
+    """One process suspended (SIGSTOP, as `scontrol suspend` does to a job's processes) for longer than --ddp_timeout:
+    the other stops waiting for it in bounded time, one line says why and what to do, exit 124; the checkpoints
+    saved before are intact."""
+    import psutil
+
+    out = tmp_path / "run"
+    env = user_env(ACCELERATE_USE_CPU="true")
+    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
+    cmd += ["--main_process_port", env["MASTER_PORT"], LM]
+    cmd += lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "2", "--ddp_timeout", "5")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stderr=err, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 180
+            while not (out / "checkpoint-2" / ckpt.STATE_FILE).exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint-2"
+                time.sleep(0.05)
+            (rank1,) = [
+                p for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.environ().get("RANK") == "1" and str(LM) in " ".join(p.cmdline()) and p.parent().pid != p.pid
+                and "RANK" not in p.parent().environ()
+            ]  # fmt: skip
+            rank1.suspend()
+            sent = time.monotonic()
+            code = proc.wait(timeout=120)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for p in psutil.process_iter():
+                if str(LM) in " ".join(p.cmdline() or []) and str(out) in " ".join(p.cmdline() or []):
+                    p.kill()
+        err.seek(0)
+        stderr = err.read()
+    lines = error_lines(stderr)
+    assert code != 0 and lines == [f"error: {LOST_PEERS}"], stderr[-3000:]
+    assert took < 60 and ckpt.checkpoint_damage(out / "checkpoint-2") is None
 
 
 # 6. An operating-system error names the path, where it came from, and the fix ---------------------

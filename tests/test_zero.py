@@ -124,6 +124,17 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
         [h["train_loss"] for h in a["log_history"][stop:]], rel=1e-5
     )
     assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
+    # The ZeRO checkpoint under DDP: refused in one line naming both strategies, before anything is written.
+    proc = run(
+        [BIN / "python", REPO / "recipes" / "lm_finetune.py",
+         *lm_args(tiny_lm, tmp_path / "ddp", *args, "--resume_from_checkpoint", checkpoint)],
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: checkpoint {checkpoint} was written under DEEPSPEED, this run is NO, and each keeps the model and "
+        "optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's kind "
+        "(DEEPSPEED), or use another --output_dir"
+    ], proc.stderr[-3000:]
 
 
 def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, tmp_path):
