@@ -92,7 +92,7 @@ def recipe(steps, accelerator, out):
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
     plan, at = common.plan_run(args, data, accelerator.num_processes)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
-    stop = common.StopOnSignal(accelerator)
+    stop = common.StopOnSignal(accelerator, args)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
     k, every = args.gradient_accumulation_steps, args.checkpointing_steps
     tic = time.thread_time()
@@ -113,8 +113,8 @@ def recipe(steps, accelerator, out):
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples
-            log.step(at.step, at.seen)
-            stopping = stop.requested()
+            log.step(at.step, at.seen, waited=batches.waited)
+            stopping = stop.requested(at.step)
             if stopping or (every not in (None, "epoch") and at.step % every == 0):
                 raise SystemExit("stopped")
         at.epoch, at.sample = at.epoch + 1, 0

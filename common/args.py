@@ -201,6 +201,16 @@ def report_to(text):
     return text
 
 
+def _check_timeouts(parser, args) -> None:
+    if args.hang_timeout is None:
+        args.hang_timeout = min(300, args.ddp_timeout // 2)
+    elif args.hang_timeout and args.hang_timeout >= args.ddp_timeout:
+        parser.error(
+            f"--hang_timeout {args.hang_timeout} is not below --ddp_timeout {args.ddp_timeout}: a stuck collective "
+            "would fail first, unnamed; pass a smaller --hang_timeout or a larger --ddp_timeout"
+        )
+
+
 def _check_warmup(parser, args) -> None:
     if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
         parser.error(
@@ -218,7 +228,7 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():
         p.register("type", name, kind)
-    p.checks.append(_check_warmup)
+    p.checks += [_check_warmup, _check_timeouts]
     t = p.add_argument_group("training (shared by every recipe)").add_argument
     t("--output_dir")
     t("--per_device_train_batch_size", type="positive_int")
@@ -242,5 +252,10 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
     t("--dataloader_num_workers", type="non_negative_int", help="per process; default from the CPU count")
     t("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600, help="seconds before a stuck collective fails")
+    t(
+        "--hang_timeout", type="non_negative_int",
+        help="seconds without a step or evaluation batch after which the stalled process is named and the job ends "
+        "(0: off; default: 300, at most half of --ddp_timeout); above your slowest step and evaluation batch",
+    )  # fmt: skip
     t("--seed", type="seed", default=42)
     return p

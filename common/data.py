@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -120,7 +121,24 @@ def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
     sampler.resume_at(epoch, first_sample)
     if hasattr(dataloader.dataset, "set_epoch"):
         dataloader.dataset.set_epoch(epoch)
-    return iter(dataloader)
+    return _Waited(iter(dataloader))
+
+
+class _Waited:
+    """An iterator that adds up, in `waited`, the seconds its user spent waiting for the next item (data loading)."""
+
+    def __init__(self, items):
+        self.items, self.waited = items, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        tic = time.perf_counter()
+        try:
+            return next(self.items)
+        finally:
+            self.waited += time.perf_counter() - tic
 
 
 class SeededTransform(Dataset):

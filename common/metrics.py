@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,17 @@ from .runtime import RecipeError, library_versions, logger
 
 class TrainLog:
     """The training loss, weighted by items (samples, or target tokens) over every micro-batch and process since
-    the last log; the history (results.json, trackers); the progress bar; the rates. The loop hands it each
-    micro-batch's loss and each step's number; nothing else changes it."""
+    the last log; the history (results.json, trackers); the progress bar; the rates; each process's step and data
+    wait times, and a warning naming a rank that keeps the others waiting (a straggler). The loop hands it each
+    micro-batch's loss and each step's number; nothing else changes it. Every log is one collective, as before."""
 
     def __init__(self, accelerator, plan, start, logging_steps: int):
+        from accelerate.utils import gather_object
+
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
+        self.hosts = gather_object([socket.gethostname()]) if accelerator.num_processes > 1 else [socket.gethostname()]
+        self._times, self._waited, self._streak = [0, 0.0, 0.0], 0.0, (None, 0)  # steps, seconds, data seconds
+        self.per_rank = torch.zeros(accelerator.num_processes, 3, dtype=torch.float64)  # all logged steps
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
         self._start, self._first = (start.step, start.seen), None  # this run's start; (seconds, samples) at step 1
         self.train_seconds, self._clock, self._lr, self._seen = 0.0, time.perf_counter(), None, None
@@ -38,11 +45,15 @@ class TrainLog:
         a share of the step's mean over every process's target tokens)."""
         self._added.append((loss.detach(), items, items if per is None else per))
 
-    def step(self, step: int, seen: int, lr: float | None = None) -> None:
+    def step(self, step: int, seen: int, lr: float | None = None, waited: float | None = None) -> None:
         """After each optimizer step (its number, the samples trained after it): the clock and the bar, and every
         --logging_steps and at the last step the loss in the history, with the rate of the plan's schedule there
-        (or `lr`: a DeepSpeed config's own scheduler's)."""
-        now = time.perf_counter()
+        (or `lr`: a DeepSpeed config's own scheduler's). `waited`: the seconds this epoch's batches have waited for
+        data so far (common.epoch_batches' iterator)."""
+        now, waited = time.perf_counter(), waited or 0.0
+        times = self._times
+        times[0], times[1], times[2] = times[0] + 1, times[1] + now - self._clock, times[2] + waited - self._waited
+        self._waited = waited
         self.train_seconds, self._clock, self._lr, self._seen = self.train_seconds + now - self._clock, now, lr, seen
         self._first = self._first or (self.train_seconds, seen)
         self._bar.update(1)
@@ -54,26 +65,60 @@ class TrainLog:
         after the loss reached the host (a device sync), so consecutive logs time the steps between them."""
         if not self._added:
             return
-        sums = self._sums()
+        sums, times = self._sums()
         self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if not math.isfinite(self.train_loss):
             raise _diverged(step, f"the training loss became {self.train_loss}")
         lr = self.plan.lr_at(self._seen) if self._lr is None else self._lr
         record = {"step": step, "samples_seen": self._seen, "train_loss": self.train_loss, "lr": lr}
+        record.update(self._stragglers(step, times))
         self.history.append({**record, "train_seconds": round(self.train_seconds, 4)})
         self.accelerator.log(record, step=step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 
-    def _sums(self, extra=0.0) -> torch.Tensor:
-        """(loss x per, items, extra) summed over the micro-batches since the last log and every process."""
-        local = torch.zeros(3, dtype=torch.float64, device=self.accelerator.device)
+    def _sums(self, extra=0.0) -> tuple:
+        """(loss x per, items, extra) summed over the micro-batches since the last log and every process, and each
+        process's (steps, step seconds, data seconds) since then: one all-gather."""
+        local = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
         if self._added:
             loss, items, per = (
                 torch.stack([torch.as_tensor(v, device=local.device) for v in c]).double() for c in zip(*self._added)
             )
             local[0], local[1] = (loss * per).sum(), items.sum()
-        local[2] = extra
-        return self.accelerator.reduce(local, reduction="sum")
+        local[2], local[3:] = extra, torch.tensor(self._times, dtype=torch.float64)
+        everyone = self.accelerator.gather(local).view(-1, 6).cpu()
+        return everyone[:, :3].sum(0), everyone[:, 3:]
+
+    def _stragglers(self, step: int, times: torch.Tensor) -> dict:
+        """Each process's mean step and data wait since the last log; a WARNING, once, for a rank that waits for its
+        data more than a fifth of a step longer than the median rank, at three logs in a row: the others wait for it
+        at every gradient all-reduce."""
+        self.per_rank += times
+        self._times = [0, 0.0, 0.0]
+        per_step = times[:, 1:] / times[:, :1].clamp(min=1)
+        if len(per_step) < 2:
+            return {}
+        rank = int(per_step[:, 1].argmax())
+        median_step, median_data = per_step[:, 0].median().item(), per_step[:, 1].median().item()
+        slow = per_step[rank, 1].item() - median_data > 0.2 * median_step
+        streak = self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow)
+        if streak == 3:
+            logger.warning(
+                f"rank {rank} ({self.hosts[rank]}) is a straggler: it waits {per_step[rank, 1]:.3f} s a step for its "
+                f"data where the median rank waits {median_data:.3f} s (a step takes {median_step:.3f} s), and every "
+                "rank waits for it at each gradient all-reduce; give it more loader workers "
+                "(--dataloader_num_workers), use --data_on_device, or check its node's filesystem and CPU load"
+            )
+        self._streak = (rank, streak)
+        slowest = int(per_step[:, 0].argmax())
+        return {
+            "step_seconds_slowest_rank": slowest,
+            "step_seconds_slowest": round(per_step[slowest, 0].item(), 4),
+            "step_seconds_median": round(median_step, 4),
+            "data_seconds_slowest_rank": rank,
+            "data_seconds_slowest": round(per_step[rank, 1].item(), 4),
+            "data_seconds_median": round(median_data, 4),
+        }
 
     def check_finite(self, step: int, model) -> None:
         """Before a checkpoint or the final save: raise if the loss since the last log, or the weights this process
@@ -82,7 +127,9 @@ class TrainLog:
             p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
             for p in model.parameters()
         )
-        sums = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in local)))
+        sums, times = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in local)))
+        self.per_rank += times
+        self._times = [0, 0.0, 0.0]
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
         if sums[2] > 0:
@@ -91,6 +138,7 @@ class TrainLog:
     def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
         """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
         self.flush(step)
+        self._waited = 0.0  # the next epoch's batches count their wait from 0
         self.accelerator.log({**metrics, "epoch": epoch}, step=step)
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
@@ -115,6 +163,15 @@ class TrainLog:
             "samples_per_second": rate,
             "steady_samples_per_second": steady,
             "log_history": self.history,
+            "per_rank": [
+                {
+                    "rank": r,
+                    "host": host,
+                    "step_seconds": round(s / max(n, 1), 4),
+                    "data_seconds": round(d / max(n, 1), 4),
+                }
+                for r, (host, (n, s, d)) in enumerate(zip(self.hosts, self.per_rank.tolist()))
+            ],
         }
         if tokens_per_sample:
             summary["tokens_per_second"] = rate * tokens_per_sample if rate else None

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
+HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (nothing saved of it)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # launch.sh reads why the recipe stopped from this file
 
@@ -77,16 +78,27 @@ class StopOnSignal:
     """`requested()`, called once per optimizer step (and evaluation batch) by every process, returns the
     signal's name on every process at the same call, one call after any process received one. The flags
     travel over a gloo group of their own, reduced asynchronously: the all-reduce started at one call is
-    read at the next, so it overlaps a step of compute and needs no device synchronisation."""
+    read at the next, so it overlaps a step of compute and needs no device synchronisation. Each call is also
+    the process's progress, which common.watchdog watches (--hang_timeout). `finishing`: the same for a final
+    evaluation, which a signal does not cut short."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, args=None):
         global _in_loop
         self._flag, self._pending, self.signal = torch.zeros(1, dtype=torch.int32), None, None
         spans = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if spans else None
+        self.watchdog = None
+        if args is not None and getattr(args, "hang_timeout", 0):
+            from .watchdog import Watchdog
+
+            self.watchdog = Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
+        self.finishing = _Finishing(self)
         _in_loop = True
 
-    def requested(self) -> str | None:
+    def requested(self, step: int | None = None) -> str | None:
+        """The agreed stop signal's name, or None; `step`: the optimizer steps taken (for the watchdog's report)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
         local = _received[0] if _received else 0
         agreed = local if self._group is None else 0
         if self._pending is not None:
@@ -109,6 +121,17 @@ class StopOnSignal:
             step,
             checkpoint,
         )
+
+
+class _Finishing:
+    """StopOnSignal for a final evaluation: progress for the watchdog, never a stop."""
+
+    def __init__(self, stop):
+        self.stop = stop
+
+    def requested(self) -> None:
+        if self.stop.watchdog is not None:
+            self.stop.watchdog.beat()
 
 
 def write_status(text: str) -> None:

@@ -30,10 +30,16 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_
 from tqdm.auto import tqdm
 
 from . import args as _args
-from .preemption import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, Preempted, install_stop_handlers, write_status
+from .preemption import (
+    HUNG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    STATUS_FILE_ENV,
+    Preempted,
+    install_stop_handlers,
+    write_status,
+)
 
 logger = get_logger("recipes")
-HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (not 75: nothing saved)
 LOST_PEERS = (
     "a collective operation did not complete within --ddp_timeout: a process stalled, died, or the job was suspended "
     "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"

@@ -218,7 +218,7 @@ def main(argv=None):
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
-    stop = common.StopOnSignal(accelerator)
+    stop = common.StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps)
 
     # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
@@ -246,14 +246,14 @@ def main(argv=None):
             at.step += 1
             at.sample += len(window) * plan.round_samples
             at.seen += len(window) * plan.round_samples
-            log.step(at.step, at.seen)
-            stopping = stop.requested()  # on every process at the same step
+            log.step(at.step, at.seen, waited=batches.waited)
+            stopping = stop.requested(at.step)  # on every process at the same step
             if stopping or (every not in (None, "epoch") and at.step % every == 0):
                 saved = out.save_checkpoint(model, plan, at, log)
             if stopping:
                 raise stop.preempted(at.step, saved)
         last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
-        metrics = evaluate(model, eval_dl, accelerator, None if last else stop)
+        metrics = evaluate(model, eval_dl, accelerator, stop.finishing if last else stop)
         if metrics is None:
             saved = out.save_checkpoint(model, plan, at, log)
             raise stop.preempted(at.step, saved, "evaluation")
@@ -262,7 +262,7 @@ def main(argv=None):
         if every == "epoch":
             out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train
-        metrics = evaluate(model, eval_dl, accelerator)
+        metrics = evaluate(model, eval_dl, accelerator, stop.finishing)
 
     log.check_finite(at.step, model)
     out.save_model(model)

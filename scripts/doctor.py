@@ -268,6 +268,17 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
             x = torch.zeros(int(mib * MiB) // 4, device=device)
             timed(x, 2)  # warm-up: connections, buffers
             rows.append((x.numel() * 4, timed(x, iters)))
+        # Each process's own speed, no collective inside: a slower one (a throttled GPU, a busy CPU) is a straggler,
+        # which every gradient all-reduce of a run waits for (the recipes name one that waits for data).
+        a = torch.randn(256, 256, device=device)
+        tic = time.perf_counter()
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        speeds, hosts = [None] * world, [None] * world
+        dist.all_gather_object(speeds, time.perf_counter() - tic)
+        dist.all_gather_object(hosts, socket.gethostname())
         check = torch.full((1024,), float(rank + 1), device=device)
         dist.all_reduce(check)
         ok = torch.tensor([float(bool((check == world * (world + 1) / 2).all()))], device=device)
@@ -285,6 +296,15 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
             algbw, busbw = bus_bandwidth(nbytes, seconds, world)
             print(f"{nbytes / MiB:>6g} MiB {seconds * 1e3:>10.2f} {algbw:>13.2f} {busbw:>13.2f}")
         print(f"sums {'correct' if ok.item() == 1 else 'WRONG'} on all {world} processes", flush=True)
+        slowest, median = max(range(world), key=speeds.__getitem__), sorted(speeds)[world // 2]
+        print(f"local compute: slowest rank {slowest} ({hosts[slowest]}) {speeds[slowest] * 1e3:.1f} ms, median "
+              f"{median * 1e3:.1f} ms")  # fmt: skip
+        if world > 1 and speeds[slowest] > 1.2 * median:
+            print(
+                f"warning: rank {slowest} on {hosts[slowest]} computes {speeds[slowest] / median:.1f}x slower than "
+                "the median: a straggler every step of a run would wait for (check its GPU clocks, load, temperature)",
+                flush=True,
+            )
     dist.destroy_process_group()
     if ok.item() != 1:
         sys.exit(1)

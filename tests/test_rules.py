@@ -200,6 +200,7 @@ def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_
     cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
     cmd += ["--main_process_port", env["MASTER_PORT"], LM]
     cmd += lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "2", "--ddp_timeout", "5")
+    cmd += ["--hang_timeout", "0"]  # the watch off: the collective's own timeout is what this tries
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stderr=err, stdout=subprocess.DEVNULL)
         try:

@@ -1,0 +1,153 @@
+"""A stalled process named, not waited on: when a process has made no progress for --hang_timeout seconds, every
+process that can still run writes its Python stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints
+one line naming the ranks that stalled (host, pid, step, phase) and those waiting for them, and the job ends with
+HUNG_EXIT_CODE (124) in --hang_timeout plus about half a minute, no checkpoint of the stalled step written.
+
+The watch is out of band: a thread in each process reads the time of its last progress (an optimizer step or an
+evaluation batch: StopOnSignal.requested) and, when it is too old, the main thread's stack, which tells the phase
+(data loading, forward/backward, optimizer step, evaluation, checkpoint save) and whether it waits in a
+collective. The ranks meet in the output folder, which every node sees as checkpoints need: no collective is
+added to a step. A phase that is slow by nature (a checkpoint or final save, loading a checkpoint) gets
+--ddp_timeout instead; a run is watched from its first completed step on (compiling, a first step, may be slow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .preemption import HUNG_EXIT_CODE, write_status
+
+MARGIN = 20.0  # seconds a reporting process waits for the others' stacks
+SLOW_PHASES = ("checkpoint save", "final save", "checkpoint load")
+# (function names or a file's tail, the phase): the innermost match in the main thread's stack names it.
+PHASES = (
+    (("save_checkpoint", "write_checkpoint", "save_state"), "checkpoint save"),
+    (("save_model", "write_results"), "final save"),
+    (("load_checkpoint", "load_state"), "checkpoint load"),
+    (("evaluate", "evaluate_causal_lm"), "evaluation"),
+    (("_next_data", "__next__", "fetch", "__getitems__", "__getitem__"), "data loading"),
+    (
+        ("step", "_single_tensor_sgd", "_multi_tensor_adamw", "_single_tensor_adamw", "clip_grad_norm_"),
+        "optimizer step",
+    ),
+    (("backward", "forward", "_call_impl"), "forward/backward"),
+)
+# A frame of torch.distributed, DDP or Accelerate's operations whose name says it waits for the other processes.
+WAITS = re.compile(r"broadcast|reduce|gather|barrier|wait|recv|send|sync")
+
+
+def phase_of(frames) -> tuple[str, bool]:
+    """(the phase, whether it waits in a collective) of a stack, innermost frame last. A backward pass counts as
+    waiting where another rank stalls: DDP's gradient all-reduce runs inside it, out of Python's sight."""
+    names = [f.name for f in frames]
+    places = ("distributed", "accelerate/utils/operations", "common/preemption")
+    waiting = any(WAITS.search(f.name) and any(p in f.filename for p in places) for f in frames)
+    waiting = waiting or any(name in ("backward", "_engine_run_backward") for name in names[-4:])
+    found = [phase for keys, phase in PHASES if any(name in keys for name in names)]
+    if not found:
+        return "training step", waiting
+    loading = " (data loading)" if "data loading" in found[1:] else ""
+    return found[0] + loading, waiting
+
+
+class Watchdog:
+    def __init__(self, accelerator, hang_timeout: float, ddp_timeout: float, output_dir):
+        from accelerate.utils import gather_object
+
+        self.timeout, self.slow_timeout, self.folder = (
+            hang_timeout,
+            max(ddp_timeout, hang_timeout),
+            Path(output_dir) / "hang",
+        )
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        me = (socket.gethostname(), os.getpid())
+        self.ranks = gather_object([me]) if self.world > 1 else [me]  # who each rank is, for the report
+        self.step, self.last, self._main = 0, time.monotonic(), threading.main_thread().ident
+        threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+
+    def beat(self, step=None) -> None:
+        self.last = time.monotonic()
+        self.step = self.step if step is None else step
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.timeout / 4))
+            idle = time.monotonic() - self.last
+            frames = traceback.extract_stack(sys._current_frames()[self._main])
+            phase, waiting = phase_of(frames)
+            slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
+            if idle >= (self.slow_timeout if slow else self.timeout):
+                return self._report(idle, phase, waiting)
+
+    def _report(self, idle: float, phase: str, waiting: bool) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        host, pid = self.ranks[self.rank]
+        mine = {"rank": self.rank, "host": host, "pid": pid, "step": self.step, "phase": phase, "waiting": waiting}
+        with open(self.folder / f".rank-{self.rank}.txt", "w") as f:
+            f.write(json.dumps(mine) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        os.replace(self.folder / f".rank-{self.rank}.txt", self.folder / f"rank-{self.rank}.txt")
+        deadline = time.monotonic() + MARGIN
+        while time.monotonic() < deadline and len(found := self._reports()) < self.world:
+            time.sleep(0.5)
+        found = self._reports()
+        if self.rank == min(found):  # the lowest rank that can still run says it, once
+            tqdm.write(f"error: {self.line(found, idle)}", file=sys.stderr)  # on a line of its own, below a bar
+            for rank in set(range(self.world)) - set(found):  # frozen or dead here: it would hold the job up
+                if self.ranks[rank][0] == host:
+                    with contextlib.suppress(OSError):
+                        os.kill(self.ranks[rank][1], 9)
+        write_status("error")
+        os._exit(HUNG_EXIT_CODE)
+
+    def _reports(self) -> dict:
+        found = {}
+        for path in self.folder.glob("rank-*.txt"):
+            try:
+                with open(path) as f:
+                    report = json.loads(f.readline())
+                found[report["rank"]] = report
+            except (OSError, ValueError, KeyError):
+                continue
+        return found
+
+    def line(self, found: dict, idle: float) -> str:
+        """The one line: who stalled (no report, or one not waiting in a collective), who waits for them."""
+        stalled = [r for r in range(self.world) if r not in found or not found[r]["waiting"]]
+        waiting = [r for r in range(self.world) if r in found and found[r]["waiting"]]
+
+        def who(rank):
+            host, pid = self.ranks[rank]
+            if rank not in found:
+                return f"rank {rank} ({host}, pid {pid}) stalled without answering (frozen, or dead)"
+            return (
+                f"rank {rank} ({host}, pid {pid}) stalled after step {found[rank]['step']} in {found[rank]['phase']}"
+            )
+
+        if stalled:
+            said = "; ".join(who(r) for r in stalled)
+            if waiting:
+                them, phase = "them" if len(stalled) > 1 else "it", found[waiting[0]]["phase"]
+                ranks = (
+                    f"ranks {', '.join(map(str, waiting))} wait" if len(waiting) > 1 else f"rank {waiting[0]} waits"
+                )
+                said += f"; {ranks} for {them} in {phase}"
+        else:
+            said = "every rank waits in a collective: one of them skipped or added one"
+        return (
+            f"no progress for {idle:.0f} s (--hang_timeout): {said}; the stacks of the ranks that could answer are in "
+            f"{self.folder}/; the checkpoints already saved are intact (exit {HUNG_EXIT_CODE})"
+        )

@@ -1,0 +1,182 @@
+"""A stalled process is named, not waited on (--hang_timeout), and a rank that keeps the others waiting for its data
+is named in a warning. Real 2-process launches on CPU: a process frozen with SIGSTOP, a data loader stuck reading a
+named pipe (as on a dead network mount), in training and in a mid-run evaluation; a rank whose images are slow."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import psutil
+import pytest
+from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, user_env
+from PIL import Image
+
+from common import checkpoint as ckpt
+
+CIFAR = REPO / "recipes" / "cifar.py"
+
+
+def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer():
+    """What the main thread is doing, from its stack: a checkpoint save (which gets --ddp_timeout, not
+    --hang_timeout), an evaluation reading its data, a wait in a collective; --hang_timeout 0 watches nothing."""
+    import traceback
+    from argparse import Namespace
+
+    from accelerate import Accelerator
+
+    from common.preemption import StopOnSignal
+    from common.watchdog import SLOW_PHASES, phase_of
+
+    def save_checkpoint():
+        return phase_of(traceback.extract_stack())
+
+    def evaluate():
+        def __next__():
+            return phase_of(traceback.extract_stack())
+
+        return __next__()
+
+    assert save_checkpoint() == ("checkpoint save", False) and "checkpoint save" in SLOW_PHASES
+    assert evaluate() == ("evaluation (data loading)", False)
+    stop = StopOnSignal(Accelerator(cpu=True), Namespace(hang_timeout=0, ddp_timeout=600, output_dir="x"))
+    assert stop.watchdog is None and stop.requested(3) is None
+
+
+def launch(args, out, until=None, then=None, timeout=240):
+    """2 CPU processes of cifar.py; `until(out)` polled, then `then(proc)`. Returns the exit code, stderr, the seconds
+    from `then` to the end, and any process of the run left behind."""
+    env = user_env(ACCELERATE_USE_CPU="true")
+    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
+    cmd += ["--main_process_port", env["MASTER_PORT"], CIFAR, *args]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stderr=err, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout
+            while until is not None and not until(out):
+                assert proc.poll() is None and time.monotonic() < deadline, "ended before the moment to act"
+                time.sleep(0.05)
+            if then is not None:
+                then(proc)
+            tic = time.monotonic()
+            code = proc.wait(timeout=timeout)
+            took = time.monotonic() - tic
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            left = [p for p in psutil.process_iter() if str(out) in " ".join(_cmdline(p))]
+            for p in left:
+                p.kill()
+        err.seek(0)
+        return code, err.read(), took, left
+
+
+def _cmdline(p):
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def rank_process(proc, rank):
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if p.environ().get("RANK") == str(rank) and str(CIFAR) in " ".join(p.cmdline())
+    ]
+    (target,) = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
+    return target
+
+
+@pytest.mark.slow
+def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
+    out = tmp_path / "run"
+    args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "1000", "--checkpointing_steps", "2")
+    args += ["--hang_timeout", "8", "--ddp_timeout", "120", "--dataloader_num_workers", "0"]
+    code, stderr, took, left = launch(
+        args,
+        out,
+        until=lambda o: (o / "checkpoint-2" / ckpt.STATE_FILE).exists(),
+        then=lambda p: rank_process(p, 1).suspend(),
+    )
+    lines = error_lines(stderr)
+    assert code != 0 and len(lines) == 1, stderr[-3000:]
+    pid = lines[0].split("rank 1 (")[1].split("pid ")[1].split(")")[0]
+    assert "no progress for" in lines[0] and "rank 1 (" in lines[0] and "stalled without answering" in lines[0]
+    assert "rank 0 waits for it" in lines[0] and f"{out}/hang/" in lines[0] and "(exit 124)" in lines[0], lines[0]
+    assert pid.isdigit() and not left and took < 8 + 40, took
+    assert (out / "hang" / "rank-0.txt").is_file() and not (out / "hang" / "rank-1.txt").exists()
+    report = json.loads((out / "hang" / "rank-0.txt").read_text().splitlines()[0])
+    assert report["waiting"] and report["step"] >= 2
+    assert "Thread" in (out / "hang" / "rank-0.txt").read_text()  # faulthandler's dump of every thread
+    assert ckpt.checkpoint_damage(out / "checkpoint-2") is None
+
+
+def stuck_copy(digits, tmp_path, split):
+    """The digits' ImageFolder with one image of `split` replaced by a named pipe no one writes: reading it blocks,
+    as a file on a dead network mount does. In training, the image of step 5 (by the sampler's order for seed
+    42, 2 processes x 32), once the watch is armed; in evaluation, one of the first batch."""
+    from common.data import EpochSampler
+
+    root = tmp_path / "digits"
+    shutil.copytree(digits["train"].parent, root)
+    images = sorted((root / split).rglob("*.png"))  # ImageFolder's order: class folders, then names
+    # (an evaluation reads the first batch of 256 on rank 0, and rank 1 pads its last one with the first 115)
+    target = images[EpochSampler(len(images), 42).order(0)[4 * 64].item() if split == "train" else 200]
+    target.unlink()
+    os.mkfifo(target)
+    return {**digits, "train": root / "train", "val": root / "val"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, phase", [("train", "data loading"), ("val", "evaluation (data loading)")])
+def test_a_loader_stuck_on_a_file_is_named_with_its_phase_and_stack(digits, tmp_path, split, phase):
+    """The pipe is read by one rank only: that rank is named as stalled in data loading (in an evaluation: named so),
+    the other as waiting; the stalled rank's stack file shows the read."""
+    data = stuck_copy(digits, tmp_path, split)
+    out = tmp_path / "run"
+    args = digits_args(
+        data, out, *FAST_MODEL, "--num_train_epochs", "2", "--hang_timeout", "8", "--ddp_timeout", "120"
+    )
+    args += ["--dataloader_num_workers", "0", "--logging_steps", "1"]
+    code, stderr, _, left = launch(args, out)
+    lines = error_lines(stderr)
+    assert code != 0 and len(lines) == 1, stderr[-3000:]
+    stalled = lines[0].split("stalled after step ")[1]
+    rank = int(lines[0].split(" stalled after step")[0].rsplit("rank ", 1)[1].split(" ")[0])
+    assert f"in {phase};" in stalled and f"rank {1 - rank} waits for it" in lines[0], lines[0]
+    stack = (out / "hang" / f"rank-{rank}.txt").read_text()
+    assert "load_image" in stack and "Image.py" in stack, stack[-2000:]
+    assert not left
+
+
+@pytest.mark.slow
+def test_a_rank_slow_to_read_its_data_is_named_a_straggler_and_an_even_run_is_not(digits, tmp_path):
+    """Rank 1's images are large (slow to decode, as on a slow disk): after three logs one warning names it and the
+    data phase; results.json holds every rank's step and data time. The same run on the plain digits: no warning."""
+    from common.data import EpochSampler
+
+    root = tmp_path / "digits"
+    shutil.copytree(digits["train"].parent, root)
+    images = sorted((root / "train").rglob("*.png"))
+    order, batch = EpochSampler(len(images), 42).order(0).tolist(), 32
+    for round_ in range(8):  # rank 1's batch of each round: the second of the two dealt
+        for index in order[(2 * round_ + 1) * batch : (2 * round_ + 2) * batch]:
+            Image.open(images[index]).convert("RGB").resize((1400, 1400)).save(images[index])
+    data = {**digits, "train": root / "train", "val": root / "val"}
+    results = {}
+    for name, folders in (("slow", data), ("even", digits)):
+        out = tmp_path / name
+        args = digits_args(folders, out, *FAST_MODEL, "--max_train_steps", "8", "--logging_steps", "2")
+        code, stderr, _, _ = launch([*args, "--dataloader_num_workers", "0"], out)
+        assert code == 0, stderr[-3000:]
+        warnings = [line for line in stderr.splitlines() if "is a straggler" in line]
+        results[name] = (warnings, json.loads((out / "results.json").read_text()))
+    warnings, res = results["slow"]
+    assert len(warnings) == 1 and "rank 1 (" in warnings[0] and "for its data" in warnings[0], warnings
+    assert [r["rank"] for r in res["per_rank"]] == [0, 1]
+    assert res["per_rank"][1]["data_seconds"] > 2 * res["per_rank"][0]["data_seconds"]
+    assert res["log_history"][-1]["data_seconds_slowest_rank"] == 1
+    assert results["even"][0] == []
