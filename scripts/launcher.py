@@ -111,6 +111,8 @@ def number(name: str, value: str | None, low: int, what: str, high: int = 999999
 
 # The keys of an accelerate YAML (accelerate's ClusterConfig fields; tests/test_launcher.py keeps this equal to the
 # installed accelerate's): a key outside them does nothing, silently. Listed here, so the check imports no torch.
+# RETIRED_KEYS: keys older releases write (`accelerate config`), with the first release that refuses them.
+RETIRED_KEYS = {"ipex_config": (1, 13)}
 CONFIG_KEYS = """command_file commands compute_environment debug deepspeed_config distributed_type downcast_bf16
 dynamo_config enable_cpu_affinity fp8_config fsdp_config gpu_ids machine_rank main_process_ip main_process_port
 main_training_function megatron_lm_config mixed_precision mpirun_config num_machines num_processes parallelism_config
@@ -131,7 +133,14 @@ def read_config(path: Path) -> tuple[int, int, str, bool]:
         raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
-    for key in sorted(set(config) - set(CONFIG_KEYS)):
+    for key in sorted(set(config) & set(RETIRED_KEYS)):
+        from importlib.metadata import version
+
+        installed = version("accelerate")
+        if tuple(int(part) for part in re.findall(r"[0-9]+", installed)[:2]) >= RETIRED_KEYS[key]:
+            since = ".".join(map(str, RETIRED_KEYS[key]))
+            raise ValueError(f"{path}: {key} is read by accelerate < {since} only (installed: {installed}); delete it")
+    for key in sorted(set(config) - set(CONFIG_KEYS) - set(RETIRED_KEYS)):
         close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
         raise ValueError(
             f"{path}: {key} is not a key accelerate reads" + (f" (did you mean {close[0]}?)" if close else "")

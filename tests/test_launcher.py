@@ -296,6 +296,26 @@ def test_the_config_keys_launch_sh_knows_are_the_installed_accelerates():
     accelerate that reads other keys fails here first."""
     import dataclasses
 
+    import accelerate
     from accelerate.commands.config.config_args import ClusterConfig
 
-    assert sorted(launcher.CONFIG_KEYS) == sorted(f.name for f in dataclasses.fields(ClusterConfig))
+    installed = {f.name for f in dataclasses.fields(ClusterConfig)}
+    release = tuple(int(part) for part in accelerate.__version__.split(".")[:2])
+    retired = {key for key, since in launcher.RETIRED_KEYS.items() if release >= since}
+    assert set(launcher.CONFIG_KEYS) == installed - set(launcher.RETIRED_KEYS)
+    assert installed & set(launcher.RETIRED_KEYS) == set(launcher.RETIRED_KEYS) - retired
+
+
+def test_a_key_only_older_accelerates_read_is_accepted_by_them_and_refused_with_the_fix_by_newer(tmp_path):
+    """`accelerate config` of accelerate < 1.13 writes ipex_config; a newer one raises on it with a traceback."""
+    import accelerate
+
+    config = tmp_path / "old.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nipex_config: {}\n")
+    if tuple(int(part) for part in accelerate.__version__.split(".")[:2]) < (1, 13):
+        assert launcher.read_config(config) == (1, 2, "MULTI_CPU", True)
+    else:
+        with pytest.raises(
+            ValueError, match=r"old.yaml: ipex_config is read by accelerate < 1.13 only .*; delete it$"
+        ):
+            launcher.read_config(config)
