@@ -100,7 +100,7 @@ def main():
     lr = scale_lr(
         args.learning_rate, args.per_device_train_batch_size * world, args.reference_batch_size, args.lr_scaling
     )
-    optimizer = cifar.build_optimizer(args, model, lr, fused=cuda)
+    optimizer = cifar.build_optimizer(args, model, lr)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def samples_per_second(variant):

@@ -87,7 +87,7 @@ def consumption_rate(cifar, args, num_classes, device, steps):
             model.to(memory_format=torch.channels_last),
             images.contiguous(memory_format=torch.channels_last),
         )
-    optimizer = cifar.build_optimizer(cifar.parse_args([]), model, 0.01, fused=device.type == "cuda")
+    optimizer = cifar.build_optimizer(cifar.parse_args([]), model, 0.01)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     def step():

@@ -492,7 +492,9 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     names and renames. The names are recorded in .model-files.json, so that the next save removes the files of
     this one it does not write again, and --overwrite_output_dir removes exactly these."""
     output_dir = Path(output_dir)
-    state_dict = accelerator.get_state_dict(model)
+    # accelerate launch --dynamo_backend compiles the model it prepares: the names it gathers start with _orig_mod.
+    # (ZeRO-3 gathers the weights on the main process alone: None elsewhere)
+    state_dict = {re.sub(r"^(_orig_mod[.])+", "", k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def write():

@@ -17,6 +17,7 @@ CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); se
 import argparse
 import contextlib
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,11 @@ def parse_args(argv=None):
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
     if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
         p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":  # set by accelerate launch from the config
+        p.error(
+            "FSDP (accelerate_configs/fsdp.yaml) shards a model by its transformer layers, which an image model does "
+            "not have; train it under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml) or ZeRO (zero2.yaml)"
+        )
     if args.data_on_device and args.image_size > 64:
         p.error(
             f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not --image_size "
@@ -169,8 +175,8 @@ def get_dataloaders(args, accelerator):
     return train_dl, eval_dl, num_classes
 
 
-def build_optimizer(args, model, lr, fused=False):
-    """fused (on CUDA): one kernel updates every parameter, instead of several launches per tensor. The
+def build_optimizer(args, model, lr, fused=True):
+    """fused: one kernel updates every parameter, instead of several launches per tensor (CUDA and CPU). The
     rate logged is the backbone's (the head's group has lr_scale --head_lr_scale)."""
     groups = vision.param_groups(model, args)
     if args.optimizer == "adamw":
@@ -214,7 +220,7 @@ def main(argv=None):
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
         model.compile()
-    optimizer = build_optimizer(args, model, plan.learning_rate, fused=on_gpu)
+    optimizer = build_optimizer(args, model, plan.learning_rate)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
         out.load_checkpoint(model, optimizer)

@@ -168,7 +168,9 @@ def main(argv=None):
     parameters = common.count_parameters(model)
     flops = flops_per_token(model, block_size, parameters)
     optimizer = torch.optim.AdamW(
-        common.decay_groups(model, args.weight_decay), lr=plan.learning_rate, fused=accelerator.device.type == "cuda"
+        common.decay_groups(model, args.weight_decay),
+        lr=plan.learning_rate,
+        fused=True,  # one kernel: CUDA and CPU
     )
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:

@@ -118,7 +118,7 @@ def build_optimizer(args, accelerator, model, plan):
     if "optimizer" in ds_config:
         optimizer = DummyOptim(groups, lr=plan.learning_rate)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=accelerator.device.type == "cuda")
+        optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)  # one kernel: CUDA and CPU
     if "scheduler" in ds_config:
         return optimizer, DummyScheduler(
             optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps

@@ -1,10 +1,14 @@
-"""Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--max_restarts N] [--dry_run] [recipe arguments...]
+"""Usage: ./launch.sh RECIPE [--config NAME] [--num_processes N] [--max_restarts N] [--mixed_precision no|bf16|fp16]
+                   [--dry_run] [recipe arguments...]
        ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
+       ./launch.sh selftest [--config NAME] [--num_processes N] [--mixed_precision no|bf16]
 
 Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml, by default the one for the GPUs
-this host sees, or N CPU processes (default 2) in one gloo group; on CPU, --config zero2/zero3 runs DeepSpeed.
+this host sees, or N CPU processes (default 2) in one gloo group; on CPU, --config zero2/zero3/fsdp runs DeepSpeed or
+FSDP2 there (fp32 unless --mixed_precision bf16).
 Other arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm, run one
 launch.sh per node with srun (slurm/*.sbatch). `doctor`: this node's GPUs and versions, and an all-reduce's speed.
+`selftest`: the README's promises checked under a config on this machine, on a tiny model, in a few minutes.
 --num_processes N: processes on this node; --max_restarts N: restart them up to N times when one fails.
 Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node, if not the first
 of the Slurm node list), RDZV_TIMEOUT (seconds to wait for the head and the other nodes, 60),
@@ -206,6 +210,8 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     if argv[0].startswith("-"):
         die("the first argument is the recipe name (see --help)")
+    if argv[0] == "selftest":  # it launches the recipes through launch.sh itself
+        os.execv(sys.executable, [sys.executable, str(ROOT / "scripts/selftest.py"), *argv[1:]])
     recipe = argv[0].removeprefix("recipes/").removesuffix(".py")
     script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
     if not (recipe == "doctor" or re.fullmatch(r"\w[\w-]*", recipe, re.A) and script.is_file()):
@@ -214,7 +220,7 @@ def main(argv: list[str]) -> int:
     ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
     for word in words:
         name, eq, value = word.partition("=")
-        if name in ("--config", "--num_processes", "--max_restarts"):
+        if name in ("--config", "--num_processes", "--max_restarts", "--mixed_precision"):
             ours[name] = value if eq else next(words, "")
             if not ours[name] or ours[name].startswith("--"):  # not the next option, nor the recipe's argument
                 die(f"{name} needs a value (see ./launch.sh --help)")
@@ -230,6 +236,9 @@ def main(argv: list[str]) -> int:
     port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
     rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
     grace = number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120
+    precision = ours.get("--mixed_precision")
+    if precision not in (None, "no", "bf16", "fp16"):
+        die(f"--mixed_precision must be no, bf16 or fp16, got {precision!r}")
     if env("MASTER_ADDR") and not re.fullmatch(r"[\]\[A-Za-z0-9._:%-]+", env("MASTER_ADDR")):
         die(f"MASTER_ADDR must be a host name or an IP address, got {env('MASTER_ADDR')!r}")
     config = ours.get("--config", "").removeprefix("accelerate_configs/").removesuffix(".yaml")
@@ -257,12 +266,11 @@ def main(argv: list[str]) -> int:
     variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
         variables["ACCELERATE_USE_CPU"] = "true"
-    elif gpus == 0 and kind == "DEEPSPEED":  # DeepSpeed's CPU accelerator and gloo: try ZeRO on a laptop
+    elif gpus == 0 and kind in ("DEEPSPEED", "FSDP"):  # DeepSpeed's CPU accelerator, FSDP2 over gloo: on a laptop
         per_node = num_processes = num_processes or 2
-        say(f"no GPU visible: DeepSpeed runs on CPU, {per_node} process(es) on this node, fp32 (--mixed_precision no)")
-        cmd += ["--mixed_precision", "no"]  # the configs' bf16 is for GPUs
-    elif gpus == 0 and kind == "FSDP":
-        die(f"config {config!r} is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3 shards models")
+        precision = precision or "no"  # the configs' bf16 is for GPUs, unless asked for
+        what = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}[kind], "fp32" if precision == "no" else precision
+        say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
     elif per_node > gpus == 0:
         die(f"config {config!r} needs {per_node} GPU(s) on this node but none is visible; use --config cpu")
     elif per_node > gpus:
@@ -277,6 +285,7 @@ def main(argv: list[str]) -> int:
             f"{per_node} CPU processes requested on this node, which has {cores} core(s); pass --num_processes {cores}"
         )
 
+    cmd += ["--mixed_precision", precision] if precision else []
     if nodes > 1:  # read inside the srun step: in the batch script SLURM_NODEID is 0 on every node
         if not env("SLURM_STEP_ID"):
             die(

@@ -23,6 +23,7 @@ BIN = Path(sys.executable).parent  # the virtual environment's bin: accelerate, 
 sys.path.insert(0, str(REPO / "scripts"))
 
 from make_digits import write_digits  # noqa: E402
+from make_tiny_lm import write_tiny_lm  # noqa: E402
 
 # Small enough for a 2-core CI machine, large enough that a broken training shows: stock
 # torchvision ResNet-18 reaches ~0.9 on the digits in 3 epochs, chance is 0.1.
@@ -154,80 +155,12 @@ def digits_args(digits, output_dir, *extra):
     ]
 
 
-NUMBERS = "zero one two three four five six seven eight nine".split()
-
-
 @pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory):
-    """A 2-layer Llama with a word-level tokenizer and chat template, saved like a hub model, and a
-    learnable corpus: counting sequences in words ("three four five ...") as jsonl, plus chats
-    whose assistant continues the user's count."""
-    import random
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("tiny_lm")
-    words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "count", "from", *NUMBERS]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=64
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    tokenizer.save_pretrained(root / "model")
-    config = LlamaConfig(
-        vocab_size=len(words),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=1,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-
-    rng = random.Random(0)
-
-    def count(n):
-        start = rng.randrange(10)
-        return " ".join(NUMBERS[(start + i) % 10] for i in range(n))
-
-    for name, lines in (("train", 600), ("validation", 61)):
-        with open(root / f"{name}.jsonl", "w") as f:
-            for _ in range(lines):
-                f.write(json.dumps({"text": count(rng.randrange(6, 14))}) + "\n")
-    for name, replies in (("chat", [5] * 300), ("chat_varied", [rng.randrange(1, 25) for _ in range(200)])):
-        with open(root / f"{name}.jsonl", "w") as f:  # chat_varied: 1 to 24 words, so blocks hold few or many targets
-            for reply in replies:
-                words_ = count(3 + reply).split()
-                f.write(
-                    json.dumps(
-                        {
-                            "messages": [
-                                {"role": "user", "content": "count from " + " ".join(words_[:3])},
-                                {"role": "assistant", "content": " ".join(words_[3:])},
-                            ]
-                        }
-                    )
-                    + "\n"
-                )
-    return {
-        "model": root / "model",
-        "train": root / "train.jsonl",
-        "validation": root / "validation.jsonl",
-        "chat": root / "chat.jsonl",
-        "chat_varied": root / "chat_varied.jsonl",
-    }
+    """scripts/make_tiny_lm.py's 2-layer Llama, tokenizer and counting text and chats (`./launch.sh selftest` uses the
+    same)."""
+    pytest.importorskip("torch")
+    return write_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
 def lm_args(lm, output_dir, *extra, data=None):

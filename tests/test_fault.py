@@ -13,7 +13,6 @@ import torch
 from conftest import (
     BIN,
     LM_INTERRUPTED_ARGS,
-    NUMBERS,
     REPO,
     error_lines,
     interrupt,
@@ -23,6 +22,7 @@ from conftest import (
     snapshot,
     user_env,
 )
+from make_tiny_lm import NUMBERS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.checkpoint import checkpoint_damage

@@ -193,11 +193,8 @@ INVALID = [
     ),
     (["cifar", "--config", "nofile"], {}, "nofile.yaml: deepspeed_config_file /no/such/ds.json: no such file"),
     (["cifar", "--num_processes", "999999"], {}, "999999 CPU processes requested on this node, which has"),
-    (
-        ["cifar", "--config", "fsdp"],
-        {},
-        "config 'fsdp' is FSDP, which needs GPUs, and none is visible; on CPU, --config zero3",
-    ),
+    (["cifar", "--mixed_precision", "fp8"], {}, "--mixed_precision must be no, bf16 or fp16, got 'fp8'"),
+    (["cifar", "--mixed_precision"], {}, "--mixed_precision needs a value"),
     (
         ["cifar", "--config", "4gpu"],
         {},

@@ -196,3 +196,19 @@ def test_requeue_template_stops_the_step_at_a_checkpoint_and_requeues_on_usr1(tm
     assert (tmp_path / "step.log").read_text().strip() == "USR1", "the step was asked to stop"
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", JOB_ID]
     assert "requeueing job 4242" in out
+
+
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_requeue_template_resumes_the_users_checkpoint_first_and_latest_once_requeued(tmp_path, form):
+    """A job started from a named checkpoint resumes that one on its first run; once requeued
+    (SLURM_RESTART_COUNT > 0) it continues `latest`, the newest checkpoint of the run it became.
+    One --resume_from_checkpoint each time: argparse would silently keep the last of two."""
+    named = "outputs/cifar/checkpoint-100"
+    resume = ["--resume_from_checkpoint", named] if form == "separate" else [f"--resume_from_checkpoint={named}"]
+    args = ["cifar", "--checkpointing_steps", "500", *resume, "--output_dir", "outputs/cifar"]
+    template = REPO / "slurm/requeue.sbatch"
+    for restarts, expected in (("0", named), ("2", "latest")):
+        env = slurm_env(tmp_path, 1, 8, SLURM_CPUS_PER_TASK="64", SLURM_RESTART_COUNT=restarts)
+        (line,) = sbatch(template, args, tmp_path, env=env)[0]
+        assert line.count("--resume_from_checkpoint") == 1, line
+        assert f"--resume_from_checkpoint {expected}" in line, (restarts, line)
