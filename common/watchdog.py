@@ -7,8 +7,9 @@ The watch is out of band: a thread in each process reads the time of its last pr
 evaluation batch: StopOnSignal.requested) and, when it is too old, the main thread's stack, which tells the phase
 (data loading, forward/backward, optimizer step, evaluation, checkpoint save) and whether it waits in a
 collective. The ranks meet in the output folder, which every node sees as checkpoints need: no collective is
-added to a step. A phase that is slow by nature (a checkpoint or final save, loading a checkpoint) gets
---ddp_timeout instead; a run is watched from its first completed step on (compiling, a first step, may be slow).
+added to a step. A phase that is slow by nature (a checkpoint or final save, loading a checkpoint) and the first
+step (compiling, warming up) get longer: as long as the collectives around them can wait (--ddp_timeout), less the
+time to report, so that a stall there is named before a collective fails without naming anyone.
 """
 
 from __future__ import annotations
@@ -66,11 +67,8 @@ class Watchdog:
     def __init__(self, accelerator, hang_timeout: float, ddp_timeout: float, output_dir):
         from accelerate.utils import gather_object
 
-        self.timeout, self.slow_timeout, self.folder = (
-            hang_timeout,
-            max(ddp_timeout, hang_timeout),
-            Path(output_dir) / "hang",
-        )
+        self.timeout, self.folder = hang_timeout, Path(output_dir) / "hang"
+        self.slow_timeout = max(hang_timeout, ddp_timeout - 2 * MARGIN)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         me = (socket.gethostname(), os.getpid())
         self.ranks = gather_object([me]) if self.world > 1 else [me]  # who each rank is, for the report
@@ -89,9 +87,10 @@ class Watchdog:
             phase, waiting = phase_of(frames)
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
             if idle >= (self.slow_timeout if slow else self.timeout):
-                return self._report(idle, phase, waiting)
+                limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
+                return self._report(idle, phase, waiting, limit)
 
-    def _report(self, idle: float, phase: str, waiting: bool) -> None:
+    def _report(self, idle: float, phase: str, waiting: bool, limit: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         host, pid = self.ranks[self.rank]
         mine = {"rank": self.rank, "host": host, "pid": pid, "step": self.step, "phase": phase, "waiting": waiting}
@@ -103,13 +102,19 @@ class Watchdog:
         deadline = time.monotonic() + MARGIN
         while time.monotonic() < deadline and len(found := self._reports()) < self.world:
             time.sleep(0.5)
-        found = self._reports()
+        found, said = self._reports(), self.folder / "reported"
+        reporter = str(self.ranks[min(found)][1])  # its pid: an earlier hang's file says another
         if self.rank == min(found):  # the lowest rank that can still run says it, once
-            tqdm.write(f"error: {self.line(found, idle)}", file=sys.stderr)  # on a line of its own, below a bar
+            tqdm.write(f"error: {self.line(found, idle, limit)}", file=sys.stderr)  # on a line of its own, below a bar
+            said.write_text(reporter)
             for rank in set(range(self.world)) - set(found):  # frozen or dead here: it would hold the job up
                 if self.ranks[rank][0] == host:
                     with contextlib.suppress(OSError):
                         os.kill(self.ranks[rank][1], 9)
+        else:  # not before it is said: this exit would break the collective the reporter waits in, and end it first
+            deadline = time.monotonic() + MARGIN
+            while time.monotonic() < deadline and not (said.is_file() and said.read_text() == reporter):
+                time.sleep(0.2)
         write_status("error")
         os._exit(HUNG_EXIT_CODE)
 
@@ -119,12 +124,13 @@ class Watchdog:
             try:
                 with open(path) as f:
                     report = json.loads(f.readline())
-                found[report["rank"]] = report
+                if list(self.ranks[report["rank"]]) == [report["host"], report["pid"]]:  # not an earlier hang's
+                    found[report["rank"]] = report
             except (OSError, ValueError, KeyError):
                 continue
         return found
 
-    def line(self, found: dict, idle: float) -> str:
+    def line(self, found: dict, idle: float, limit: str) -> str:
         """The one line: who stalled (no report, or one not waiting in a collective), who waits for them."""
         stalled = [r for r in range(self.world) if r not in found or not found[r]["waiting"]]
         waiting = [r for r in range(self.world) if r in found and found[r]["waiting"]]
@@ -148,6 +154,6 @@ class Watchdog:
         else:
             said = "every rank waits in a collective: one of them skipped or added one"
         return (
-            f"no progress for {idle:.0f} s (--hang_timeout): {said}; the stacks of the ranks that could answer are in "
+            f"no progress for {idle:.0f} s ({limit}): {said}; the stacks of the ranks that could answer are in "
             f"{self.folder}/; the checkpoints already saved are intact (exit {HUNG_EXIT_CODE})"
         )

@@ -19,16 +19,17 @@ from common import checkpoint as ckpt
 CIFAR = REPO / "recipes" / "cifar.py"
 
 
-def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer():
-    """What the main thread is doing, from its stack: a checkpoint save (which gets --ddp_timeout, not
-    --hang_timeout), an evaluation reading its data, a wait in a collective; --hang_timeout 0 watches nothing."""
+def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer(tmp_path):
+    """What the main thread is doing, from its stack: a checkpoint save (which gets --ddp_timeout less the time to
+    report, not --hang_timeout), an evaluation reading its data, a wait in a collective; --hang_timeout 0 watches
+    nothing; an earlier hang's report in the folder (a resumed run's) is not taken for this one's."""
     import traceback
     from argparse import Namespace
 
     from accelerate import Accelerator
 
     from common.preemption import StopOnSignal
-    from common.watchdog import SLOW_PHASES, phase_of
+    from common.watchdog import SLOW_PHASES, Watchdog, phase_of
 
     def save_checkpoint():
         return phase_of(traceback.extract_stack())
@@ -43,12 +44,20 @@ def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer():
     assert evaluate() == ("evaluation (data loading)", False)
     stop = StopOnSignal(Accelerator(cpu=True), Namespace(hang_timeout=0, ddp_timeout=600, output_dir="x"))
     assert stop.watchdog is None and stop.requested(3) is None
+    dog = Watchdog(Accelerator(cpu=True), hang_timeout=3000, ddp_timeout=6000, output_dir=tmp_path)
+    assert dog.slow_timeout == 6000 - 40
+    (tmp_path / "hang").mkdir()
+    earlier = {"rank": 0, "host": dog.ranks[0][0], "pid": 1, "step": 7, "phase": "data loading", "waiting": False}
+    (tmp_path / "hang" / "rank-0.txt").write_text(json.dumps(earlier) + "\n")
+    assert dog._reports() == {}
+    (tmp_path / "hang" / "rank-0.txt").write_text(json.dumps({**earlier, "pid": os.getpid()}) + "\n")
+    assert list(dog._reports()) == [0]
 
 
-def launch(args, out, until=None, then=None, timeout=240):
+def launch(args, out, until=None, then=None, timeout=240, **env_extra):
     """2 CPU processes of cifar.py; `until(out)` polled, then `then(proc)`. Returns the exit code, stderr, the seconds
     from `then` to the end, and any process of the run left behind."""
-    env = user_env(ACCELERATE_USE_CPU="true")
+    env = user_env(ACCELERATE_USE_CPU="true", **env_extra)
     cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
     cmd += ["--main_process_port", env["MASTER_PORT"], CIFAR, *args]
     with tempfile.TemporaryFile("w+") as err:
@@ -112,6 +121,46 @@ def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
     assert report["waiting"] and report["step"] >= 2
     assert "Thread" in (out / "hang" / "rank-0.txt").read_text()  # faulthandler's dump of every thread
     assert ckpt.checkpoint_damage(out / "checkpoint-2") is None
+
+
+# Put on rank 1's path as sitecustomize.py: its checkpoint saves never return, as on a filesystem that stopped
+# answering (common.checkpoint's write_checkpoint replaced once the module has defined it).
+STALLED_SAVE = """
+import os, sys, threading, time
+
+def write_checkpoint(*args, **kwargs):
+    time.sleep(3600)
+
+def stall():
+    while not hasattr(sys.modules.get("common.checkpoint"), "write_checkpoint"):
+        time.sleep(0.01)
+    sys.modules["common.checkpoint"].write_checkpoint = write_checkpoint
+
+if os.environ.get("RANK") == "1":
+    threading.Thread(target=stall, daemon=True).start()
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_checkpoint_save_is_named_before_the_collective_would_fail(digits, tmp_path):
+    """A save may be slow by nature, so it is given --ddp_timeout less the time to report (here 60 - 40 s), not
+    --hang_timeout; then the rank stalled in it is named, with its phase, before rank 0's collective fails unnamed.
+    The stalled save leaves no checkpoint of its step."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALLED_SAVE)
+    out = tmp_path / "run"
+    args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "1000", "--checkpointing_steps", "3")
+    args += ["--hang_timeout", "5", "--ddp_timeout", "60", "--dataloader_num_workers", "0"]
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    code, stderr, took, left = launch(args, out, PYTHONPATH=path)
+    lines = error_lines(stderr)
+    assert code != 0 and len(lines) == 1, stderr[-3000:]
+    assert "(--ddp_timeout less 40 s, for a checkpoint save): rank 1 (" in lines[0], lines[0]
+    assert "stalled after step 3 in checkpoint save" in lines[0], lines[0]
+    assert "rank 0 waits for it in checkpoint save" in lines[0], lines[0]
+    assert "write_checkpoint" in (out / "hang" / "rank-1.txt").read_text()
+    assert not left and not (out / "checkpoint-3").exists() and took < 120, took
 
 
 def stuck_copy(digits, tmp_path, split):
