@@ -209,9 +209,26 @@ def exit_codes():
         together = False
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash. Taken down only when every process is here: one still in a collective would make it wait for ever.
-    if together and torch.distributed.is_available() and torch.distributed.is_initialized():
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if together and group:
         torch.distributed.destroy_process_group()
+    if group and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of several: see exit_without_teardown
+        exit_without_teardown(code)
     sys.exit(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit with `code` after Python's exit handlers (trackers, loader workers, logging), skipping the interpreter's
+    teardown: after an error the processes end at different moments, and torch's C++ objects that still hold the
+    gloo group (a DDP reducer, Accelerate's state) abort in it once a peer has gone ("terminate called without an
+    active exception", exit 134 instead of 2). atexit has no public way to run its handlers: the private one is
+    here alone, and tests/test_common.py fails if it goes."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def make_accelerator(args, **kwargs) -> Accelerator:

@@ -356,3 +356,23 @@ def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch
     from common.runtime import _refuse_known_bad_versions
 
     _refuse_known_bad_versions(1)
+
+
+def test_an_exit_without_teardown_runs_the_exit_handlers_and_keeps_the_code(tmp_path):
+    """common.runtime.exit_without_teardown relies on atexit._run_exitfuncs: the handlers run (a tracker's flush, a
+    line written at exit), then the process ends with the code given."""
+    import atexit
+    import subprocess
+    import sys
+
+    assert callable(atexit._run_exitfuncs), "atexit changed: common.runtime.exit_without_teardown must change"
+    marker = tmp_path / "flushed"
+    script = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+        "from common.runtime import exit_without_teardown\n"
+        "print('last line', end='')\n"
+        "exit_without_teardown(2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "last line" and marker.read_text() == "yes", proc.stderr
