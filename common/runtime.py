@@ -209,6 +209,8 @@ def exit_codes():
         together = False
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash. Taken down only when every process is here: one still in a collective would make it wait for ever.
+    # Objects that still hold it can abort the teardown all the same once a peer has exited: a process of several
+    # skips that teardown (exit_without_teardown).
     group = torch.distributed.is_available() and torch.distributed.is_initialized()
     if together and group:
         torch.distributed.destroy_process_group()

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtual environment's bin: accelerate, python
 sys.path.insert(0, str(REPO / "scripts"))
 
+import selftest  # noqa: E402
 from make_digits import write_digits  # noqa: E402
 from make_tiny_lm import write_tiny_lm  # noqa: E402
 
@@ -187,6 +188,9 @@ def lm_args(lm, output_dir, *extra, data=None):
     ]
 
 
+update_distance = selftest.distance  # the tests measure as ./launch.sh selftest does
+
+
 # Chats whose replies hold 1 to 24 words (tiny_lm's chat_varied): a 32-token block's target tokens vary
 # from a few to most of it. No clipping and no weight decay, so an update is the gradient's alone.
 def chat_args(lm, output_dir, batch, *extra):
@@ -205,16 +209,6 @@ def chat_args(lm, output_dir, batch, *extra):
         *extra,
         data=chats,
     )
-
-
-def update_distance(out, reference, initial) -> float:
-    """|weights(out) - weights(reference)| / |weights(reference) - weights(initial)|, over every tensor."""
-    from safetensors.torch import load_file
-
-    a, b, w0 = (load_file(Path(folder) / "model.safetensors") for folder in (out, reference, initial))
-    apart = sum(((a[k] - b[k]).double() ** 2).sum() for k in b)
-    update = sum(((b[k] - w0[k]).double() ** 2).sum() for k in b)
-    return float((apart / update).sqrt())
 
 
 @pytest.fixture(scope="session")
