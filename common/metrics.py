@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import resource
 import socket
@@ -39,6 +40,7 @@ class TrainLog:
             disable=not accelerator.is_local_main_process,
             mininterval=0.1 if sys.stderr.isatty() else 30,  # batch logs (Slurm): a line per 30 s
         )
+        atexit.register(self._bar.close)  # a run stopped early ends the bar's line: launch.sh's own starts a new one
 
     def add(self, loss: torch.Tensor, items, per=None) -> None:
         """A micro-batch of this process: its loss, a mean over `per` items (default: its own `items`; an LM's is
@@ -150,6 +152,7 @@ class TrainLog:
         steady_samples_per_second leaves out the first, whose one-time costs (kernel selection, the allocator,
         torch.compile) a short run cannot amortize."""
         self._bar.close()
+        atexit.unregister(self._bar.close)
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         steady = None
