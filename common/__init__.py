@@ -1,9 +1,8 @@
-"""What the recipes share, a module per concern: launch checks (runtime), arguments (args), data
-loading (data), LR scaling and the schedule (scaling), the training step's bookkeeping (training),
-checkpoints (checkpoint), one run per output folder (outputs), stopping on a signal (preemption) and
-the results record (metrics); images and image models in common.vision, text data and causal LMs in
-common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test
-from the submodules."""
+"""What the recipes share, a module per concern: launch checks and exit codes (runtime), arguments (args), data
+order and loading (data), the run's plan and LR schedule (plan), checkpoints (checkpoint), one run per output
+folder (outputs), stopping on a signal (preemption), a stalled process named (watchdog) and what a run reports
+(metrics); images and image models in common.vision, text data and causal LMs in common.text. Nothing
+recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
 
 import importlib
 

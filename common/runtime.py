@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, parse_flag_from_env
 from tqdm.auto import tqdm
 
 from . import args as _args
@@ -243,7 +243,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _refuse_known_bad_versions(expected)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")  # the config's use_cpu, as accelerate launch passes it
     if not use_cpu and torch.cuda.is_available() and local > gpus:  # else later: 'invalid device ordinal'
         raise RecipeError(
             f"{local} processes were started on this node but only {gpus} GPU(s) are visible; pass --num_processes "
@@ -252,7 +252,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     if _started_by_a_launcher():
         die_with_parent(signal.SIGTERM, _PARENT)
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.cuda.is_available():
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
         fsdp_on_cpu(group["timeout"])
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
@@ -384,7 +384,7 @@ def _check_config_honoured(accelerator: Accelerator) -> None:
     (an FSDP config on CPU trains DDP, fp16 on CPU trains fp32 while reporting fp16)."""
     kind = accelerator.distributed_type.value
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
-        if os.environ.get(asked, "").lower() == "true" and kind != name:
+        if parse_flag_from_env(asked) and kind != name:
             raise RecipeError(
                 f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "
                 f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"

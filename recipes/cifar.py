@@ -17,11 +17,10 @@ CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); se
 import argparse
 import contextlib
 import itertools
-import os
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 from torchvision import transforms as T
 
 import common
@@ -94,7 +93,7 @@ def parse_args(argv=None):
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
     if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
         p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":  # set by accelerate launch from the config
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):  # set by accelerate launch from the config
         p.error(
             "FSDP (accelerate_configs/fsdp.yaml) shards a model by its transformer layers, which an image model does "
             "not have; train it under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml) or ZeRO (zero2.yaml)"

@@ -228,10 +228,11 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
     """Every launched process times all_reduce over each size; rank 0 prints the table."""
     import torch
     import torch.distributed as dist
+    from accelerate.utils import parse_flag_from_env
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    on_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
     backend = "nccl" if torch.cuda.is_available() and not on_cpu else "gloo"
     group = f"{world} processes ({world // local_world} node(s) x {local_world})"
     what = f"the all-reduce across {group}"
@@ -336,8 +337,9 @@ def main(argv=None):
         print("\n".join(lines + [f"warning: {w}" for w in warnings]), flush=True)
         return
     import torch
+    from accelerate.utils import parse_flag_from_env
 
-    on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
+    on_gpu = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     sizes = args.sizes_mib or [float(s) for s in (GPU_SIZES_MIB if on_gpu else CPU_SIZES_MIB).split(",")]
     allreduce(sizes, args.iters, args.timeout)
 

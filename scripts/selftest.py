@@ -84,8 +84,10 @@ def distance(a, b, start) -> float:
     return float((apart / update).sqrt())
 
 
-def reloaded_eval_loss(folder, lm) -> float:
-    """The token-weighted eval loss of the saved model on the held-out chats, computed here, without Accelerate."""
+def reloaded_eval_loss(folder, lm, chat=True, block_size=32, model=None) -> float:
+    """The token-weighted eval loss of the model saved in `folder` (or `model`) on the validation blocks the recipe
+    held out (10% of the varied chats split with the recipes' seed, or the text validation file), computed here,
+    without Accelerate."""
     import datasets
     import torch
     import transformers
@@ -96,9 +98,14 @@ def reloaded_eval_loss(folder, lm) -> float:
     sys.path.insert(0, str(ROOT))
     from common.text import IGNORE_INDEX, load_raw_datasets, tokenize_and_pack
 
-    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
-    raw = load_raw_datasets(train_file=lm["chat_varied"], validation_split_percentage=10, seed=42)
-    blocks = tokenize_and_pack(raw, tokenizer, data_format="chat", text_column="text", block_size=32)["validation"]
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), model or AutoModelForCausalLM.from_pretrained(folder)
+    if chat:
+        raw = load_raw_datasets(train_file=lm["chat_varied"], validation_split_percentage=10, seed=42)
+    else:
+        raw = load_raw_datasets(train_file=lm["train"], validation_file=lm["validation"])
+    blocks = tokenize_and_pack(
+        raw, tokenizer, data_format="chat" if chat else "text", text_column="text", block_size=block_size
+    )["validation"]
     total, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(blocks), 16):

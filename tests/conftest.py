@@ -100,31 +100,8 @@ def snapshot(folder: Path) -> dict:
 
 
 def eval_loss(model_dir, lm, block_size=32, model=None, chat=False):
-    """Token-weighted loss of a saved model on the validation blocks the recipe held out (the text
-    validation file, or 10% of the varied chats split with the recipes' seed), computed here,
-    without Accelerate."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.text import IGNORE_INDEX, load_raw_datasets, tokenize_and_pack
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = model or AutoModelForCausalLM.from_pretrained(model_dir)
-    if chat:
-        raw = load_raw_datasets(train_file=lm["chat_varied"], validation_split_percentage=10, seed=42)
-    else:
-        raw = load_raw_datasets(train_file=lm["train"], validation_file=lm["validation"])
-    blocks = tokenize_and_pack(
-        raw, tokenizer, data_format="chat" if chat else "text", text_column="text", block_size=block_size
-    )["validation"]
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(blocks), 16):
-            ids, labels = blocks[i : i + 16]["input_ids"], blocks[i : i + 16]["labels"][:, 1:]
-            logits = model(input_ids=ids).logits[:, :-1]
-            total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="sum").item()
-            tokens += int((labels != IGNORE_INDEX).sum())
-    return total / tokens
+    """Token-weighted loss of a saved model on the validation blocks the recipe held out (the selftest's function)."""
+    return selftest.reloaded_eval_loss(model_dir, lm, chat=chat, block_size=block_size, model=model)
 
 
 def load_recipe(name="cifar"):
