@@ -242,6 +242,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _refuse_known_bad_versions(expected)
+    _processes_asked(expected)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")  # the config's use_cpu, as accelerate launch passes it
     if not use_cpu and torch.cuda.is_available() and local > gpus:  # else later: 'invalid device ordinal'
@@ -318,13 +319,34 @@ def _cache_missing_optional_packages() -> None:
 
 def _started_by_a_launcher() -> bool:
     """torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ:
-        return True
+    return "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ or _accelerate_launch() is not None
+
+
+def _accelerate_launch() -> list | None:
+    """The options of `accelerate launch` if it is this process's parent (Linux: its command line), else None."""
     try:
-        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+        parent = [os.fsdecode(a) for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")]
     except OSError:
-        return False
-    return any(Path(os.fsdecode(arg)).name == "accelerate" for arg in parent[:2]) and b"launch" in parent
+        return None
+    if any(Path(arg).name == "accelerate" for arg in parent[:2]) and "launch" in parent:
+        return parent[parent.index("launch") + 1 :]
+    return None
+
+
+def _processes_asked(expected: int) -> None:
+    """Accelerate runs `--num_processes N` as one process, without a word, unless it has several GPUs, --multi_gpu
+    or a multi-process config: its one process is refused, not left to train alone."""
+    if expected > 1 or (launch := _accelerate_launch()) is None:
+        return
+    from accelerate.commands.launch import launch_command_parser
+
+    with contextlib.suppress(SystemExit):  # options this accelerate does not know: not ours to judge
+        asked = launch_command_parser().parse_known_args(launch)[0].num_processes
+        if asked and asked > 1:
+            raise RecipeError(
+                f"accelerate launch --num_processes {asked} started one process: it starts several only with "
+                f"--multi_gpu, a multi-process --config_file or more than one GPU; {CPU_FIX}"
+            )
 
 
 _PARENT = os.getppid()  # as early as this process can tell: the launcher that started it

@@ -142,15 +142,15 @@ def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(dig
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["--multi_gpu flag", "cpu.yaml without ACCELERATE_USE_CPU"])
+@pytest.mark.parametrize("how", ["--multi_gpu flag", "cpu.yaml without ACCELERATE_USE_CPU", "--num_processes alone"])
 def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path, how):
     out = tmp_path / "run"
     env = user_env()
-    launch = (
-        ["--multi_gpu", "--num_processes", "2"]
-        if how.startswith("--multi_gpu")
-        else ["--config_file", REPO / "accelerate_configs/cpu.yaml"]
-    )
+    launch = {  # the last: accelerate starts one process alone, as if 2 had not been asked
+        "--multi_gpu flag": ["--multi_gpu", "--num_processes", "2"],
+        "cpu.yaml without ACCELERATE_USE_CPU": ["--config_file", REPO / "accelerate_configs/cpu.yaml"],
+        "--num_processes alone": ["--num_processes", "2"],
+    }[how]
     proc = run(
         [
             BIN / "accelerate",
