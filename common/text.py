@@ -24,6 +24,12 @@ from .runtime import RecipeError, causes, check_path, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+FORMAT_HINTS = {  # what a file that datasets cannot read in its format must be
+    "json": 'each line must be one JSON object, such as {"text": "..."}',
+    "csv": "it must be comma-separated with a header row naming the columns",
+    "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
+    "text": "it must be plain UTF-8 text",
+}
 MESSAGE_SHAPE = '{"role": ..., "content": "..."}'
 
 
@@ -135,53 +141,36 @@ def _not_utf8(err: UnicodeDecodeError) -> str:
     )
 
 
-def _read_error(err: BaseException, fmt: str | None) -> str | None:
-    """Why data could not be read (as `fmt`, for a local file), and what to do; None for an operating-system
-    error about a path (a cache that cannot be written, say): common.exit_codes says that one."""
-    found = causes(err)
-    if any(isinstance(e, OSError) and e.filename for e in found):
-        return None
-    if decode := next((e for e in found if isinstance(e, UnicodeDecodeError)), None):
-        return _not_utf8(decode)
-    cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
-    what = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}".rstrip(": ")
-    if fmt is None:
-        return f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
-    hint = {
-        "json": 'each line must be one JSON object, such as {"text": "..."}',
-        "csv": "it must be comma-separated with a header row naming the columns",
-        "parquet": "write it again with a parquet writer (pandas, pyarrow, datasets)",
-        "text": "it must be plain UTF-8 text",
-    }[fmt]
-    return f"cannot be read as {fmt} ({what}); {hint}"
-
-
-def _load(flag: str, builder: str, *load_args, fmt=None, **load_kwargs):
-    """datasets.load_dataset(builder, ...), what it raises as one line naming `flag`."""
+def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
+    """datasets.load_dataset(builder, ...) (a local file `path` read as the format `builder`), what it, pyarrow or
+    pandas raise about the data as one line naming `source` and what to do. An operating-system error about a path
+    (a cache that cannot be written, say) is left to common.exit_codes, which names the path and its option."""
     from datasets import load_dataset
 
-    quiet = logging.getLogger(f"datasets.packaged_modules.{fmt}.{fmt}")  # it logs its own error line first
+    quiet = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")  # it logs its own error line first
     level, quiet.level = quiet.level, logging.CRITICAL
     try:
         return load_dataset(builder, *load_args, **load_kwargs)
-    except Exception as err:  # anything datasets, pyarrow or pandas raise about the data
-        why = _read_error(err, fmt)
-        if why is None:
+    except Exception as err:
+        found = causes(err)
+        if any(isinstance(e, OSError) and e.filename for e in found):
             raise
-        if fmt and ("corresponds to no data" in str(err) or _blank(load_kwargs["data_files"]["train"])):  # no rows
+        decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
+        cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
+        what = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}".rstrip(": ")
+        if decode:
+            why = _not_utf8(decode)
+        # datasets has no one error for a file without rows: "corresponds to no data" for blank lines or a
+        # header alone, a format's own error for an empty file
+        elif path and ("corresponds to no data" in str(err) or Path(path).expanduser().stat().st_size == 0):
             why = "holds no rows; add data or pass another file"
-        raise RecipeError(f"{flag}: {why}") from err
+        elif path:
+            why = f"cannot be read as {builder} ({what}); {FORMAT_HINTS[builder]}"
+        else:
+            why = f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
+        raise RecipeError(f"{source}: {why}") from err
     finally:
         quiet.setLevel(level)
-
-
-def _blank(path) -> bool:
-    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True
 
 
 def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
@@ -218,12 +207,10 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
         ):
             if path:
                 check_path(flag, path)
-                fmt = LOCAL_FORMATS[Path(path).suffix.lower()]
-                raw[split] = _load(f"{flag} {path}", fmt, fmt=fmt, data_files={"train": str(Path(path).expanduser())})[
-                    "train"
-                ]
-                if len(raw[split]) == 0:
-                    raise RecipeError(f"{flag} {path}: holds no rows; add data or pass another file")
+                fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
+                raw[split] = _load(
+                    f"{flag} {path}", fmt, path=path, data_files=str(Path(path).expanduser()), split="train"
+                )
     if "validation" not in raw:
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
@@ -415,49 +402,39 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
 # Models and tokenizers ----------------------------------------------------------------------------
 
 
-def _is_local(name: str) -> bool:
-    """Whether from_pretrained reads `name` from disk rather than the hub."""
-    return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
-
-
 def load_causal_lm(args, **model_kwargs):
     """(model, tokenizer) as add_model_args' arguments say: pretrained weights, or a new model from a config (and its
     overrides); the tokenizer of --tokenizer_name or of the model; the embeddings grown to the tokenizer with
     --resize_token_embeddings. Called once the Accelerator exists: under ZeRO-3, transformers then creates or loads
-    the weights straight into their shards."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    the weights straight into their shards. What transformers raises is one line (_load_error)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    pretrained = bool(args.model_name_or_path)
+    pretrained, trust, config = bool(args.model_name_or_path), args.trust_remote_code, None
     flag, source = (
         ("--model_name_or_path", args.model_name_or_path) if pretrained else ("--config_name", args.config_name)
     )
-    if _is_local(source):  # transformers takes a missing folder for a hub id: the path, said plainly, instead
-        check_path(flag, source, folder=True)
-        if not (Path(source).expanduser() / "config.json").is_file():
-            raise RecipeError(f"{flag} {source}: no config.json in the folder; {_where_fix(source)}")
-    trust = args.trust_remote_code
-    if args.tokenizer_name and _is_local(args.tokenizer_name):
-        check_path("--tokenizer_name", args.tokenizer_name, folder=True)
-    tokenizer = load_tokenizer(
-        *(("--tokenizer_name", args.tokenizer_name) if args.tokenizer_name else (flag, source)), trust
+    tokenizer_flag, tokenizer_name = (
+        ("--tokenizer_name", args.tokenizer_name) if args.tokenizer_name else (flag, source)
     )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust)
+    except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
+        raise _load_error(tokenizer_flag, tokenizer_name, err, tokenizer=True) from err
+    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
+        tokenizer.pad_token = tokenizer.eos_token
     try:
         if pretrained:
             model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
         else:
             config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
             if args.config_overrides:
-                config = apply_config_overrides(config, args.config_overrides, source)
+                config.update_from_string(args.config_overrides)
+                config.validate()  # transformers' own check, which save_pretrained runs at the end of training
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
-    except (OSError, ValueError, ImportError, RuntimeError, KeyError, SafetensorError) as err:
-        if args.config_overrides and not isinstance(err, RecipeError):  # the model the overrides make cannot be built
-            raise RecipeError(
-                f"--config_overrides {args.config_overrides}: the model {source} builds from them does not run "
-                f"({type(err).__name__}: {one_line(err)}); give values that agree with each other and with the rest "
-                "of the config"
-            ) from err
-        raise model_load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
+    except Exception as err:  # transformers, safetensors, json and the model's own code raise whatever they raise
+        if config is not None and args.config_overrides:  # the config loaded: its overrides are what failed
+            raise _overrides_error(config, args, err) from err
+        raise _load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
     vocab = getattr(model.config, "vocab_size", None)
     if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
         logger.info(
@@ -471,38 +448,37 @@ def load_causal_lm(args, **model_kwargs):
     return model, tokenizer
 
 
-def _where_fix(name: str) -> str:
-    if _is_local(name):
-        return "pass the folder that save_pretrained wrote (config.json, the weights and the tokenizer files)"
-    return "check the hub id, the network (or HF_HUB_OFFLINE and the cache), or pass a local folder"
-
-
-def load_tokenizer(flag: str, name: str, trust_remote_code=False):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
-        if "trust_remote_code" in str(err) or isinstance(err, OSError):
-            raise model_load_error(flag, name, err) from err
-        raise RecipeError(
-            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {one_line(err)}); pass a model "
-            "folder or hub id whose tokenizer files load"
-        ) from err
-    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def model_load_error(flag: str, name: str, err: BaseException, attn_implementation=None) -> RecipeError:
-    """The RecipeError for what from_pretrained or from_config raised: damaged weights, an attention implementation
-    that is not installed, remote code, a missing or foreign file."""
+def _load_error(flag: str, name: str, err: BaseException, attn_implementation=None, tokenizer=False) -> RecipeError:
+    """The RecipeError for what from_pretrained or from_config raised: a folder that is not there (which
+    transformers takes for a hub id) or lacks its config, damaged weights or config, an attention implementation
+    that is not installed, remote code, a model that is not a causal LM, tokenizer files that do not load."""
     from safetensors import SafetensorError, safe_open
 
-    text = one_line(err)
+    text, folder = one_line(err), Path(name).expanduser()
+    if local := name.startswith(("/", ".", "~")) or folder.exists():
+        check_path(flag, name, folder=True)  # raises the path's own error, said plainly
+    fix = (
+        "pass the folder that save_pretrained wrote (config.json, the weights and the tokenizer files)"
+        if local
+        else "check the hub id, the network (or HF_HUB_OFFLINE and the cache), or pass a local folder"
+    )
+    if local and flag != "--tokenizer_name" and not (folder / "config.json").is_file():
+        return RecipeError(f"{flag} {name}: no config.json in the folder; {fix}")
+    if "trust_remote_code" in str(err):
+        return RecipeError(
+            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if you trust that "
+            "code"
+        )
+    if "not a valid JSON" in text:
+        return RecipeError(f"{flag} {name}: config.json is damaged ({text}); download or save the model again")
+    if tokenizer and not isinstance(err, OSError):
+        return RecipeError(
+            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {text}); pass a model folder or "
+            "hub id whose tokenizer files load"
+        )
     if isinstance(err, SafetensorError):
         damaged = []
-        for path in sorted(Path(name).expanduser().glob("*.safetensors")) if _is_local(name) else []:
+        for path in sorted(folder.glob("*.safetensors")) if local else []:
             try:
                 safe_open(path, framework="pt").__enter__()
             except Exception:
@@ -516,47 +492,31 @@ def model_load_error(flag: str, name: str, err: BaseException, attn_implementati
             f"--attn_implementation {attn_implementation} cannot be used here ({text}); install what it needs, or "
             "pass --attn_implementation sdpa"
         )
-    if "trust_remote_code" in str(err):
-        return RecipeError(
-            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if you trust that "
-            "code"
-        )
     if "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
         return RecipeError(f"{flag} {name}: {text}; pass a causal language model")
-    if "not a valid JSON" in text:
-        return RecipeError(f"{flag} {name}: config.json is damaged ({text}); download or save the model again")
-    return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {_where_fix(name)}")
+    return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {fix}")
 
 
-def apply_config_overrides(config, overrides: str, source: str):
-    """`config` updated from 'key=value,key=value', refusing keys it does not have, values of the wrong type, and
-    values transformers' own check finds contradict each other (save_pretrained runs it, at the end of training)."""
-    known = list(config.to_dict())
+def _overrides_error(config, args, err: BaseException) -> RecipeError:
+    """The RecipeError for --config_overrides that update_from_string, the config's own check or from_config
+    refused (`config`: the config they were applied to, its keys unchanged): a key the config lacks, a value not of
+    the key's type, values that contradict each other or the rest of the config."""
+    overrides, known = args.config_overrides, list(config.to_dict())
     for key in (pair.partition("=")[0] for pair in overrides.split(",")):
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise RecipeError(
-                f"--config_overrides {overrides}: {source}'s config has no {key}{hint}; pass keys of its config.json"
+            return RecipeError(
+                f"--config_overrides {overrides}: {args.config_name}'s config has no {key}{hint}; pass keys of its "
+                "config.json"
             )
-    try:
-        config.update_from_string(overrides)
-    except ValueError as err:  # a value that does not parse as the key's type
-        raise RecipeError(
-            f"--config_overrides {overrides}: {one_line(err)}; give each key a value of the type it has in {source}'s "
-            "config.json"
-        ) from err
-    try:
-        config.validate()
-    except AttributeError:  # a config class without the check
-        pass
-    except Exception as err:  # huggingface_hub's validation error, its cause the readable one
-        raise RecipeError(
-            f"--config_overrides {overrides}: the model {source} builds from them does not run "
-            f"({one_line(err.__cause__ or err)}); give values that agree with each other and with the rest of the "
-            "config"
-        ) from err
-    return config
+    # huggingface_hub's validation error says nothing of its own: its cause is the readable one
+    what = one_line(err.__cause__) if err.__cause__ else f"{type(err).__name__}: {one_line(err)}"
+    return RecipeError(
+        f"--config_overrides {overrides}: the model {args.config_name} builds from them does not run ({what}); "
+        "give each key a value of its type in config.json, agreeing "
+        "with the others and with the rest of the config"
+    )
 
 
 # Training and evaluation --------------------------------------------------------------------------
