@@ -12,6 +12,7 @@ import difflib
 import logging
 import math
 import reprlib
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
@@ -58,8 +59,6 @@ def _check_text_args(parser, args) -> None:
         parser.error(
             "no data: pass --train_file (local txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)"
         )
-    if args.validation_file and not args.train_file:
-        parser.error("--validation_file needs --train_file")
     if args.dataset_config_name and not args.dataset_name:
         parser.error("--dataset_config_name needs --dataset_name")
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
@@ -296,17 +295,16 @@ def tokenize_and_pack(
 
     sources = {split: f"the {split} split" for split in raw} | (sources or {})
     column = text_column if data_format == "text" else "messages"
-    for split in raw:
-        if column not in (columns := raw[split].column_names):
-            if data_format == "text":
-                hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
-                message = f"--text_column {column}: not in the data (columns: {', '.join(columns)}){hint}"
-            else:
-                message = (
-                    f"--data_format chat needs a column named messages: not in the data (columns: "
-                    f"{', '.join(columns)}); pass --data_format text for plain text"
+    for split, data in raw.items():  # every split's, before the minutes of tokenizing the first
+        if column not in data.column_names:
+            columns = ", ".join(data.column_names)
+            if data_format == "chat":
+                raise RecipeError(
+                    f"{sources[split]}: --data_format chat needs a column named messages: not in the data (columns: "
+                    f"{columns}); pass --data_format text for plain text"
                 )
-            raise RecipeError(f"{sources[split]}: {message}")
+            hint = "; it looks like chat data: pass --data_format chat" if "messages" in data.column_names else ""
+            raise RecipeError(f"{sources[split]}: --text_column {column}: not in the data (columns: {columns}){hint}")
     if data_format == "chat" and not tokenizer.chat_template:
         raise RecipeError(
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
@@ -387,16 +385,12 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
             sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
         )  # fmt: skip
     workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
-    loaders = [
-        make_dataloader(
-            data[split], batch, train=train, seed=args.seed, num_workers=workers, collate_fn=default_data_collator
-        )
-        for split, batch, train in (
-            ("train", args.per_device_train_batch_size, True),
-            ("validation", args.per_device_eval_batch_size, False),
-        )
-    ]
-    return *loaders, block_size
+    loader = partial(make_dataloader, seed=args.seed, num_workers=workers, collate_fn=default_data_collator)
+    return (
+        loader(data["train"], args.per_device_train_batch_size, train=True),
+        loader(data["validation"], args.per_device_eval_batch_size, train=False),
+        block_size,
+    )
 
 
 # Models and tokenizers ----------------------------------------------------------------------------
@@ -409,20 +403,12 @@ def load_causal_lm(args, **model_kwargs):
     the weights straight into their shards. What transformers raises is one line (_load_error)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    pretrained, trust, config = bool(args.model_name_or_path), args.trust_remote_code, None
+    pretrained, trust, tokenizer, config = bool(args.model_name_or_path), args.trust_remote_code, None, None
     flag, source = (
         ("--model_name_or_path", args.model_name_or_path) if pretrained else ("--config_name", args.config_name)
     )
-    tokenizer_flag, tokenizer_name = (
-        ("--tokenizer_name", args.tokenizer_name) if args.tokenizer_name else (flag, source)
-    )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust)
-    except Exception as err:  # transformers, tokenizers, sentencepiece and json raise whatever they raise
-        raise _load_error(tokenizer_flag, tokenizer_name, err, tokenizer=True) from err
-    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
         if pretrained:
             model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
         else:
@@ -431,10 +417,15 @@ def load_causal_lm(args, **model_kwargs):
                 config.update_from_string(args.config_overrides)
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
-    except Exception as err:  # transformers, safetensors, json and the model's own code raise whatever they raise
+    except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if config is not None and args.config_overrides:  # the config loaded: its overrides are what failed
             raise _overrides_error(config, args, err) from err
-        raise _load_error(flag, source, err, model_kwargs.get("attn_implementation")) from err
+        named = (
+            ("--tokenizer_name", args.tokenizer_name) if tokenizer is None and args.tokenizer_name else (flag, source)
+        )
+        raise _load_error(*named, err, model_kwargs.get("attn_implementation"), tokenizer=tokenizer is None) from err
+    if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
+        tokenizer.pad_token = tokenizer.eos_token
     vocab = getattr(model.config, "vocab_size", None)
     if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
         logger.info(
