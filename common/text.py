@@ -505,8 +505,7 @@ def _overrides_error(config, args, err: BaseException) -> RecipeError:
     what = one_line(err.__cause__) if err.__cause__ else f"{type(err).__name__}: {one_line(err)}"
     return RecipeError(
         f"--config_overrides {overrides}: the model {args.config_name} builds from them does not run ({what}); "
-        "give each key a value of its type in config.json, agreeing "
-        "with the others and with the rest of the config"
+        "give each key a value of its type in config.json, agreeing with the others and with the rest of the config"
     )
 
 
