@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .args import at_least
 from .data import make_dataloader, prepare_data_first
+from .preemption import Preempted
 from .runtime import RecipeError, causes, check_path, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
@@ -140,6 +141,17 @@ def _not_utf8(err: UnicodeDecodeError) -> str:
     )
 
 
+def _stop_or_os_error(err: BaseException) -> None:
+    """Re-raise, before `err` is taken for a fault of the user's data or model, a stop signal that landed while a
+    library was loading (datasets wraps it in its own error), and an operating-system error about a path (a cache
+    that cannot be written, say), which common.exit_codes says with the option the path came from."""
+    found = causes(err)
+    if stop := next((e for e in found if isinstance(e, Preempted)), None):
+        raise stop
+    if any(isinstance(e, OSError) and e.filename for e in found):
+        raise err
+
+
 def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
     """datasets.load_dataset(builder, ...) (a local file `path` read as the format `builder`), what it, pyarrow or
     pandas raise about the data as one line naming `source` and what to do. An operating-system error about a path
@@ -151,9 +163,8 @@ def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
     try:
         return load_dataset(builder, *load_args, **load_kwargs)
     except Exception as err:
+        _stop_or_os_error(err)
         found = causes(err)
-        if any(isinstance(e, OSError) and e.filename for e in found):
-            raise
         decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
         cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
         what = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}".rstrip(": ")
@@ -418,6 +429,7 @@ def load_causal_lm(args, **model_kwargs):
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
+        _stop_or_os_error(err)
         if config is not None and args.config_overrides:  # the config loaded: its overrides are what failed
             raise _overrides_error(config, args, err) from err
         named = (
