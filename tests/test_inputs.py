@@ -654,6 +654,7 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
         ("hidden_size=30", "(The hidden size (30) is not a multiple of the number of attention heads (4))"),
         ("vocab_size=-3", "does not run (RuntimeError: Trying to create tensor with negative dimension"),
         ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
+        ("architectures=x", "(TypeError: You can only update int, float, bool or string values in the config"),
     ],
 )
 def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
