@@ -125,11 +125,7 @@ class TrainLog:
     def check_finite(self, step: int, model) -> None:
         """Before a checkpoint or the final save: raise if the loss since the last log, or the weights this process
         holds (its ZeRO-3 or FSDP shard, or the whole model), are NaN or inf, so nothing diverged is saved."""
-        local = (
-            p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
-            for p in model.parameters()
-        )
-        sums, times = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in local)))
+        sums, times = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
         self.per_rank += times
         self._times = [0, 0.0, 0.0]
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
@@ -196,11 +192,15 @@ def count_parameters(model, trainable_only=False) -> int:
 
 def parameters_per_process(accelerator, model) -> list:
     """Parameter elements each process holds: all of them under DDP, about 1/N under ZeRO-3 or FSDP."""
-    held = (
+    return accelerator.gather(torch.tensor([sum(t.numel() for t in held(model))], device=accelerator.device)).tolist()
+
+
+def held(model):
+    """The parameter tensors this process holds: its ZeRO-3 or FSDP shard of each, or the whole of each."""
+    return (
         p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
         for p in model.parameters()
     )
-    return accelerator.gather(torch.tensor([sum(t.numel() for t in held)], device=accelerator.device)).tolist()
 
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 per GPU (datasheets, SXM)
