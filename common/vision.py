@@ -63,8 +63,13 @@ def load_images(args):
         train, evals = _image_sets(args)
     folder = args.dataset == "imagefolder"
     size, mean, std = (args.image_size, IMAGENET_MEAN, IMAGENET_STD) if folder else (32, CIFAR_MEAN, CIFAR_STD)
-    if args.pretrained:  # the weights expect the inputs they were trained on
-        mean, std = published_normalization(args.model)
+    if args.pretrained:  # the weights expect the inputs they were trained on: timm's config, torchvision's preset
+        cfg = (
+            timm_weights(args.model, pretrained=True)
+            if args.model.startswith("timm/")
+            else torchvision.models.get_model_weights(args.model).DEFAULT.transforms()
+        )
+        mean, std = tuple(cfg.mean), tuple(cfg.std)
     return train, evals, size, mean, std, len(train.classes)
 
 
@@ -82,18 +87,18 @@ def _image_sets(args):
         check_path(flag, folder, folder=True)
         try:
             folders.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
-        except OSError as err:  # no class folders, no images in them
+        except OSError as err:  # torchvision's: no class folders, no images in them
             raise RecipeError(
                 f"{flag} {folder}: {one_line(err)}; --dataset imagefolder needs a folder with one sub-folder of "
                 "images per class"
             ) from err
     train, evals = folders
-    only = {
-        flag: sorted(set(a.classes) - set(b.classes))
-        for flag, a, b in (("--val_dir", evals, train), ("--train_dir", train, evals))
-    }
-    if any(only.values()):
-        where = "; ".join(f"only in {flag}: {', '.join(names)}" for flag, names in only.items() if names)
+    if train.classes != evals.classes:  # ImageFolder sorts them: the same folders make the same list
+        where = "; ".join(
+            f"only in {flag}: {', '.join(sorted(set(a.classes) - set(b.classes)))}"
+            for flag, a, b in (("--val_dir", evals, train), ("--train_dir", train, evals))
+            if set(a.classes) - set(b.classes)
+        )
         raise RecipeError(
             f"{args.train_dir} and {args.val_dir} have different class folders ({where}); give both the same "
             "class sub-folders, so that a label means the same class in each"
@@ -146,32 +151,21 @@ def _check_model_args(parser, args) -> None:
             f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
             "see (the images are resized to it), such as 224"
         )
-    if problem := model_problem(args.model, size, batch, args.dataset, args.pretrained):
-        parser.error(problem)
+    try:
+        check_model(args.model, size, batch, args.dataset, args.pretrained)
+    except RecipeError as err:  # what building the model would meet after the data is read, said now
+        parser.error(str(err))
 
 
-def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
-    """Why --model cannot train on `size`-pixel images in batches of `batch`, or None: a name that is no model, and
-    a forward on the meta device (shapes only, no memory, no compute), where too small an input fails as it would
-    in training or reaches a layer that strides over a single pixel."""
+def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> None:
+    """Refuse (RecipeError) --model `name` where it cannot train on `size`-pixel images in batches of `batch`: a
+    name that is no model, weights that are not published, and a forward on the meta device (shapes only, no
+    memory, no compute), where too small an input fails as it would in training or reaches a layer that strides
+    over a single pixel."""
     if name.startswith("timm/"):
-        with contextlib.suppress(RecipeError):
-            timm_weights(name)  # imports timm, or says how to install it
-        try:
-            import timm
-        except ImportError:
-            return f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
-        if not timm.is_model(name[5:]):
-            close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
-            hint = f" (did you mean timm/{' or timm/'.join(close)}?)" if close else ""
-            return f"--model {name}: not a timm model{hint}; pass timm/ and a name from timm.list_models()"
-        if ("." in name or pretrained) and timm_weights(name) is None:
-            return (
-                f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
-                f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
-            )
+        timm_weights(name, pretrained)  # timm is installed, the name is a model's, its weights published if asked
     elif name == "resnet18_cifar" and pretrained:
-        return (
+        raise RecipeError(
             "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 (or "
             "another torchvision or timm/ model) with --pretrained, or --pretrained_path"
         )
@@ -180,7 +174,7 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
     ):
         close = difflib.get_close_matches(name, models, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        return (
+        raise RecipeError(
             f"--model {name}: not a torchvision classification model{hint}; pass resnet18_cifar or a name from "
             "torchvision.models.list_models(module=torchvision.models)"
         )
@@ -188,7 +182,7 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
         with torch.device("meta"):
             model = new_model(name, 10).train()  # batch norm's one-value-per-channel check is a training one
     except Exception:  # a model whose construction needs real data cannot be checked this way
-        return None
+        return
 
     def fails(size, batch=2):
         collapsed = []
@@ -212,50 +206,50 @@ def model_problem(name, size, batch, dataset="imagefolder", pretrained=False):
     if problem := fails(size):
         sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
         if (fits := next((s for s in sizes if s > size and not fails(s)), None)) is None:
-            return None  # no size passes on the meta device: this model cannot be checked there
+            return  # no size passes on the meta device: this model cannot be checked there
         if dataset != "imagefolder":
-            return (
+            raise RecipeError(
                 f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: use "
                 f"--model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size {fits}"
             )
-        return (
+        raise RecipeError(
             f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size it "
             "takes), or choose another --model"
         )
     if batch == 1 and fails(size, batch=1):
-        return (
+        raise RecipeError(
             f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
             "--per_device_train_batch_size 1; pass 2 or more"
         )
-    return None
 
 
 # Models -------------------------------------------------------------------------------------------
 
 
-def timm_weights(name):
-    """timm's config of the weights of timm/NAME[.TAG] (mean, std, where they are), or None if it has none."""
+def timm_weights(name, pretrained=False):
+    """timm's config of the published weights of --model timm/NAME[.TAG] (their mean and std, where they are), or
+    None; refused (RecipeError) if timm is not installed, NAME is no timm model, or weights timm does not publish
+    are asked for (a TAG, or `pretrained`)."""
     try:
         import timm
     except ImportError as err:
         raise RecipeError(
             f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
         ) from err
-    try:
+    if not timm.is_model(name[5:]):
+        close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
+        hint = f" (did you mean timm/{' or timm/'.join(close)}?)" if close else ""
+        raise RecipeError(f"--model {name}: not a timm model{hint}; pass timm/ and a name from timm.list_models()")
+    with contextlib.suppress(RuntimeError):  # an unknown tag
         cfg = timm.models.get_pretrained_cfg(name[5:])
-    except RuntimeError:  # an unknown tag
-        return None
-    return cfg if cfg and (cfg.hf_hub_id or cfg.url) else None
-
-
-def published_normalization(name):
-    """(mean, std) of the inputs --model `name`'s published weights were trained on."""
-    cfg = (
-        timm_weights(name)
-        if name.startswith("timm/")
-        else torchvision.models.get_model_weights(name).DEFAULT.transforms()
-    )
-    return tuple(cfg.mean), tuple(cfg.std)
+        if cfg and (cfg.hf_hub_id or cfg.url):
+            return cfg
+    if "." in name or pretrained:
+        raise RecipeError(
+            f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
+            f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+        )
+    return None
 
 
 def build_model(args, num_classes: int, on_gpu: bool):
@@ -274,7 +268,7 @@ def build_model(args, num_classes: int, on_gpu: bool):
 def new_model(name, num_classes, pretrained=False):
     """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
     if name.startswith("timm/"):
-        cfg = timm_weights(name)  # and import timm, or say how to install it
+        cfg = timm_weights(name, pretrained)  # and import timm, or say how to install it
         import timm
 
         try:  # timm reads safetensors or torch.load(weights_only=True), and makes the new head itself
