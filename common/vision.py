@@ -184,24 +184,20 @@ def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> N
     except Exception:  # a model whose construction needs real data cannot be checked this way
         return
 
-    def fails(size, batch=2):
-        collapsed = []
-
-        def check(module, inputs):
+    def check(module, inputs):  # a strided layer whose input is smaller than its stride
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
             stride = module.stride if isinstance(module.stride, tuple) else (module.stride,) * 2
             if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
-                collapsed.append(f"a {type(module).__name__} strides over a single pixel")
+                raise ValueError(f"a {type(module).__name__} strides over a single pixel")
 
-        layers = (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d)
-        hooks = [m.register_forward_pre_hook(check) for m in model.modules() if isinstance(m, layers)]
+    def fails(size, batch=2):
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
         try:
             model(torch.empty(batch, 3, size, size, device="meta"))
-        except Exception as err:  # the model's own shape errors: a kernel larger than its input, ViT's fixed size
+        except Exception as err:  # that, or the model's own shape errors: a kernel larger than its input, ViT's size
             return one_line(err)
         finally:
-            for hook in hooks:
-                hook.remove()
-        return collapsed[0] if collapsed else None
+            hook.remove()
 
     if problem := fails(size):
         sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
@@ -307,13 +303,13 @@ def new_model(name, num_classes, pretrained=False):
             setattr(model, aux, None)
             model.aux_logits = False
     (head,) = head_names(model)
-    old, (parent, _, leaf) = model.get_submodule(head), head.rpartition(".")
+    old = model.get_submodule(head)
     new = (
         torch.nn.Linear(old.in_features, num_classes)
         if isinstance(old, torch.nn.Linear)
         else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size)
     )
-    setattr(model.get_submodule(parent), leaf, new)
+    model.set_submodule(head, new)
     return model
 
 
@@ -324,10 +320,6 @@ def head_names(model) -> list:
         heads = model.get_classifier() if isinstance(model.get_classifier(), tuple) else (model.get_classifier(),)
         return [name for name, m in model.named_modules() if any(m is head for head in heads)]
     return [[name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))][-1]]
-
-
-def head_parameters(model) -> set:
-    return {id(p) for name in head_names(model) for p in model.get_submodule(name).parameters()}
 
 
 def load_weights(model, path, name):
@@ -345,7 +337,7 @@ def load_weights(model, path, name):
         ) from err
     own = model.state_dict()
     head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
-    new_head = sorted(k for k in head if k not in state or state[k].shape != own[k].shape)
+    fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
     counted = lambda k: k not in head and "num_batches_tracked" not in k  # noqa: E731
     misfits = {
         "missing": [k for k in own if k not in state and counted(k)],
@@ -353,7 +345,7 @@ def load_weights(model, path, name):
         "of another shape": [
             f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
             for k in state
-            if k in own and counted(k) and state[k].shape != own[k].shape
+            if k in own and k not in fits and counted(k)
         ],
     }
     if any(misfits.values()):
@@ -362,7 +354,8 @@ def load_weights(model, path, name):
             f"--pretrained_path {path}: does not fit --model {name} ({found}); pass weights of that architecture, or "
             "the --model they belong to"
         )
-    model.load_state_dict({k: v for k, v in state.items() if k not in new_head}, strict=False)
+    model.load_state_dict(fits, strict=False)
+    new_head = sorted(head - fits.keys())  # the file's is for another number of classes, or missing
     logger.info(
         f"loaded {path}" + (f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else "")
     )
@@ -372,18 +365,17 @@ def freeze_backbone(model):
     """Train only the head: the other parameters stop requiring gradients (before prepare, so DDP neither syncs
     nor waits for them), and BatchNorm becomes FrozenBatchNorm2d, so the backbone computes what it was trained to
     whatever the batch and the number of processes."""
-    head, total = head_parameters(model), count_parameters(model)
-    for p in model.parameters():
-        p.requires_grad_(id(p) in head)
+    total = count_parameters(model)
+    model.requires_grad_(False)
+    for head in head_names(model):
+        model.get_submodule(head).requires_grad_(True)
     if hasattr(model, "get_classifier"):  # timm's own, which also knows its BatchNormAct2d
         import timm
 
         model = timm.layers.freeze_batch_norm_2d(model)
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if type(child) is torch.nn.BatchNorm2d:
-                setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(child.num_features, child.eps))
-                getattr(parent, name).load_state_dict(child.state_dict())
+    for parent, name, norm in _layers(model, torch.nn.BatchNorm2d):
+        setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
+        getattr(parent, name).load_state_dict(norm.state_dict())
     trained = count_parameters(model, True)
     logger.info(
         f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained:,} of {total:,} parameters"
@@ -404,19 +396,21 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
             return timm.layers.convert_sync_batchnorm(model)
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if kind == "group":
-        for parent in list(model.modules()):
-            for name, child in parent.named_children():
-                if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
-                    norm = torch.nn.GroupNorm(
-                        max(g for g in range(1, 33) if child.num_features % g == 0), child.num_features
-                    )
-                    # timm's BatchNormAct2d also drops out and activates
-                    setattr(
-                        parent,
-                        name,
-                        torch.nn.Sequential(norm, child.drop, child.act) if hasattr(child, "act") else norm,
-                    )
+        for parent, name, bn in _layers(model, torch.nn.modules.batchnorm._BatchNorm):
+            norm = torch.nn.GroupNorm(max(g for g in range(1, 33) if bn.num_features % g == 0), bn.num_features)
+            # timm's BatchNormAct2d also drops out and activates
+            setattr(parent, name, torch.nn.Sequential(norm, bn.drop, bn.act) if hasattr(bn, "act") else norm)
     return model
+
+
+def _layers(model, kind) -> list:
+    """(parent, name, layer) of every `kind` layer in `model`, listed before any is replaced."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, kind)
+    ]
 
 
 def param_groups(model, args) -> list:
@@ -426,7 +420,7 @@ def param_groups(model, args) -> list:
     groups = decay_groups(model, args.weight_decay)
     if args.head_lr_scale == 1:
         return groups
-    head = head_parameters(model)
+    head = {id(p) for name in head_names(model) for p in model.get_submodule(name).parameters()}
     groups = [
         {**g, "params": [p for p in g["params"] if (id(p) in head) == is_head], "lr_scale": scale}
         for is_head, scale in ((False, 1.0), (True, args.head_lr_scale))
