@@ -184,20 +184,20 @@ def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> N
     except Exception:  # a model whose construction needs real data cannot be checked this way
         return
 
-    def check(module, inputs):  # a strided layer whose input is smaller than its stride
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
-            stride = module.stride if isinstance(module.stride, tuple) else (module.stride,) * 2
-            if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
-                raise ValueError(f"a {type(module).__name__} strides over a single pixel")
+    def check(layer, inputs):  # the meta model is thrown away: its hooks with it
+        stride = layer.stride if isinstance(layer.stride, tuple) else (layer.stride,) * 2
+        if any(s > 1 and n < s for n, s in zip(inputs[0].shape[-2:], stride)):
+            raise ValueError(f"a {type(layer).__name__} strides over a single pixel")
+
+    for layer in model.modules():
+        if isinstance(layer, (torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
+            layer.register_forward_pre_hook(check)
 
     def fails(size, batch=2):
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
         try:
             model(torch.empty(batch, 3, size, size, device="meta"))
         except Exception as err:  # that, or the model's own shape errors: a kernel larger than its input, ViT's size
             return one_line(err)
-        finally:
-            hook.remove()
 
     if problem := fails(size):
         sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
