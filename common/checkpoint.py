@@ -280,6 +280,26 @@ def _install(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete what a save wrote in the checkpoint at `path` (the files its marker lists, then the marker) and the
+    folders that leaves empty: a file someone added there stays, with the folders that hold it, and a folder
+    without a marker is not a checkpoint of ours and stays whole."""
+    try:
+        listed = {Path(name) for name in read_state(path).get("files", {})} | {Path(STATE_FILE)}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    if all(f.relative_to(path) in listed for f in path.rglob("*") if not f.is_dir()):
+        shutil.rmtree(path)  # nothing else there: the usual case
+        return
+    for name in listed - {Path(STATE_FILE)}:
+        if not name.is_absolute() and ".." not in name.parts:
+            (path / name).unlink(missing_ok=True)
+    (path / STATE_FILE).unlink(missing_ok=True)
+    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [path]:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def checkpoint_step(path: Path) -> int:
     return int(path.name.rsplit("-", 1)[1])
 
@@ -303,7 +323,7 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
     keep = {final, *[p for p in written if p == final or not _size_damage(p)[0]][-total_limit:]}
     for old in written[: written.index(final)]:
         if old not in keep:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
             logger.info(f"deleted {old} (--save_total_limit {total_limit})")
 
 

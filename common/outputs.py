@@ -34,6 +34,7 @@ from .checkpoint import (
     nearest_existing,
     not_a_checkpoint,
     record_written,
+    remove_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
@@ -203,19 +204,24 @@ def _finished(output_dir: Path) -> str | None:
 
 
 def _start_over(output_dir: Path) -> None:
-    """--overwrite_output_dir: delete what this project's runs wrote, named as they name it: checkpoint-<step>/ and
-    its temporary forms, results.json, the files save_model recorded, temporary files. Everything else (a user's
-    best-checkpoint/, notes, tracker logs) stays."""
+    """--overwrite_output_dir: delete what this project's runs wrote, named as they name it: what each save wrote
+    in checkpoint-<step>/ (its marker lists it), the temporary forms of a save, results.json, the files save_model
+    recorded. Everything else (a user's best-checkpoint/, notes inside a checkpoint, a checkpoint-<step>/ no save
+    wrote, tracker logs) stays."""
     if not output_dir.is_dir():
         return
     names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
+    saved = lambda p: _ours(p) and (TMP_CHECKPOINT_RE.fullmatch(p.name) or (p / STATE_FILE).is_file())  # noqa: E731
     found = sorted(
-        (p for p in output_dir.iterdir() if _ours(p) or p.name in names), key=lambda p: (not _ours(p), p.name)
+        (p for p in output_dir.iterdir() if saved(p) or p.name in names), key=lambda p: (not _ours(p), p.name)
     )
     if found:
         logger.warning(f"--overwrite_output_dir: deleting the earlier run's {', '.join(p.name for p in found)}")
     for path in sorted(found, key=lambda p: p.name != RESULTS_FILE):  # results.json first: no longer finished
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if CHECKPOINT_RE.fullmatch(path.name):
+            remove_checkpoint(path)
+        else:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _check_writable(accelerator, output_dir: Path) -> None:

@@ -69,6 +69,23 @@ def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
 
 
+def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path):
+    """A checkpoint folder holds what its save wrote, listed in its marker: --overwrite_output_dir and
+    --save_total_limit delete that, not a note a user put beside it, nor a checkpoint-<step>/ no save wrote."""
+    out = tmp_path / "run"
+    for step in (2, 4):
+        ckpt.write_checkpoint(acc[0], out, step, {"args": {}}, model=acc[1])
+    (out / "checkpoint-2" / "my_eval.txt").write_text("mine")
+    (out / "checkpoint-999").mkdir()
+    (out / "checkpoint-999" / "notes.txt").write_text("mine")
+    ckpt.write_checkpoint(acc[0], out, 6, {"args": {}}, total_limit=1, model=acc[1])  # rotates 2 and 4 out
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-6", "checkpoint-999"]
+    assert [p.name for p in (out / "checkpoint-2").iterdir()] == ["my_eval.txt"]
+    outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True))
+    assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "checkpoint-2", "checkpoint-999"]
+    assert (out / "checkpoint-2" / "my_eval.txt").read_text() == (out / "checkpoint-999" / "notes.txt").read_text()
+
+
 def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
     """An --output_dir inside --train_dir would add its folder to the data (an ImageFolder takes it for a class)."""
     (tmp_path / "train" / "cat").mkdir(parents=True)
