@@ -206,6 +206,12 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     old = {key: state.get(key) for key in LAYOUT}
     new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
     start = _position(state, plan, old)
+    if args.max_train_steps is not None and start.step > args.max_train_steps:  # it would only save these weights
+        raise RecipeError(
+            f"checkpoint {resume} is at step {start.step}, past --max_train_steps {args.max_train_steps}: there is "
+            f"nothing to train, and the run's model would become this checkpoint's; pass --max_train_steps "
+            f"{start.step} or more, or an earlier checkpoint"
+        )
     if old == new:
         logger.info(described)
         return plan, start

@@ -341,6 +341,13 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
         out,
         "was written with --seed 42, which fixes the order of the data it has not trained yet; resume with --seed 42",
     )
+    past = ["--max_train_steps", "1", "--resume_from_checkpoint", "latest"]  # would replace the model with step 2's
+    refused(
+        [BIN / "python", LM, *lm_args(tiny_lm, out, *past)],
+        out,
+        "is at step 2, past --max_train_steps 1: there is nothing to train, and the run's model would become this "
+        "checkpoint's; pass --max_train_steps 2 or more, or an earlier checkpoint",
+    )
     proc = run(
         [
             BIN / "python",
