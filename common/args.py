@@ -230,7 +230,8 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
         p.register("type", name, kind)
     p.checks += [_check_warmup, _check_timeouts]
     t = p.add_argument_group("training (shared by every recipe)").add_argument
-    t("--output_dir")
+    # ~ as the inputs' paths take it: a shell leaves it as it is in --output_dir=~/x
+    t("--output_dir", type=os.path.expanduser)
     t("--per_device_train_batch_size", type="positive_int")
     t("--per_device_eval_batch_size", type="positive_int")
     t("--gradient_accumulation_steps", type="positive_int")
@@ -245,7 +246,11 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--num_train_epochs", type="positive_int")
     t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
-    t("--resume_from_checkpoint", help="'latest' (in --output_dir) or a checkpoint-<step> folder")
+    t(
+        "--resume_from_checkpoint",
+        type=os.path.expanduser,
+        help="'latest' (in --output_dir) or a checkpoint-<step> folder",
+    )
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")
     t("--overwrite_output_dir", action="store_true", help="start over where an earlier run is (deletes what it wrote)")
     t("--logging_steps", type="positive_int")

@@ -7,6 +7,7 @@ path: one `error:` line, exit code 2, no output folder.
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import struct
@@ -367,6 +368,13 @@ def test_a_tracker_that_is_not_installed_is_refused():
     with pytest.raises(SystemExit) as exit_:
         RECIPES["cifar"].parse_args(["--report_to", missing])
     assert exit_.value.code == 2
+
+
+def test_a_tilde_in_output_dir_is_home_as_in_the_input_paths():
+    """A shell expands ~ only at a word's start: --output_dir=~/out reaches the recipe as it is."""
+    args = RECIPES["cifar"].parse_args(["--output_dir=~/out", "--resume_from_checkpoint=~/out/checkpoint-2"])
+    assert args.output_dir == os.path.expanduser("~/out") and not args.output_dir.startswith("~")
+    assert args.resume_from_checkpoint == os.path.expanduser("~/out/checkpoint-2")
 
 
 def test_valid_arguments_still_parse():
