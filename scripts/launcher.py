@@ -324,6 +324,8 @@ def main(argv: list[str]) -> int:
 
     print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
     os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # a group's launcher sets these; left
+        os.environ.pop(name, None)  # from another job, they would make a process of one take itself for a rank
     if "--dry_run" in ours:
         return 0
     if recipe == "doctor":  # this node's report first: it needs no other node

@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, cpu_env, digits_args, lm_args, preempted_at, results, run, user_env
+from conftest import BIN, REPO, cpu_env, digits_args, lm_args, preempted_at, results, run, user_env
 
 LAUNCH = REPO / "launch.sh"
 
@@ -509,3 +509,23 @@ def test_a_stop_while_launch_sh_prepares_is_one_line(tiny_lm, tmp_path, sig):
         [f"launch.sh: stopped by {by} before training; nothing was saved (exit {code})"],
     ), text
     assert not out.exists() or {p.name for p in out.iterdir()} <= {".run.lock"}
+
+
+@pytest.mark.slow
+def test_variables_left_from_another_job_do_not_make_a_process_of_one_a_rank(tiny_lm, tmp_path):
+    """WORLD_SIZE and RANK left in the shell by another job: launch.sh's process of one trains alone (a group's
+    launcher sets them; launch.sh drops stale ones), and the recipe started by hand with them says so in one line."""
+    env = cpu_env(WORLD_SIZE="4", RANK="2")
+    out = tmp_path / "run"
+    run(
+        [REPO / "launch.sh", "lm_finetune", "--num_processes", "1", *lm_args(tiny_lm, out, "--max_train_steps", "1")],
+        env=env,
+    )
+    assert results(out)["world_size"] == 1
+    by_hand = tmp_path / "by_hand"
+    proc = run([BIN / "python", REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, by_hand)], env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: WORLD_SIZE=4 is set, but no launcher started this process as one of a group (no MASTER_ADDR): left "
+        "from another job? unset WORLD_SIZE and RANK, and start the processes with ./launch.sh or accelerate launch"
+    ), proc.stderr[-2000:]
+    assert not by_hand.exists()
