@@ -241,6 +241,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     checkpoint), a stuck collective fails after --ddp_timeout, and hosts without GPUs get gloo explicitly
     (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
+    _refuse_known_bad_versions(expected)
     if expected > 1 and not os.environ.get("MASTER_ADDR"):  # every launcher of a group sets both
         raise RecipeError(
             f"WORLD_SIZE={expected} is set, but no launcher started this process as one of a group (no MASTER_ADDR): "
@@ -248,7 +249,6 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             "accelerate launch",
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )
-    _refuse_known_bad_versions(expected)
     _processes_asked(expected)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")  # the config's use_cpu, as accelerate launch passes it
