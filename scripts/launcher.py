@@ -236,6 +236,7 @@ def main(argv: list[str]) -> int:
     port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
     rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
     grace = number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120
+    number("OMP_NUM_THREADS", env("OMP_NUM_THREADS"), 1, "a positive number of threads")  # accelerate reads it too
     precision = ours.get("--mixed_precision")
     if precision not in (None, "no", "bf16", "fp16"):
         die(f"--mixed_precision must be no, bf16 or fp16, got {precision!r}")

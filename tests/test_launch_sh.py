@@ -209,6 +209,7 @@ INVALID = [
     (["cifar"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}, f"{SHUTDOWN} got '0'"),  # no time to save at all
     (["cifar"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2m"}, f"{SHUTDOWN} got '2m'"),
     (["cifar"], {"MASTER_ADDR": "node 1"}, "MASTER_ADDR must be a host name or an IP address, got 'node 1'"),
+    (["cifar"], {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS must be a positive number of threads, got 'abc'"),
 ]
 
 
