@@ -213,6 +213,8 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "recipe": args.recipe,
         **model_signature(model),
         "distributed_type": accelerator.distributed_type.value,
+        "zero_stage": _zero_stage(accelerator),
+        "mixed_precision": accelerator.mixed_precision,
         "world_size": accelerator.num_processes,
         "per_device_train_batch_size": plan.per_device_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
@@ -403,12 +405,19 @@ def model_signature(model) -> dict:
     }
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str) -> dict:
+def _zero_stage(accelerator) -> int | None:
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else None
+
+
+def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, changed=()) -> dict:
     """Restore the state saved at `path` into the prepared model and optimizer; return its trainer state. Another
     recipe's, another model's, or another distributed strategy's checkpoint is refused with a line saying whose it
-    is. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the checkpoint's; the
-    learning rate is the schedule's of this run's `plan`."""
+    is, and `changed` (the settings this run changed, plan.changed_settings) named where a refusal or a failure to
+    load may come from them. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the
+    checkpoint's; the learning rate is the schedule's of this run's `plan`."""
     state = read_state(path)
+    differs = f"; this run differs from it in {', '.join(changed)}" if changed else ""
     if state.get("recipe", recipe) != recipe:
         raise RecipeError(
             f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is recipes/{recipe}.py; resume it "
@@ -418,19 +427,24 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str) -> d
     if any(state.get(key, identity[key]) != identity[key] for key in ("model_signature", "model_buffers")):
         raise RecipeError(
             f"checkpoint {path} holds another model ({state.get('model_parameters', 0):,} parameters, this run's has "
-            f"{identity['model_parameters']:,}); resume with the model arguments that wrote it (its {STATE_FILE} "
-            "lists them under args), or use another --output_dir"
+            f"{identity['model_parameters']:,}){differs}; resume with the model arguments that wrote it (its "
+            f"{STATE_FILE} lists them under args), or use another --output_dir"
         )
+    stages = (state.get("zero_stage"), _zero_stage(accelerator) if "zero_stage" in state else None)
     layout = [
-        t if t in ("DEEPSPEED", "FSDP") else "DDP"
-        for t in (state.get("distributed_type"), accelerator.distributed_type.value)
+        (t if t in ("DEEPSPEED", "FSDP") else "DDP") + (f" ZeRO-{stage}" if t == "DEEPSPEED" and stage else "")
+        for t, stage in zip((state.get("distributed_type"), accelerator.distributed_type.value), stages)
     ]
     if "distributed_type" in state and layout[0] != layout[1]:  # each writes the model and optimizer its own way
         raise RecipeError(
-            f"checkpoint {path} was written under {state['distributed_type']}, this run is "
-            f"{accelerator.distributed_type.value}, and each keeps the model and optimizer state in files of its "
-            f"own layout; resume with an accelerate config of the checkpoint's kind ({layout[0]}), or use another "
-            "--output_dir"
+            f"checkpoint {path} was written under {layout[0]}, this run is {layout[1]}, and each keeps the model "
+            f"and optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's "
+            f"kind ({layout[0]}), or use another --output_dir"
+        )
+    if state.get("mixed_precision", accelerator.mixed_precision) != accelerator.mixed_precision:
+        logger.warning(
+            f"resuming {path} with another mixed precision: {state['mixed_precision']} -> "
+            f"{accelerator.mixed_precision}"
         )
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
@@ -438,11 +452,14 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str) -> d
             _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
         else:
             accelerator.load_state(str(path))
-    except Exception as err:  # a truncated file, another model's weights, a missing shard
+    except Exception as err:  # a truncated file, another model's weights, a missing shard; or what this run changed
+        fix = (
+            f"{differs[2:]}: resume with the checkpoint's settings, or use another --output_dir"
+            if changed
+            else "pass another checkpoint-<step> folder, or `latest` to pick the newest intact one"
+        )
         raise RecipeError(
-            f"could not load checkpoint {path}: {one_line(err)}; pass another checkpoint-<step> folder, or `latest` "
-            "to pick the newest intact one",
-            same_on_every_rank=False,
+            f"could not load checkpoint {path}: {one_line(err)}; {fix}", same_on_every_rank=False
         ) from err
     for group, settings in zip(optimizer.param_groups, fresh):  # this run's, not the checkpoint's (plan_run lists)
         group.update(settings)

@@ -189,9 +189,7 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
             f"the checkpoint was written with --seed {saved_args['seed']}, which fixes the order of the data it has "
             f"not trained yet; resume with --seed {saved_args['seed']}"
         )
-    shown = public_args(args)
-    changed = [f"--{k} {saved_args[k]} -> {v}" for k, v in shown.items() if k in saved_args and saved_args[k] != v]
-    changed = [c for c in changed if c.split()[0][2:] not in RUN_CONTROL]
+    changed = changed_settings(saved_args, args)
     if state.get("data_fingerprint", plan.data_fingerprint) != plan.data_fingerprint or (
         state.get("num_samples", num_samples) != num_samples  # a checkpoint from before fingerprints
     ):
@@ -244,6 +242,15 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         f"its order, schedule at sample {start.seen:,} of {plan.total_samples:,}; {steps} more steps{note}"
     )
     return plan, start
+
+
+def changed_settings(saved_args: dict, args) -> list:
+    """`--name old -> new` for each argument that decides the computation and differs from a checkpoint's."""
+    return [
+        f"--{k} {saved_args[k]} -> {v}"
+        for k, v in public_args(args).items()
+        if k in saved_args and saved_args[k] != v and k not in RUN_CONTROL
+    ]
 
 
 def _position(state: dict, plan: TrainingPlan, old_layout: dict) -> Position:

@@ -144,7 +144,8 @@ def test_a_checkpoint_resumes_only_its_own_data_and_lists_every_setting_that_cha
 
 @pytest.mark.slow
 def test_another_norm_layer_is_another_model(digits, tmp_path):
-    """GroupNorm in place of BatchNorm: the same parameters, other buffers. Refused, not loaded into other layers."""
+    """GroupNorm in place of BatchNorm: the same parameters, other buffers. Refused, not loaded into other layers,
+    naming the setting that made it another."""
     out = tmp_path / "run"
     args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "2", "--checkpointing_steps", "2")
     run([BIN / "python", REPO / "recipes/cifar.py", *args, "--dataloader_num_workers", "0"])
@@ -152,6 +153,16 @@ def test_another_norm_layer_is_another_model(digits, tmp_path):
     proc = run([BIN / "python", REPO / "recipes/cifar.py", *again], check=False)
     lines = error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and "holds another model" in lines[0], proc.stderr[-3000:]
+    assert "this run differs from it in --norm_layer batch -> group; resume with the model arguments" in lines[0]
+    # Another optimizer: the same model, another optimizer state, which fails to load: the change named as the cause
+    again = [*args, "--optimizer", "adamw", "--resume_from_checkpoint", out / "checkpoint-2"]
+    proc = run([BIN / "python", REPO / "recipes/cifar.py", *again], check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].endswith(
+        "this run differs from it in --optimizer sgd -> adamw: resume with the checkpoint's settings, or use another "
+        "--output_dir"
+    ), lines[0]
 
 
 # 4. What the user asked for runs, or nothing runs -------------------------------------------------

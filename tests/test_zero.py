@@ -131,10 +131,17 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
         check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
-        f"error: checkpoint {checkpoint} was written under DEEPSPEED, this run is NO, and each keeps the model and "
-        "optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's kind "
-        "(DEEPSPEED), or use another --output_dir"
+        f"error: checkpoint {checkpoint} was written under DEEPSPEED ZeRO-3, this run is DDP, and each keeps the "
+        "model and optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's "
+        "kind (DEEPSPEED ZeRO-3), or use another --output_dir"
     ], proc.stderr[-3000:]
+    # Under ZeRO-2, whose files are not ZeRO-3's either: the stage named, not DeepSpeed's AssertionError.
+    zero2 = tmp_path / "zero2"
+    proc = deepspeed("zero2", 1, *lm_args(tiny_lm, zero2, *args, "--resume_from_checkpoint", checkpoint), check=False)
+    assert (
+        proc.returncode != 0
+        and "was written under DEEPSPEED ZeRO-3, this run is DEEPSPEED ZeRO-2" in (error_lines(proc.stderr) or [""])[0]
+    ), proc.stderr[-3000:]
 
 
 def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, tmp_path):
