@@ -115,7 +115,10 @@ def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
     pid = lines[0].split("rank 1 (")[1].split("pid ")[1].split(")")[0]
     assert "no progress for" in lines[0] and "rank 1 (" in lines[0] and "stalled without answering" in lines[0]
     assert "rank 0 waits for it" in lines[0] and f"{out}/hang/" in lines[0] and "(exit 124)" in lines[0], lines[0]
-    assert pid.isdigit() and not left and took < 8 + 40, took
+    # Frozen within checkpoint-2's save (its marker is written before the save's last barrier), rank 0 waits in the
+    # save, whose limit is --ddp_timeout less 40 s: the job ends within the limit its line names, and 40 s
+    limit = 120 - 40 if "for a checkpoint save" in lines[0] else 8
+    assert pid.isdigit() and not left and took < limit + 40, (took, lines[0])
     assert (out / "hang" / "rank-0.txt").is_file() and not (out / "hang" / "rank-1.txt").exists()
     report = json.loads((out / "hang" / "rank-0.txt").read_text().splitlines()[0])
     assert report["waiting"] and report["step"] >= 2
