@@ -67,6 +67,24 @@ def read_state(path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
+# Arguments that decide how long, where and how a run goes, not what it computes: a resume may change them.
+RUN_CONTROL = {
+    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_train_steps", "num_train_epochs",
+    "logging_steps", "checkpointing_steps", "save_total_limit", "report_to", "dataloader_num_workers",
+    "preprocessing_num_workers", "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed",
+}  # fmt: skip
+
+
+def changed_settings(saved_args: dict, args) -> list:
+    """`--name old -> new` for each argument that decides the computation and differs from a checkpoint's."""
+    return [
+        f"--{k} {saved_args[k]} -> {v}"
+        for k, v in public_args(args).items()
+        if k in saved_args and saved_args[k] != v and k not in RUN_CONTROL
+    ]
+
+
 # Across processes -------------------------------------------------------------------------------
 
 
@@ -410,13 +428,14 @@ def _zero_stage(accelerator) -> int | None:
     return plugin.zero_stage if plugin is not None else None
 
 
-def load_checkpoint(accelerator, path: Path, model, optimizer, recipe: str, changed=()) -> dict:
+def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
     """Restore the state saved at `path` into the prepared model and optimizer; return its trainer state. Another
     recipe's, another model's, or another distributed strategy's checkpoint is refused with a line saying whose it
-    is, and `changed` (the settings this run changed, plan.changed_settings) named where a refusal or a failure to
-    load may come from them. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the
-    checkpoint's; the learning rate is the schedule's of this run's `plan`."""
-    state = read_state(path)
+    is, naming the settings this run changed (changed_settings), where a refusal or a failure to load may come from
+    them. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the checkpoint's; the
+    learning rate is the schedule's of this run's `plan`."""
+    state, recipe = read_state(path), args.recipe
+    changed = changed_settings(state.get("args", {}), args)
     differs = f"; this run differs from it in {', '.join(changed)}" if changed else ""
     if state.get("recipe", recipe) != recipe:
         raise RecipeError(

@@ -33,7 +33,6 @@ from .checkpoint import (
     model_files,
     nearest_existing,
     not_a_checkpoint,
-    read_state,
     record_written,
     remove_checkpoint,
     resolve_checkpoint,
@@ -41,7 +40,6 @@ from .checkpoint import (
     save_model,
 )
 from .metrics import tracker_config, write_results
-from .plan import changed_settings
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
 
 try:
@@ -70,8 +68,7 @@ class OutputDir:
         self.resume_from = prepare_output_dir(accelerator, args)
 
     def load_checkpoint(self, model, optimizer) -> dict:
-        changed = changed_settings(read_state(self.resume_from).get("args", {}), self.args)
-        return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args.recipe, changed)
+        return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args)
 
     def save_checkpoint(self, model, plan, at, log) -> Path:
         return save_checkpoint(self.accelerator, model, self.args, plan, at, log)

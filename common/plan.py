@@ -13,8 +13,8 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from .args import LR_SCALING_RULES, public_args
-from .checkpoint import read_state
+from .args import LR_SCALING_RULES
+from .checkpoint import changed_settings, read_state
 from .data import fingerprint
 from .runtime import RecipeError, logger
 
@@ -147,13 +147,6 @@ def plan_training(
 
 
 LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
-# Arguments that decide how long, where and how a run goes, not what it computes: a resume may change them.
-RUN_CONTROL = {
-    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_train_steps", "num_train_epochs",
-    "logging_steps", "checkpointing_steps", "save_total_limit", "report_to", "dataloader_num_workers",
-    "preprocessing_num_workers", "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed",
-}  # fmt: skip
 
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
@@ -242,15 +235,6 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         f"its order, schedule at sample {start.seen:,} of {plan.total_samples:,}; {steps} more steps{note}"
     )
     return plan, start
-
-
-def changed_settings(saved_args: dict, args) -> list:
-    """`--name old -> new` for each argument that decides the computation and differs from a checkpoint's."""
-    return [
-        f"--{k} {saved_args[k]} -> {v}"
-        for k, v in public_args(args).items()
-        if k in saved_args and saved_args[k] != v and k not in RUN_CONTROL
-    ]
 
 
 def _position(state: dict, plan: TrainingPlan, old_layout: dict) -> Position:

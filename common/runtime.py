@@ -249,7 +249,8 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             "accelerate launch",
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )
-    _processes_asked(expected)
+    launch = _accelerate_launch()
+    _processes_asked(expected, launch)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")  # the config's use_cpu, as accelerate launch passes it
     if not use_cpu and torch.cuda.is_available() and local > gpus:  # else later: 'invalid device ordinal'
@@ -257,7 +258,8 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             f"{local} processes were started on this node but only {gpus} GPU(s) are visible; pass --num_processes "
             f"{gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
         )
-    if _started_by_a_launcher():
+    # torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone
+    if "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ or launch is not None:
         die_with_parent(signal.SIGTERM, _PARENT)
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
@@ -324,15 +326,10 @@ def _cache_missing_optional_packages() -> None:
             sys.modules[name] = None
 
 
-def _started_by_a_launcher() -> bool:
-    """torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ or _accelerate_launch() is not None
-
-
 def _accelerate_launch() -> list | None:
     """The options of `accelerate launch` if it is this process's parent (Linux: its command line), else None."""
     try:
-        parent = [os.fsdecode(a) for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")]
+        parent = [os.fsdecode(a) for a in Path(f"/proc/{_PARENT}/cmdline").read_bytes().split(b"\0")]
     except OSError:
         return None
     if any(Path(arg).name == "accelerate" for arg in parent[:2]) and "launch" in parent:
@@ -340,10 +337,11 @@ def _accelerate_launch() -> list | None:
     return None
 
 
-def _processes_asked(expected: int) -> None:
+def _processes_asked(expected: int, launch: list | None) -> None:
     """Accelerate runs `--num_processes N` as one process, without a word, unless it has several GPUs, --multi_gpu
-    or a multi-process config: its one process is refused, not left to train alone."""
-    if expected > 1 or (launch := _accelerate_launch()) is None:
+    or a multi-process config: its one process (`launch`: accelerate launch's options) is refused, not left to
+    train alone."""
+    if expected > 1 or launch is None:
         return
     from accelerate.commands.launch import launch_command_parser
 
