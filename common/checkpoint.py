@@ -7,10 +7,8 @@ Layout in --output_dir (common.outputs keeps it to one run at a time):
     model.safetensors        final weights (or save_pretrained's files; their names in .model-files.json)
     results.json             the run's record (common.metrics), written last: the run has finished
 
-`latest` is the intact checkpoint written last, which is the newest of the trajectory the folder follows
-now, also after a run resumed by path from an earlier step. Every write all processes take part in either
-succeeds on all of them or fails on all of them with one line (`_together`): none is left waiting in a
-collective for a process that failed, and a full disk says how much space the save needs.
+`latest` is the intact checkpoint written last. A write all processes take part in succeeds on all of them or
+fails on all of them with one line (`_together`): none is left waiting in a collective for one that failed.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def write_json(path, data: dict) -> None:
 
 
 def publish(path: Path) -> None:
-    """Give a file the permissions the user's umask gives new files: safetensors writes its files 0600, and a
-    colleague, or a job under a service account, could not read the model."""
+    """The user's umask's permissions for `path` (a file, or a folder's files): safetensors writes 0600, which a
+    colleague or a service account could not read."""
     umask = os.umask(0)
     os.umask(umask)
     for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
@@ -77,7 +75,7 @@ RUN_CONTROL = {
 
 
 def changed_settings(saved_args: dict, args) -> list:
-    """`--name old -> new` for each argument that decides the computation and differs from a checkpoint's."""
+    """`--name old -> new` for each argument outside RUN_CONTROL that differs from a checkpoint's."""
     return [
         f"--{k} {saved_args[k]} -> {v}"
         for k, v in public_args(args).items()
@@ -93,10 +91,9 @@ def _all_gather(accelerator, obj) -> list:
 
 
 def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path | None = None, main_only=False):
-    """Run `fn` on every process (or the main one), then agree: every process returns the list of every
-    process's result, or every process raises. A failure to write becomes one line (a full disk: the space
-    `needed()` and the space free); any other exception is re-raised where it happened. `tmp`, a half-written
-    folder, is removed on failure."""
+    """`fn` on every process (or the main one), then agreed: all return every process's result, or all raise. A
+    failure to write is one line (a full disk: the space `needed()` and the space free); any other exception is
+    re-raised where it happened. `tmp`, a half-written folder, is removed on failure."""
     failure = error = result = None
     if accelerator.is_main_process or not main_only:
         try:
@@ -176,8 +173,8 @@ def _digest(path: Path) -> str:
 
 
 def _share(files: dict, accelerator) -> list:
-    """The files (name: size) this process hashes, largest first dealt in turn: a checkpoint of many shards is
-    hashed by all processes at once, and none waits in a collective long enough to time out."""
+    """The files (name: size) this process hashes, largest first dealt in turn: all processes hash at once, and
+    none waits in a collective long enough to time out."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     return sorted(files, key=lambda name: (-files[name], name))[rank::world]
 
@@ -198,9 +195,8 @@ def _size_damage(path: Path) -> tuple:
 
 
 def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | None:
-    """Why the checkpoint at `path` cannot be loaded, or None: every file it lists must be there with its size
-    (a cheap first pass) and, with `checksums`, its sha256 (bytes altered in place, a bad disk or copy). With
-    `accelerator`, every process must call it: they hash a share of the files each."""
+    """Why the checkpoint at `path` cannot be loaded, or None: a listed file missing, of another size or, with
+    `checksums`, another sha256 (a bad disk or copy). With `accelerator`, every process calls it and hashes a share."""
     path = Path(path)
     problem, files, digests = decide_on_main(accelerator, lambda: _size_damage(path))
     if problem or not checksums or not digests:
@@ -220,9 +216,8 @@ def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | N
 
 
 def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
-    """The full training state at position `at` (a common.plan.Position) in --output_dir/checkpoint-<step>, with
-    what a resume needs: the position in samples, the layout, the plan's length and warmup in samples, the
-    recipe, the model and the arguments. A run whose loss or weights are no longer finite is not saved."""
+    """The training state at `at` (a common.plan.Position) with what a resume on any layout needs; a run whose loss
+    or weights are no longer finite is not saved."""
     log.check_finite(at.step, model)
     state = {
         "epoch": at.epoch,
@@ -231,7 +226,7 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "recipe": args.recipe,
         **model_signature(model),
         "distributed_type": accelerator.distributed_type.value,
-        "zero_stage": _zero_stage(accelerator),
+        "layout": _layout(accelerator),
         "mixed_precision": accelerator.mixed_precision,
         "world_size": accelerator.num_processes,
         "per_device_train_batch_size": plan.per_device_batch_size,
@@ -248,13 +243,10 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
 
 
 def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:
-    """The full training state (model, optimizer, RNG) at `step`, with `state`, the library versions, the time and
-    every file's size and sha256 in trainer_state.json. Every process writes its part into .tmp-checkpoint-<step>;
-    they hash a share of the files each; the main process adds the marker and renames the folder into place, so
-    a crash at any point leaves a complete checkpoint or a temporary folder `latest` ignores. A complete new save
-    replaces a checkpoint-<step> there (a damaged one, or one of an earlier trajectory). `total_limit` keeps that
-    many of the intact checkpoints written last, deleting others only once this one is complete. Assumes
-    `output_dir` is on a filesystem every node sees, as checkpoints of multi-node jobs must be."""
+    """accelerator.save_state at `step` into .tmp-checkpoint-<step>, then the marker (`state`, versions, time, each
+    file's size and sha256) and a rename into place: a crash at any point leaves a complete checkpoint or a
+    temporary folder `latest` ignores. `total_limit` rotates older ones out once this one is complete. `output_dir`
+    is on a filesystem every node sees, as multi-node checkpoints must be."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     if accelerator.is_main_process:
@@ -292,8 +284,7 @@ def _sizes(folder: Path) -> dict:
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """Rename the complete save `tmp` to `final`, replacing what is there. A crash in between leaves the new save
-    complete in `tmp` (finish_interrupted_saves completes it), and what is left of the old one fails its size check."""
+    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (finish_interrupted_saves)."""
     if final.exists():
         shutil.rmtree(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
@@ -301,9 +292,8 @@ def _install(tmp: Path, final: Path) -> None:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete what a save wrote in the checkpoint at `path` (the files its marker lists, then the marker) and the
-    folders that leaves empty: a file someone added there stays, with the folders that hold it, and a folder
-    without a marker is not a checkpoint of ours and stays whole."""
+    """Delete the files the marker of `path` lists, the marker, and the folders left empty: a file someone added
+    stays, and a folder without a marker is not ours."""
     try:
         listed = {Path(name) for name in read_state(path).get("files", {})} | {Path(STATE_FILE)}
     except (OSError, ValueError, TypeError, AttributeError):
@@ -337,8 +327,8 @@ def complete_checkpoints(output_dir) -> list:
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
-    """--save_total_limit: keep the `total_limit` intact checkpoints written last, and this one. Damaged ones
-    (sizes only: a checksum pass at every save would cost too much) never count towards the limit."""
+    """--save_total_limit: keep `final` and the `total_limit` intact ones written last (sizes checked only: a
+    checksum pass per save would cost too much)."""
     written = complete_checkpoints(output_dir)
     keep = {final, *[p for p in written if p == final or not _size_damage(p)[0]][-total_limit:]}
     for old in written[: written.index(final)]:
@@ -358,9 +348,8 @@ def not_a_checkpoint(spec: str) -> str:
 
 
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
-    """--resume_from_checkpoint: None; `latest`, the intact checkpoint written last in output_dir (None, with a
-    warning, when there is none yet: a requeued job can always pass it); or a path, refused by name when it is
-    incomplete or damaged. With `accelerator`, every process must call it (they share the hashing)."""
+    """--resume_from_checkpoint: `latest`, the intact checkpoint written last (None when there is none yet: a
+    requeued job can always pass it), or a path, refused when incomplete or damaged. Every process calls it."""
     if not spec:
         return None
     if spec != "latest":
@@ -392,8 +381,7 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
 
 
 def finish_interrupted_saves(output_dir: Path) -> None:
-    """On the main process, under the lock, when a run continues: a crash in write_checkpoint leaves a
-    .tmp-checkpoint-<step>, complete and intact (renamed into place, as the save would have done) or not (deleted)."""
+    """A .tmp-checkpoint-<step> a crash left: renamed into place if complete and intact, else deleted."""
     for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
         final = output_dir / tmp.name.removeprefix(".tmp-")
         if (tmp / STATE_FILE).is_file() and checkpoint_damage(tmp) is None:
@@ -405,9 +393,8 @@ def finish_interrupted_saves(output_dir: Path) -> None:
 
 
 def model_signature(model) -> dict:
-    """Digests of the parameters' and the buffers' names and full shapes (`ds_shape` under ZeRO-3: a BatchNorm and a
-    GroupNorm differ in buffers alone), and the parameter count. Names are those of the model the recipe built,
-    without a wrapper's prefix (DDP's module., torch.compile's _orig_mod.)."""
+    """Digests of the parameters' and buffers' names and full shapes (a BatchNorm and a GroupNorm differ in buffers
+    alone), without a wrapper's prefix (module., _orig_mod.), and the parameter count."""
 
     def digest(named):
         shapes = (
@@ -423,17 +410,18 @@ def model_signature(model) -> dict:
     }
 
 
-def _zero_stage(accelerator) -> int | None:
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin.zero_stage if plugin is not None else None
+def _layout(accelerator) -> str:
+    """How model and optimizer state are laid out in files: DDP's whole, FSDP's or a ZeRO stage's shards."""
+    kind, plugin = accelerator.distributed_type.value, accelerator.state.deepspeed_plugin
+    if kind == "DEEPSPEED":
+        return f"DEEPSPEED ZeRO-{plugin.zero_stage}"
+    return kind if kind == "FSDP" else "DDP"
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
-    """Restore the state saved at `path` into the prepared model and optimizer; return its trainer state. Another
-    recipe's, another model's, or another distributed strategy's checkpoint is refused with a line saying whose it
-    is, naming the settings this run changed (changed_settings), where a refusal or a failure to load may come from
-    them. The optimizer keeps this run's settings (weight decay, momentum, ...) rather than the checkpoint's; the
-    learning rate is the schedule's of this run's `plan`."""
+    """Restore `path` into the prepared model and optimizer; return its trainer state. Another recipe's, model's or
+    distributed layout's checkpoint is refused in one line that names the settings this run changed. The optimizer
+    keeps this run's settings (weight decay, momentum, ...), not the checkpoint's."""
     state, recipe = read_state(path), args.recipe
     changed = changed_settings(state.get("args", {}), args)
     differs = f"; this run differs from it in {', '.join(changed)}" if changed else ""
@@ -449,16 +437,11 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
             f"{identity['model_parameters']:,}){differs}; resume with the model arguments that wrote it (its "
             f"{STATE_FILE} lists them under args), or use another --output_dir"
         )
-    stages = (state.get("zero_stage"), _zero_stage(accelerator) if "zero_stage" in state else None)
-    layout = [
-        (t if t in ("DEEPSPEED", "FSDP") else "DDP") + (f" ZeRO-{stage}" if t == "DEEPSPEED" and stage else "")
-        for t, stage in zip((state.get("distributed_type"), accelerator.distributed_type.value), stages)
-    ]
-    if "distributed_type" in state and layout[0] != layout[1]:  # each writes the model and optimizer its own way
+    if state.get("layout", _layout(accelerator)) != _layout(accelerator):  # each writes its own files
         raise RecipeError(
-            f"checkpoint {path} was written under {layout[0]}, this run is {layout[1]}, and each keeps the model "
-            f"and optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's "
-            f"kind ({layout[0]}), or use another --output_dir"
+            f"checkpoint {path} was written under {state['layout']}, this run is {_layout(accelerator)}, and each "
+            "keeps the model and optimizer state in files of its own layout; resume with an accelerate config of the "
+            f"checkpoint's kind ({state['layout']}), or use another --output_dir"
         )
     if state.get("mixed_precision", accelerator.mixed_precision) != accelerator.mixed_precision:
         logger.warning(
@@ -487,11 +470,9 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
 
 
 def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) -> None:
-    """A ZeRO checkpoint written by another number of processes. DeepSpeed partitions the optimizer state (and
-    under ZeRO-3 the weights) by process and refuses another count: the main process converts the engine's folder
-    with DeepSpeed's own ds_to_universal (every parameter's weights and moments, whole) into
-    .universal-checkpoint-<step>/ beside it, which every process loads with DeepSpeed's universal loader, for
-    this run's partitions. The checkpoint itself is not touched; the conversion is deleted once loaded."""
+    """A ZeRO checkpoint of another process count, which DeepSpeed refuses: the main process converts it with
+    DeepSpeed's ds_to_universal into .universal-checkpoint-<step>/ beside it (deleted once loaded), which every
+    process loads with DeepSpeed's universal loader into this run's partitions."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     view = path.parent / f".universal-{path.name}"
@@ -542,11 +523,9 @@ def universal_loading(engine):
 
 
 def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
-    """The final weights (and the tokenizer) from the main process, correct under DDP, ZeRO and FSDP:
-    `get_state_dict` runs on every process, since under ZeRO-3 and FSDP it gathers the shards. Models with
-    `save_pretrained` (transformers, peft) are saved with it, others as model.safetensors, through temporary
-    names and renames. The names are recorded in .model-files.json, so that the next save removes the files of
-    this one it does not write again, and --overwrite_output_dir removes exactly these."""
+    """The final weights (and tokenizer) under DDP, ZeRO and FSDP (`get_state_dict` gathers shards on every
+    process): save_pretrained where the model has it, else model.safetensors, through a temporary folder. The names
+    go in .model-files.json: the next save and --overwrite_output_dir remove exactly these."""
     output_dir = Path(output_dir)
     # accelerate launch --dynamo_backend compiles the model it prepares: the names it gathers start with _orig_mod.
     # (ZeRO-3 gathers the weights on the main process alone: None elsewhere)
@@ -592,8 +571,7 @@ def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> No
 
 
 def record_written(output_dir, *names) -> None:
-    """Add files or folders a run wrote beside its weights (zero.py's fp32/) to what save_model recorded, so that
-    --overwrite_output_dir and the next save remove them too."""
+    """Files a run wrote beside its weights (zero.py's fp32/), recorded as save_model's are."""
     write_json(Path(output_dir) / MODEL_FILES, {"files": sorted({*model_files(Path(output_dir)), *names})})
 
 

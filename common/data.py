@@ -18,10 +18,9 @@ from .runtime import RecipeError, RunFinished, one_line
 
 @contextlib.contextmanager
 def prepare_data_first(accelerator):
-    """Run the block on the main process first, then on each node's local main, then the rest: downloads and
-    `datasets` cache writes happen once on a shared filesystem, once per node on node-local disks. If the block
-    fails on the main process (bad data), the others do not run it: they raise its error too, which the main
-    process alone reports."""
+    """The block on the main process first, then each node's local main, then the rest: a download or a
+    `datasets` cache is written once. If it fails on the main process, the others raise its error without running
+    it."""
     if accelerator.num_processes == 1:
         yield
         return
@@ -46,10 +45,9 @@ def prepare_data_first(accelerator):
 
 
 def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_workers=None, collate_fn=None):
-    """A DataLoader with the defaults a data-parallel job wants. Training draws in an EpochSampler's order
-    (fixed by seed and epoch, resumable at any sample) and drops the last partial batch; Accelerate deals the
-    batches to the processes in turn and drops an incomplete round, so every process takes the same number of
-    steps. Evaluation keeps every sample in order; `gather_for_metrics` removes Accelerate's padding."""
+    """A DataLoader with a data-parallel job's defaults: training in an EpochSampler's order without a last
+    partial batch (every process takes the same steps); evaluation every sample in order (`gather_for_metrics`
+    removes Accelerate's padding)."""
     on_device = getattr(dataset, "on_device", False)
     if on_device:  # batches are cut on the device: nothing for workers to do, no host memory to pin
         num_workers, collate_fn = 0, lambda batch: batch
@@ -75,11 +73,9 @@ def default_num_workers() -> int:
 
 
 class EpochSampler(Sampler):
-    """Every sample once per epoch, in an order that depends on (seed, epoch) alone: one list for the whole job,
-    whatever the processes, batch or accumulation. Accelerate cuts it into batches dealt to the processes in
-    turn, so after n rounds the job has trained the first n x processes x batch samples of it, and a run resumed
-    in any layout starts its epoch at that sample (`resume_at`). No `generator` attribute: Accelerate would
-    reseed it."""
+    """Every sample once per epoch in an order of (seed, epoch) alone, whatever the layout: Accelerate deals its
+    batches to the processes in turn, so a run resumed in any layout starts its epoch at the first sample not
+    trained (`resume_at`). No `generator` attribute: Accelerate would reseed it."""
 
     def __init__(self, num_samples: int, seed: int):
         if not isinstance(seed, int):
@@ -108,9 +104,8 @@ class EpochSampler(Sampler):
 
 
 def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
-    """The batches of `epoch` from position `first_sample` of its order on (a run resumed mid-epoch), the order
-    and augmentation following the epoch. Set on our sampler itself, inside Accelerate's wrappers: Accelerate
-    passes set_epoch on to the dataset only when the sampler has none."""
+    """The batches of `epoch` from sample `first_sample` of its order on. Set on our sampler inside Accelerate's
+    wrappers: Accelerate passes set_epoch on to the dataset only when the sampler has none."""
     dataloader.set_epoch(epoch)  # accelerate's loader counts its iterations by it
     sampler = dataloader
     while not isinstance(sampler, EpochSampler):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler -> ours
@@ -142,10 +137,9 @@ class _Waited:
 
 
 class SeededTransform(Dataset):
-    """A random `transform` whose randomness is fixed by (seed, epoch, index), so that augmentation is a function
-    of the data order alone: a worker's RNG stream depends on what it produced before, which a resume, or another
-    number of workers or processes, changes. The epoch sits in shared memory, for persistent workers. The
-    transform must draw from torch's RNG (torchvision's transforms do)."""
+    """A random `transform` (drawing from torch's RNG, as torchvision's do) seeded by (seed, epoch, index): a
+    worker's own RNG stream would change with a resume or another number of workers. The epoch is in shared memory
+    for persistent workers."""
 
     def __init__(self, dataset, transform, seed: int):
         self.dataset, self.transform, self.seed = dataset, transform, seed
@@ -167,9 +161,8 @@ class SeededTransform(Dataset):
 
 
 def fingerprint(dataset, samples: int = 64) -> str:
-    """A digest of the data a run trains on, as read before any augmentation (SeededTransform and a device
-    dataset's transform are looked through): its size and `samples` items spread over it. A checkpoint resumes
-    only the data that wrote it: another file of the same length, another block size or tokenizer differ."""
+    """A digest of the training data before augmentation: its size and `samples` items spread over it, so that a
+    checkpoint resumes only the data that wrote it."""
     base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
     digest = hashlib.sha256(str(len(base)).encode())
     for i in sorted({i * len(base) // samples for i in range(samples)}):
@@ -196,8 +189,8 @@ def _mix32(x):
 
 
 def seeded_uniform(seed: int, epoch: int, index: torch.Tensor, draws: int) -> torch.Tensor:
-    """(len(index), draws) numbers in [0, 1), each a fixed function of (seed, epoch, sample, draw), on index's
-    device: a counter-based hash, so what a sample gets does not depend on the batch, process or run fetching it."""
+    """(len(index), draws) numbers in [0, 1) on index's device, each a hash of (seed, epoch, sample, draw): the
+    same whatever batch, process or run fetches the sample."""
     key = _mix32((_mix32(seed & 0xFFFFFFFF) + epoch) & 0xFFFFFFFF)
     per_sample = _mix32((index.long() + key) & 0xFFFFFFFF)
     bits = _mix32((per_sample[:, None] + torch.arange(draws, device=index.device) * 0x9E3779B9) & 0xFFFFFFFF)
@@ -205,10 +198,9 @@ def seeded_uniform(seed: int, epoch: int, index: torch.Tensor, draws: int) -> to
 
 
 class DeviceTensorDataset(Dataset):
-    """Tensors on the training device, fetched a whole batch at a time: one indexing operation instead of
-    per-sample Python in workers and a host-to-device copy (CIFAR-10 is 150 MB as uint8). It still goes through
-    a DataLoader and `accelerator.prepare`, so sharding, resume and gather_for_metrics work as for any dataset.
-    `transform(batch, uniforms)` gets the indexed tensors and `draws` numbers a sample from `seeded_uniform`."""
+    """Tensors on the training device, a batch fetched in one indexing operation (CIFAR-10 is 150 MB as uint8),
+    through a DataLoader and `accelerator.prepare` as any dataset. `transform(batch, uniforms)` gets `draws`
+    numbers a sample from `seeded_uniform`."""
 
     on_device = True  # make_dataloader: no workers, no pinning, batches passed through
 

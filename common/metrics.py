@@ -19,10 +19,9 @@ from .runtime import RecipeError, library_versions, logger
 
 
 class TrainLog:
-    """The training loss, weighted by items (samples, or target tokens) over every micro-batch and process since
-    the last log; the history (results.json, trackers); the progress bar; the rates; each process's step and data
-    wait times, and a warning naming a rank that keeps the others waiting (a straggler). The loop hands it each
-    micro-batch's loss and each step's number; nothing else changes it. Every log is one collective, as before."""
+    """The training loss weighted by items (samples, or target tokens) over micro-batches and processes, its
+    history, the progress bar, the rates, and each rank's step and data times (naming a straggler). The loop hands
+    it each micro-batch's loss and each step; a log costs one collective."""
 
     def __init__(self, accelerator, plan, start, logging_steps: int):
         from accelerate.utils import gather_object
@@ -43,15 +42,13 @@ class TrainLog:
         atexit.register(self._bar.close)  # a run stopped early ends the bar's line: launch.sh's own starts a new one
 
     def add(self, loss: torch.Tensor, items, per=None) -> None:
-        """A micro-batch of this process: its loss, a mean over `per` items (default: its own `items`; an LM's is
-        a share of the step's mean over every process's target tokens)."""
+        """A micro-batch's loss, a mean over `per` items (default `items`; an LM's is a share of the step's mean
+        over every process's target tokens)."""
         self._added.append((loss.detach(), items, items if per is None else per))
 
     def step(self, step: int, seen: int, lr: float | None = None, waited: float | None = None) -> None:
-        """After each optimizer step (its number, the samples trained after it): the clock and the bar, and every
-        --logging_steps and at the last step the loss in the history, with the rate of the plan's schedule there
-        (or `lr`: a DeepSpeed config's own scheduler's). `waited`: the seconds this epoch's batches have waited for
-        data so far (common.epoch_batches' iterator)."""
+        """After each optimizer step: the clock, the bar, and every --logging_steps a log. `lr`: a DeepSpeed
+        config's own scheduler's rate (else the plan's); `waited`: this epoch's data wait so far (epoch_batches)."""
         now, waited = time.perf_counter(), waited or 0.0
         times = self._times
         times[0], times[1], times[2] = times[0] + 1, times[1] + now - self._clock, times[2] + waited - self._waited
@@ -63,8 +60,8 @@ class TrainLog:
             self.flush(step)
 
     def flush(self, step: int) -> None:
-        """The loss since the last log into the history (one all-reduce), if any was added. train_seconds is read
-        after the loss reached the host (a device sync), so consecutive logs time the steps between them."""
+        """The loss since the last log into the history; train_seconds is read after the loss reached the host (a
+        device sync), so consecutive logs time the steps between them."""
         if not self._added:
             return
         sums, times = self._sums()
@@ -80,7 +77,7 @@ class TrainLog:
 
     def _sums(self, extra=0.0) -> tuple:
         """(loss x per, items, extra) summed over the micro-batches since the last log and every process, and each
-        process's (steps, step seconds, data seconds) since then: one all-gather."""
+        process's (steps, step seconds, data seconds) since then, added to per_rank: one all-gather."""
         local = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
         if self._added:
             loss, items, per = (
@@ -89,14 +86,13 @@ class TrainLog:
             local[0], local[1] = (loss * per).sum(), items.sum()
         local[2], local[3:] = extra, torch.tensor(self._times, dtype=torch.float64)
         everyone = self.accelerator.gather(local).view(-1, 6).cpu()
+        self.per_rank += everyone[:, 3:]
+        self._times = [0, 0.0, 0.0]
         return everyone[:, :3].sum(0), everyone[:, 3:]
 
     def _stragglers(self, step: int, times: torch.Tensor) -> dict:
-        """Each process's mean step and data wait since the last log; a WARNING, once, for a rank that waits for its
-        data more than a fifth of a step longer than the median rank, at three logs in a row: the others wait for it
-        at every gradient all-reduce."""
-        self.per_rank += times
-        self._times = [0, 0.0, 0.0]
+        """Each process's mean step and data wait since the last log; a warning, once, for a rank that waits for its
+        data a fifth of a step longer than the median rank three logs in a row: every rank waits for it."""
         per_step = times[:, 1:] / times[:, :1].clamp(min=1)
         if len(per_step) < 2:
             return {}
@@ -123,11 +119,8 @@ class TrainLog:
         }
 
     def check_finite(self, step: int, model) -> None:
-        """Before a checkpoint or the final save: raise if the loss since the last log, or the weights this process
-        holds (its ZeRO-3 or FSDP shard, or the whole model), are NaN or inf, so nothing diverged is saved."""
-        sums, times = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
-        self.per_rank += times
-        self._times = [0, 0.0, 0.0]
+        """Before a save: raise if the loss since the last log or the weights this process holds are NaN or inf."""
+        sums, _ = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
         if sums[2] > 0:
@@ -144,9 +137,8 @@ class TrainLog:
         self._clock = time.perf_counter()
 
     def summary(self, at, tokens_per_sample: int | None = None) -> dict:
-        """What results.json reports about training. samples_per_second spans every step of this run;
-        steady_samples_per_second leaves out the first, whose one-time costs (kernel selection, the allocator,
-        torch.compile) a short run cannot amortize."""
+        """What results.json reports about training; steady_samples_per_second leaves out the first step, whose
+        one-time costs (kernel selection, the allocator, torch.compile) a short run cannot amortize."""
         self._bar.close()
         atexit.unregister(self._bar.close)
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
@@ -236,9 +228,8 @@ def tracker_config(args) -> dict:
 
 
 def write_results(accelerator, args, plan, **metrics) -> Path:
-    """results.json in --output_dir, from the main process, written atomically: what every run reports (processes,
-    distributed type, precision, effective batch, learning rate, peak memory, library versions, the arguments) and
-    the recipe's `metrics`. A number that is not finite is written as null: JSON has no NaN."""
+    """results.json, written atomically by the main process: what every run reports and the recipe's `metrics`
+    (a number that is not finite as null: JSON has no NaN)."""
     dist = torch.distributed
     record = {
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,

@@ -86,14 +86,10 @@ class OutputDir:
 
 
 def prepare_output_dir(accelerator, args) -> Path | None:
-    """Claim --output_dir before any work is done there, and return the checkpoint to resume from (None: a fresh
-    start). The main process locks the folder until it exits: a second run into it is refused, naming the first.
-    A folder holding an earlier run is refused unless the run continues it (`latest`, or a checkpoint of its own)
-    or --overwrite_output_dir is passed, which deletes what the earlier run wrote and nothing else; resuming
-    another folder's checkpoint is a new run here. A folder holding a model no run of ours wrote is refused
-    whatever the flags. `latest` on a finished run raises RunFinished (a requeued job that had finished ends, exit
-    0). A process restarted by `--max_restarts` resumes from `latest`. Every process proves it can write there
-    now, not at the first checkpoint hours in; then the trackers (--report_to) start there."""
+    """Claim --output_dir before any work there; return the checkpoint to resume from, or None. The main process
+    locks it until it exits. An earlier run there is refused unless this one continues it or passes
+    --overwrite_output_dir; `latest` on a finished run raises RunFinished (a requeued job ends, exit 0); a restart
+    under --max_restarts resumes `latest`. Every process proves it can write there now, not hours in."""
     output_dir, spec = Path(args.output_dir), args.resume_from_checkpoint
     overwrite = bool(getattr(args, "overwrite_output_dir", False))
     for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
@@ -119,8 +115,8 @@ def prepare_output_dir(accelerator, args) -> Path | None:
 
 
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
-    """On the main process: lock output_dir, then refuse what would mix or overwrite runs, leaving the folder as
-    it was. Returns whether the run continues the one there."""
+    """On the main process: lock output_dir, refuse what would mix or overwrite runs; whether this run continues
+    the one there."""
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not (path / STATE_FILE).is_file():  # a typo, or the run's folder itself
         raise RecipeError(not_a_checkpoint(spec))
@@ -179,8 +175,7 @@ def _run_outputs(output_dir: Path) -> list:
 
 
 def _finished(output_dir: Path) -> str | None:
-    """Why output_dir holds a finished run (results.json is written last), or None: a checkpoint written after it
-    means the run was resumed by path to train on, and `latest` continues that."""
+    """Why output_dir holds a finished run (results.json, written last, and no checkpoint after it), or None."""
     if not (output_dir / RESULTS_FILE).is_file():
         return None
     try:
@@ -204,10 +199,8 @@ def _finished(output_dir: Path) -> str | None:
 
 
 def _start_over(output_dir: Path) -> None:
-    """--overwrite_output_dir: delete what this project's runs wrote, named as they name it: what each save wrote
-    in checkpoint-<step>/ (its marker lists it), the temporary forms of a save, results.json, the files save_model
-    recorded. Everything else (a user's best-checkpoint/, notes inside a checkpoint, a checkpoint-<step>/ no save
-    wrote, tracker logs) stays."""
+    """--overwrite_output_dir: delete what runs wrote (checkpoints' listed files, a save's temporary forms,
+    results.json, save_model's recorded files); a user's files, even inside a checkpoint, stay."""
     if not output_dir.is_dir():
         return
     names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
@@ -251,12 +244,10 @@ def _key(output_dir: Path) -> str:
 
 
 class _RunLock:
-    """An exclusive fcntl (POSIX) lock on <output_dir>/.run.lock, taken by the main process before it looks at the
-    folder and held until it exits. The kernel releases it however the process ends, so a killed run leaves no
-    stale lock; fcntl locks hold across the nodes of an NFS mount. A run that proceeds writes who it is into the
-    file (pid, host, Slurm job, start), for the message a second run gets, and removes the file at exit; a refused
-    run leaves the folder as it found it (what it created removed, nothing written). DataLoader workers do not
-    inherit fcntl locks, and nothing else in the process opens the file (closing it would drop the lock)."""
+    """An fcntl lock on <output_dir>/.run.lock, held by the main process until it exits: the kernel releases it
+    however the process ends (no stale lock), and it holds across NFS nodes. A run that proceeds writes who it is
+    there, for a second run's message; a refused run leaves the folder as it found it. Nothing else in the process
+    may open the file: closing any descriptor of it drops the lock."""
 
     held: dict = {}
     warned = False

@@ -1,10 +1,7 @@
 """The run's plan: batch arithmetic, the learning rate scaled to the effective batch and its schedule, and where
-the run starts, fresh or resumed, also in another layout (processes, per-device batch, accumulation).
-
-A learning rate is stated for a reference batch (--reference_batch_size) and scaled here, once, to the effective
-batch the launch produces. Positions and the schedule count samples, not steps: the order of an epoch's samples
-depends on --seed and the epoch alone (common.data.EpochSampler), so a run resumed in another layout continues
-with the first sample it had not trained, its schedule where it was.
+the run starts, fresh or resumed in any layout (processes, per-device batch, accumulation). Positions and the
+schedule count samples, not steps: a run resumed in another layout continues with the first sample it had not
+trained (common.data.EpochSampler), its schedule where it was.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ def scale_lr(learning_rate: float, batch_size: int, reference_batch_size: int, r
 
 @dataclass
 class Position:
-    """Where a run is: optimizer steps taken, the epoch, the samples of its order trained, and the samples
-    trained since the run began (the schedule's clock). Only the training loop moves it."""
+    """Optimizer steps taken, the epoch, samples of its order trained, samples trained in all (the schedule's
+    clock). Only the training loop moves it."""
 
     step: int = 0
     epoch: int = 0
@@ -46,9 +43,8 @@ class Position:
 
 @dataclass(frozen=True)
 class TrainingPlan:
-    """What the loop needs to know in advance. Samples come in rounds of one batch per process (`round_samples`);
-    an optimizer step takes up to `gradient_accumulation_steps` rounds, an epoch's last step may take fewer, and
-    an incomplete last round is dropped."""
+    """What the loop needs to know in advance. A step takes up to `gradient_accumulation_steps` rounds of one
+    batch per process (an epoch's last may take fewer); an incomplete last round is dropped."""
 
     num_samples: int  # in the training set
     per_device_batch_size: int
@@ -100,8 +96,7 @@ class TrainingPlan:
 
     @functools.cached_property
     def _schedule(self):
-        """transformers' schedule as a factor of the samples trained: its LambdaLR's function, built over samples
-        instead of steps."""
+        """transformers' schedule (its LambdaLR's function) built over samples instead of steps."""
         import torch
         from transformers import get_scheduler  # here: a parse error need not wait for transformers
 
@@ -115,8 +110,7 @@ def plan_training(
     max_train_steps: int | None = None, warmup_steps: int | None = None, warmup_ratio: float = 0.0,
     lr_scheduler_type: str = "constant",
 ) -> TrainingPlan:  # fmt: skip
-    """The plan of a run that starts at step 0, made before `accelerator.prepare` (DeepSpeed needs the loaders,
-    model and optimizer in one call)."""
+    """The plan of a run from step 0, made before `accelerator.prepare`."""
     rounds = num_samples // (per_device_batch_size * num_processes)
     if rounds == 0:
         raise RecipeError(
@@ -150,13 +144,10 @@ LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_st
 
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
-    """(plan, start) of this run on `dataset`: a fresh plan from the arguments, or the continuation of the run that
-    wrote the checkpoint `resume`, which must have trained the same data (its fingerprint), with the same seed.
-    Every other setting that changes the computation and differs from the checkpoint's is listed. With the same
-    layout the arguments' plan stands (a larger --num_train_epochs or --max_train_steps extends the run). With
-    another, the run continues from the same sample of the same epoch, the learning rate follows the new effective
-    batch by --lr_scaling, the schedule keeps its place in samples, and what is left (the rest of --num_train_epochs,
-    or the samples --max_train_steps meant) is counted in steps of the new layout. One line says what changed."""
+    """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` (same data and seed; other
+    changed settings listed). In another layout the run continues at the same sample, the rate follows the new
+    effective batch by --lr_scaling, the schedule keeps its place, and what is left is counted in steps of the new
+    layout; one line says what changed."""
     num_samples = len(dataset)
     plan = plan_training(
         num_samples=num_samples, per_device_batch_size=args.per_device_train_batch_size,
@@ -196,7 +187,12 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
     old = {key: state.get(key) for key in LAYOUT}
     new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
-    start = _position(state, plan, old)
+    if "samples_seen" not in state:  # an earlier version counted batches of its own layout
+        raise RecipeError(
+            f"checkpoint {resume} was written by an earlier version of the recipes, which kept its position in "
+            "batches; resume it with that version, or start a new --output_dir"
+        )
+    start = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
     if args.max_train_steps is not None and start.step > args.max_train_steps:  # it would only save these weights
         raise RecipeError(
             f"checkpoint {resume} is at step {start.step}, past --max_train_steps {args.max_train_steps}: there is "
@@ -237,20 +233,9 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     return plan, start
 
 
-def _position(state: dict, plan: TrainingPlan, old_layout: dict) -> Position:
-    if "samples_in_epoch" in state:
-        return Position(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
-    # A checkpoint of an earlier version of the recipes: its position in batches of its own layout.
-    world, batch, accumulation = (old_layout[key] for key in LAYOUT)
-    old = replace(plan, per_device_batch_size=batch, num_processes=world, gradient_accumulation_steps=accumulation)
-    old = replace(old, steps_per_epoch=math.ceil(old.epoch_rounds / accumulation))
-    sample = state["batches_in_epoch"] * world * batch
-    return Position(state["step"], state["epoch"], sample, old.samples_for_steps(state["step"]))
-
-
 def decay_groups(model, weight_decay: float) -> list:
-    """Optimizer parameter groups: weight decay on matrices and kernels, none on biases and normalisation weights
-    (decaying those only pulls activations' scale toward zero). Frozen parameters are in none."""
+    """Weight decay on trainable matrices and kernels, none on biases and norms (it would only pull activations'
+    scale toward zero)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731  ZeRO-3 leaves an empty placeholder in p
     groups = [

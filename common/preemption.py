@@ -75,12 +75,10 @@ def _end_loader_workers() -> None:
 
 
 class StopOnSignal:
-    """`requested()`, called once per optimizer step (and evaluation batch) by every process, returns the
-    signal's name on every process at the same call, one call after any process received one. The flags
-    travel over a gloo group of their own, reduced asynchronously: the all-reduce started at one call is
-    read at the next, so it overlaps a step of compute and needs no device synchronisation. Each call is also
-    the process's progress, which common.watchdog watches (--hang_timeout). `finishing`: the same for a final
-    evaluation, which a signal does not cut short."""
+    """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
+    every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
+    their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
+    (--hang_timeout). `finishing`: the same for a final evaluation, which a signal does not cut short."""
 
     def __init__(self, accelerator, args=None):
         global _in_loop

@@ -1,10 +1,8 @@
 """Building the Accelerator, refusing launches that would not train as one job, and how a recipe ends.
 
-The failure this module exists for: a launcher starts N processes, they never form one process group (or
-form one whose model is never wrapped for gradient sync), and each process quietly trains its own copy.
-`make_accelerator` checks what actually formed and stops with one line naming the fix. `exit_codes` is the
-one place where a run's end becomes an exit code and, for a mistake the user can fix (a RecipeError, or an
-operating-system error about a path), one line.
+The failure this module exists for: N processes that never form one group (or whose model is never wrapped for
+gradient sync), each quietly training its own copy; `make_accelerator` checks what formed. `exit_codes` is the one
+place where a run's end becomes an exit code and, for a mistake the user can fix, one line.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ CPU_FIX = (
 
 
 class RecipeError(Exception):
-    """A mistake the user can fix: one `error:` line, exit code 2. `same_on_every_rank` (the default): every
-    process meets it, so rank 0 alone prints it; False for a failure one rank may meet alone."""
+    """A mistake the user can fix: one `error:` line, exit code 2, printed by rank 0 alone unless one rank may
+    meet it alone (`same_on_every_rank=False`)."""
 
     def __init__(self, message: str, same_on_every_rank: bool = True):
         super().__init__(message, same_on_every_rank)
@@ -63,8 +61,8 @@ class RecipeError(Exception):
 
 
 class DataError(RecipeError):
-    """Bad data met by one process, often in a DataLoader worker (an unreadable image), which torch re-raises
-    as DataError(text) with the worker's traceback in the text: `one_line` recovers the message."""
+    """Bad data met by one process, often in a DataLoader worker (torch re-raises it with the worker's traceback
+    in the text: `one_line` recovers the message)."""
 
     def __init__(self, message: str, same_on_every_rank: bool = False):
         super().__init__(message, same_on_every_rank)
@@ -106,8 +104,8 @@ def causes(err: BaseException) -> list:
 
 
 def os_error_line(err: BaseException) -> str | None:
-    """One line for the operating-system error about a path in `err` or its causes: the path and the option (or
-    environment variable) it comes from, what the system said, and the fix; None if there is none."""
+    """One line for an OS error about a path in `err` or its causes: the path, the option or environment variable
+    it comes from, what the system said, and the fix; or None."""
     found = next((e for e in causes(err) if isinstance(e, OSError) and e.errno in OS_FIXES and e.filename), None)
     if found is None:
         return None
@@ -138,9 +136,8 @@ def check_path(flag: str, path, folder: bool = False) -> None:
 
 
 def decide_on_main(accelerator, fn):
-    """Run `fn` on the main process alone; every process returns its result or raises its RecipeError,
-    RunFinished or Preempted (printed once, by the main process). Decisions about --output_dir are taken once,
-    so no two processes see the folder at different moments."""
+    """`fn` on the main process alone; every process returns its result or raises its RecipeError, RunFinished or
+    Preempted: decisions about --output_dir are taken once, not by processes seeing it at different moments."""
     if accelerator is None or accelerator.num_processes == 1:
         return fn()
     outcome = [None]
@@ -162,10 +159,9 @@ def decide_on_main(accelerator, fn):
 
 @contextlib.contextmanager
 def exit_codes():
-    """Around a recipe's main(), from its first line: a user's mistake (RecipeError, or an OS error about a
-    path) is one `error:` line and exit 2; a finished run found again (RunFinished) one `done:` line and exit 0;
-    a stop on a signal (Preempted) one line and exit 75; a second Ctrl-C exit 130; a bug its traceback and
-    exit 1. launch.sh learns how the run ended from RECIPE_STATUS_FILE."""
+    """Around a recipe's main(): a user's mistake (RecipeError, an OS error about a path) is one `error:` line and
+    exit 2; RunFinished `done:` and 0; a stop on a signal 75; a second Ctrl-C 130; a stuck collective 124; a bug
+    its traceback and 1. launch.sh reads how the run ended from RECIPE_STATUS_FILE."""
     install_stop_handlers()
     first = os.environ.get("RANK", "0") == "0"  # the launcher's: a group that did not form has many rank 0s
     together = True  # every process ends here at the same point: the process group can be taken down
@@ -220,11 +216,9 @@ def exit_codes():
 
 
 def exit_without_teardown(code: int) -> None:
-    """Exit with `code` after Python's exit handlers (trackers, loader workers, logging), skipping the interpreter's
-    teardown: after an error the processes end at different moments, and torch's C++ objects that still hold the
-    gloo group (a DDP reducer, Accelerate's state) abort in it once a peer has gone ("terminate called without an
-    active exception", exit 134 instead of 2). atexit has no public way to run its handlers: the private one is
-    here alone, and tests/test_common.py fails if it goes."""
+    """Exit with `code` after Python's exit handlers, skipping the interpreter's teardown, where torch's C++ objects
+    that hold the gloo group (a DDP reducer, Accelerate's state) abort once a peer has gone (exit 134, not 2).
+    atexit has no public way to run its handlers: the private one is here alone (tests/test_common.py checks it)."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -234,12 +228,10 @@ def exit_without_teardown(code: int) -> None:
 
 
 def make_accelerator(args, **kwargs) -> Accelerator:
-    """The recipes' Accelerator (accumulation, trackers, the process group's timeout), after and with the checks that
-    refuse a launch that would not train as one job: more processes on a node than visible GPUs; processes that do not
-    form one group syncing gradients (one all-reduce proves it); a DeepSpeed config that contradicts the recipe's
-    accumulation. A process started by a launcher ends with it (Linux's parent-death signal: it stops at a
-    checkpoint), a stuck collective fails after --ddp_timeout, and hosts without GPUs get gloo explicitly
-    (DeepSpeed's CPU path needs it to see the world size)."""
+    """The recipes' Accelerator, refusing a launch that would not train as one job (more processes than GPUs, a
+    group that did not form or does not sync gradients, a config Accelerate did not apply, a DeepSpeed config at odds
+    with the recipe). A process started by a launcher ends with it (a parent-death signal: it stops at a checkpoint);
+    hosts without GPUs get gloo explicitly (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _refuse_known_bad_versions(expected)
     if expected > 1 and not os.environ.get("MASTER_ADDR"):  # every launcher of a group sets both
@@ -317,10 +309,8 @@ def _refuse_known_bad_versions(processes: int) -> None:
 
 
 def _cache_missing_optional_packages() -> None:
-    """Accelerate's prepared optimizer asks whether the optional lomo_optim is installed twice a step
-    (accelerate/optimizer.py, is_lomo_available: an uncached find_spec, a stat per sys.path entry, 100 to 300 us
-    a step here). A package that is not installed is recorded as such in sys.modules (None: "not importable"),
-    Python's own record of imports; an installed one is left alone."""
+    """Accelerate's prepared optimizer asks whether lomo_optim is installed twice a step (an uncached find_spec:
+    100 to 300 us a step here); one that is not is recorded so in sys.modules, Python's own record of imports."""
     for name in ("lomo_optim",):
         if name not in sys.modules and importlib.util.find_spec(name) is None:
             sys.modules[name] = None
@@ -339,8 +329,7 @@ def _accelerate_launch() -> list | None:
 
 def _processes_asked(expected: int, launch: list | None) -> None:
     """Accelerate runs `--num_processes N` as one process, without a word, unless it has several GPUs, --multi_gpu
-    or a multi-process config: its one process (`launch`: accelerate launch's options) is refused, not left to
-    train alone."""
+    or a multi-process config (`launch`: accelerate launch's options): refused."""
     if expected > 1 or launch is None:
         return
     from accelerate.commands.launch import launch_command_parser
@@ -358,9 +347,8 @@ _PARENT = os.getppid()  # as early as this process can tell: the launcher that s
 
 
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
-    """Ask Linux to send this process `sig` when its parent exits (prctl PR_SET_PDEATHSIG; elsewhere nothing, and
-    False). torchrun starts its workers in sessions of their own, so killing the launcher would otherwise leave
-    them training. `parent`: the pid the parent should have; if it is gone already, `sig` is sent now."""
+    """Linux sends this process `sig` when its parent exits (prctl PR_SET_PDEATHSIG; elsewhere False): torchrun's
+    workers, in sessions of their own, would outlive a killed launcher. `parent` gone already: `sig` now."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -386,29 +374,20 @@ def _check_process_group(accelerator: Accelerator, expected: int) -> None:
             f"{expected} processes formed a group, but with distributed type NO the model would not be wrapped for "
             f"gradient synchronisation; {CPU_FIX}"
         )
-    if expected > 1:  # ask the group itself: one all-reduce proves every process is in it
-        total = int(accelerator.reduce(torch.ones(1, device=accelerator.device), reduction="sum").item())
-        if total != expected:
-            raise RecipeError(
-                f"an all-reduce over the process group counted {total} processes, expected {expected}; check the "
-                "launcher's --num_processes and --num_machines"
-            )
 
 
 def fsdp_on_cpu(timeout: datetime.timedelta) -> None:
-    """FSDP2 runs on CPU over gloo, but Accelerate takes its FSDP branch only for GPU-like distributed types
-    (accelerate/state.py, AcceleratorState.__init__: `elif self.distributed_type in [DistributedType.MULTI_GPU,
-    ...]`, which leaves out MULTI_CPU), so on CPU an FSDP config would train DDP. The one workaround: the gloo group
-    is formed here and the process state presented as MULTI_GPU before the Accelerator is built, which then applies
-    the FSDP plugin on the CPU. Retire it when Accelerate lists MULTI_CPU there (tests/test_fsdp.py fails first)."""
+    """FSDP2 runs on CPU over gloo, but Accelerate applies FSDP only for GPU-like distributed types
+    (AcceleratorState.__init__ leaves out MULTI_CPU): the gloo group is formed here and presented as MULTI_GPU.
+    Retire it when Accelerate lists MULTI_CPU there (tests/test_fsdp.py fails first)."""
     from accelerate import PartialState
 
     PartialState(cpu=True, backend="gloo", timeout=timeout).distributed_type = DistributedType.MULTI_GPU
 
 
 def _check_config_honoured(accelerator: Accelerator) -> None:
-    """What the accelerate config asked for is what Accelerate set up, or nothing runs: it falls back without a word
-    (an FSDP config on CPU trains DDP, fp16 on CPU trains fp32 while reporting fp16)."""
+    """Refuse what Accelerate did not set up as asked: it falls back without a word (FSDP on CPU to DDP, fp16 on
+    CPU to fp32 while reporting fp16)."""
     kind = accelerator.distributed_type.value
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if parse_flag_from_env(asked) and kind != name:

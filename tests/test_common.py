@@ -15,7 +15,7 @@ from common import RecipeError
 from common.args import public_args
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, epoch_batches, make_dataloader
-from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
+from common.plan import effective_batch_size, plan_run, plan_training, scale_lr
 
 
 def test_effective_batch_size():
@@ -104,24 +104,15 @@ def make_checkpoint(root, step, complete=True):
     return path
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_at_its_position_in_samples(tmp_path, accelerate_state):
-    """Checkpoints written before positions were kept in samples hold `batches_in_epoch`, rounds of
-    their own layout: 2 processes x 32, accumulation 2, 21 rounds (11 steps) an epoch, stopped 2
-    steps into epoch 1."""
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(tmp_path, accelerate_state):
+    """Checkpoints written before positions were kept in samples hold `batches_in_epoch` instead."""
     parser = common.training_parser("t", "t")
     parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
-    args = parser.parse_args(
-        ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "2"]
-    )
-    layout = {"world_size": 2, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}
+    args = parser.parse_args(["--output_dir", str(tmp_path)])
     checkpoint = make_checkpoint(tmp_path, 13)
-    write_json(
-        checkpoint / common.checkpoint.STATE_FILE,
-        {"step": 13, "epoch": 1, "batches_in_epoch": 4, **layout, "args": {"seed": args.seed}},
-    )
-    plan, at = plan_run(args, [0] * 1400, 2, checkpoint)
-    assert plan.steps_per_epoch == 11
-    assert at == Position(step=13, epoch=1, sample=4 * 64, seen=(21 + 4) * 64)
+    write_json(checkpoint / common.checkpoint.STATE_FILE, {"step": 13, "epoch": 1, "batches_in_epoch": 4})
+    with pytest.raises(RecipeError, match="earlier version of the recipes"):
+        plan_run(args, [0] * 1400, 2, checkpoint)
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
