@@ -450,7 +450,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         )
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
-        if hasattr(model, "load_universal_checkpoint") and state.get("world_size", 1) != accelerator.num_processes:
+        if resharded_deepspeed(accelerator, path):
             _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
         else:
             accelerator.load_state(str(path))
@@ -494,8 +494,7 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
                 ds_to_universal(Namespace(**options, **convert))
     accelerator.wait_for_everyone()
     try:
-        with universal_loading(engine):
-            accelerator.load_state(str(view))
+        accelerator.load_state(str(view))  # as universal: resharded_deepspeed set the engine's config so
         # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step` tensor,
         # which torch's Adam increments in place: with two groups it would count two steps a step. One each.
         for state in getattr(getattr(engine.optimizer, "optimizer", None), "state", {}).values():
@@ -507,16 +506,15 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
             shutil.rmtree(view, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def universal_loading(engine):
-    """A DeepSpeed engine that loads the next checkpoint as a universal one. DeepSpeed reads this from its config's
-    `checkpoint.load_universal`, fixed when the engine is built, with no public switch afterwards: the one private
-    use, `engine._config` (tests/test_common.py checks it is still read)."""
-    engine._config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        engine._config.load_universal_checkpoint = False
+def resharded_deepspeed(accelerator, path) -> bool:
+    """Whether `path` is a ZeRO checkpoint of another process count; if so, the DeepSpeed config the engine will be
+    built from loads checkpoints as universal ones (DeepSpeed's documented `checkpoint.load_universal`, read when
+    the engine is built: call this before accelerator.prepare)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or path is None or read_state(path).get("world_size", 1) == accelerator.num_processes:
+        return False
+    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    return True
 
 
 # Final weights ------------------------------------------------------------------------------------

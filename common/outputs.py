@@ -35,6 +35,7 @@ from .checkpoint import (
     not_a_checkpoint,
     record_written,
     remove_checkpoint,
+    resharded_deepspeed,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
@@ -66,6 +67,7 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         self.resume_from = prepare_output_dir(accelerator, args)
+        resharded_deepspeed(accelerator, self.resume_from)  # before the engine is built from the config
 
     def load_checkpoint(self, model, optimizer) -> dict:
         return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args)

@@ -287,19 +287,16 @@ def test_public_args_masks_credentials():
 # The library uses that have no public API ------------------------------------------------------
 
 
-def test_deepspeed_still_reads_its_universal_switch_where_universal_loading_sets_it():
-    """common.checkpoint.universal_loading sets `engine._config.load_universal_checkpoint` on a built
-    engine (DeepSpeed's only switch, fixed at build time otherwise). If DeepSpeed renames or stops
-    reading it, a ZeRO resume on another process count would load the wrong layout: fail here first."""
-    import inspect
-
+def test_deepspeed_reads_the_universal_switch_resharded_deepspeed_sets():
+    """common.checkpoint.resharded_deepspeed sets DeepSpeed's `checkpoint.load_universal` in the config the engine
+    is built from. If DeepSpeed stops reading it, a ZeRO resume on another process count would load the wrong
+    layout: fail here first."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert DeepSpeedConfig({"train_batch_size": 1}).load_universal_checkpoint is False
-    assert "_config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine)
-    assert callable(DeepSpeedEngine.load_universal_checkpoint)  # what checkpoint.load_checkpoint looks for
+    config = DeepSpeedConfig({"train_batch_size": 1, "checkpoint": {"load_universal": True}})
+    assert config.load_universal_checkpoint is True
 
 
 def test_an_optional_package_that_is_not_installed_costs_accelerate_nothing_per_step(tmp_path, monkeypatch):
