@@ -26,7 +26,6 @@ from common import RecipeError
 from common.text import (
     add_model_args,
     add_text_args,
-    attn_implementation,
     evaluate_causal_lm,
     flops_per_token,
     lm_dataloaders,
@@ -66,9 +65,7 @@ def parse_args(argv=None):
         default="float32",
         help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision",
     )
-    m.add_argument(
-        "--attn_implementation", type=attn_implementation, default="sdpa", help="sdpa, flash_attention_2, eager, ..."
-    )
+    m.add_argument("--attn_implementation", default="sdpa", help="sdpa, flash_attention_2, eager, ...")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--lora_r", type="non_negative_int", help="LoRA rank; 0 trains all weights")
