@@ -106,11 +106,8 @@ def _excerpt(value, limit=80) -> str:
 
 
 def _not_utf8(err: UnicodeDecodeError) -> str:
-    around = err.object[max(0, err.start - 20) : err.start + 20]
-    return (
-        f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); convert the file to UTF-8, "
-        "e.g. iconv -f latin1 -t utf-8"
-    )
+    byte, around = err.object[err.start], err.object[max(0, err.start - 20) : err.start + 20]
+    return f"not UTF-8 text (byte 0x{byte:02x} in {_excerpt(around)}); convert the file, e.g. iconv -f latin1 -t utf-8"
 
 
 def _stop_or_os_error(err: BaseException) -> None:
@@ -261,8 +258,7 @@ def pack(examples: dict, block_size: int) -> dict:
 
 def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
     """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
-    holding a block with a token to train on. datasets caches each map: the processes that run this after the main
-    one (prepare_data_first) read the cache. `sources`: how error lines name each split (data_sources)."""
+    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
     from datasets import DatasetDict
 
     sources = {split: f"the {split} split" for split in raw} | (sources or {})
@@ -327,8 +323,7 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
 
 
 def lm_dataloaders(args, accelerator, tokenizer, config):
-    """(train, eval, block_size): tokenized and packed by the main process first (the others read datasets' cache),
-    in fixed-size blocks that need no padding."""
+    """(train, eval, block_size): packed by the main process first (the others read datasets' cache)."""
     from transformers import default_data_collator
 
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
