@@ -35,8 +35,17 @@ MESSAGE_SHAPE = '{"role": ..., "content": "..."}'
 # Arguments ----------------------------------------------------------------------------------------
 
 
-def add_text_args(parser) -> None:
-    """The data arguments of the causal-LM recipes (names from transformers' run_clm), and their rules."""
+def add_lm_args(parser):
+    """The model and data arguments of the causal-LM recipes (names from transformers' run_clm) and their rules;
+    returns the model group, for the recipe's own model options."""
+    group = parser.add_argument_group("model")
+    m = group.add_argument
+    m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
+    m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
+    m("--config_overrides", type=config_overrides, help="with --config_name, e.g. hidden_size=64,num_hidden_layers=2")
+    m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
+    m("--resize_token_embeddings", action="store_true", help="grow the embeddings to a larger tokenizer")
+    m("--trust_remote_code", action="store_true", help="run the model repo's own code")
     d = parser.add_argument_group("data").add_argument
     d("--dataset_name", help="a hub dataset, or a local folder of data files")
     d("--dataset_config_name")
@@ -47,10 +56,18 @@ def add_text_args(parser) -> None:
     d("--data_format", choices=["text", "chat"], default="text", help="chat: a `messages` column, prompts masked out")
     d("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
     d("--preprocessing_num_workers", type="positive_int")
-    parser.checks.append(_check_text_args)
+    parser.checks.append(_check_lm_args)
+    return group
 
 
-def _check_text_args(parser, args) -> None:
+def _check_lm_args(parser, args) -> None:
+    if bool(args.model_name_or_path) == bool(args.config_name):
+        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+    if args.config_overrides and not args.config_name:
+        parser.error(
+            "--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
+            "pass --config_name instead of --model_name_or_path, or drop the overrides"
+        )
     if args.dataset_name and (args.train_file or args.validation_file):
         parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
     if not args.dataset_name and not args.train_file:
@@ -60,30 +77,6 @@ def _check_text_args(parser, args) -> None:
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
             parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
-
-
-def add_model_args(parser):
-    """Where the model and tokenizer come from (names from transformers' run_clm); returns the argument group."""
-    group = parser.add_argument_group("model")
-    m = group.add_argument
-    m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
-    m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
-    m("--config_overrides", type=config_overrides, help="with --config_name, e.g. hidden_size=64,num_hidden_layers=2")
-    m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
-    m("--resize_token_embeddings", action="store_true", help="grow the embeddings to a larger tokenizer")
-    m("--trust_remote_code", action="store_true", help="run the model repo's own code")
-    parser.checks.append(_check_model_args)
-    return group
-
-
-def _check_model_args(parser, args) -> None:
-    if bool(args.model_name_or_path) == bool(args.config_name):
-        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
-    if args.config_overrides and not args.config_name:
-        parser.error(
-            "--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
-            "pass --config_name instead of --model_name_or_path, or drop the overrides"
-        )
 
 
 def config_overrides(text):
@@ -354,7 +347,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
 
 
 def load_causal_lm(args, **model_kwargs):
-    """(model, tokenizer) as add_model_args' arguments say. Called once the Accelerator exists: under ZeRO-3,
+    """(model, tokenizer) as add_lm_args' arguments say. Called once the Accelerator exists: under ZeRO-3,
     transformers then creates or loads the weights straight into their shards."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -24,8 +24,7 @@ from accelerate.utils import set_seed
 import common
 from common import RecipeError
 from common.text import (
-    add_model_args,
-    add_text_args,
+    add_lm_args,
     evaluate_causal_lm,
     flops_per_token,
     lm_dataloaders,
@@ -58,7 +57,7 @@ HYPERPARAMETERS = dict(
 
 def parse_args(argv=None):
     p = common.training_parser("lm_finetune", __doc__.split("\n")[0])
-    m = add_model_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
+    m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
     m.add_argument(
         "--torch_dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -76,7 +75,6 @@ def parse_args(argv=None):
         nargs="+",
         help="names of the model's linear layers (q_proj v_proj ...), or all-linear",
     )
-    add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     if args.torch_dtype == "auto" and args.config_name:
