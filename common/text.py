@@ -352,7 +352,7 @@ def load_causal_lm(args, **model_kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
-    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
+    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
         if args.model_name_or_path:
