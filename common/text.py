@@ -1,9 +1,6 @@
-"""Text data and causal LMs for the LM recipes: local or hub datasets, tokenization, chat-prompt masking, packing
-into fixed-length blocks; models and tokenizers from a hub id or a folder; the token-weighted loss and evaluation.
-
-What `datasets`, transformers, the tokenizer or the chat template raise about the user's data or model becomes
-one RecipeError naming the file (or dataset) and what to do; an operating-system error about a path is left to
-common.exit_codes, which names the path and the option it came from."""
+"""Text data and causal LMs for the LM recipes: datasets tokenized (chat prompts masked) and packed into blocks,
+models from a hub id or a folder, the token-weighted loss. What the libraries raise about the user's data or model
+becomes one RecipeError naming the file and the fix; an error about a path is left to common.runtime's line."""
 
 from __future__ import annotations
 
@@ -38,8 +35,17 @@ MESSAGE_SHAPE = '{"role": ..., "content": "..."}'
 # Arguments ----------------------------------------------------------------------------------------
 
 
-def add_text_args(parser) -> None:
-    """The data arguments of the causal-LM recipes (names from transformers' run_clm), and their rules."""
+def add_lm_args(parser):
+    """The model and data arguments of the causal-LM recipes (names from transformers' run_clm) and their rules;
+    returns the model group, for the recipe's own model options."""
+    group = parser.add_argument_group("model")
+    m = group.add_argument
+    m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
+    m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
+    m("--config_overrides", type=config_overrides, help="with --config_name, e.g. hidden_size=64,num_hidden_layers=2")
+    m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
+    m("--resize_token_embeddings", action="store_true", help="grow the embeddings to a larger tokenizer")
+    m("--trust_remote_code", action="store_true", help="run the model repo's own code")
     d = parser.add_argument_group("data").add_argument
     d("--dataset_name", help="a hub dataset, or a local folder of data files")
     d("--dataset_config_name")
@@ -50,46 +56,11 @@ def add_text_args(parser) -> None:
     d("--data_format", choices=["text", "chat"], default="text", help="chat: a `messages` column, prompts masked out")
     d("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
     d("--preprocessing_num_workers", type="positive_int")
-    parser.checks.append(_check_text_args)
-
-
-def _check_text_args(parser, args) -> None:
-    if args.dataset_name and (args.train_file or args.validation_file):
-        parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
-    if not args.dataset_name and not args.train_file:
-        parser.error(
-            "no data: pass --train_file (local txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)"
-        )
-    if args.dataset_config_name and not args.dataset_name:
-        parser.error("--dataset_config_name needs --dataset_name")
-    for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
-        if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
-            parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
-
-
-def add_model_args(parser):
-    """Where the model and tokenizer come from (names from transformers' run_clm); returns the argument group."""
-    group = parser.add_argument_group("model")
-    m = group.add_argument
-    m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
-    m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
-    m(
-        "--config_overrides",
-        type=config_overrides,
-        help="with --config_name: e.g. hidden_size=4096,num_hidden_layers=32",
-    )
-    m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
-    m(
-        "--resize_token_embeddings",
-        action="store_true",
-        help="grow the embeddings to a larger tokenizer (at their mean)",
-    )
-    m("--trust_remote_code", action="store_true", help="run the model repo's own code")
-    parser.checks.append(_check_model_args)
+    parser.checks.append(_check_lm_args)
     return group
 
 
-def _check_model_args(parser, args) -> None:
+def _check_lm_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
         parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
     if args.config_overrides and not args.config_name:
@@ -97,6 +68,15 @@ def _check_model_args(parser, args) -> None:
             "--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
             "pass --config_name instead of --model_name_or_path, or drop the overrides"
         )
+    if args.dataset_name and (args.train_file or args.validation_file):
+        parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
+    if not args.dataset_name and not args.train_file:
+        parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)")
+    if args.dataset_config_name and not args.dataset_name:
+        parser.error("--dataset_config_name needs --dataset_name")
+    for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
+        if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
+            parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
 
 
 def config_overrides(text):
@@ -104,21 +84,6 @@ def config_overrides(text):
     if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
-        )
-    return text
-
-
-def attn_implementation(text):
-    """An argparse type: an attention implementation transformers knows (whether its package is installed is for
-    transformers to say, when the model loads), or a hub kernel `org/repo`."""
-    if text in ("eager", "sdpa"):  # the usual ones, without the seconds of importing transformers' models
-        return text
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    names = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
-    if text not in names and "/" not in text:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not an attention implementation; choose from {', '.join(names)}"
         )
     return text
 
@@ -134,17 +99,13 @@ def _excerpt(value, limit=80) -> str:
 
 
 def _not_utf8(err: UnicodeDecodeError) -> str:
-    around = err.object[max(0, err.start - 20) : err.start + 20]
-    return (
-        f"not UTF-8 text (byte 0x{err.object[err.start]:02x} in {_excerpt(around)}); convert the file to UTF-8, "
-        "e.g. iconv -f latin1 -t utf-8"
-    )
+    byte, around = err.object[err.start], err.object[max(0, err.start - 20) : err.start + 20]
+    return f"not UTF-8 text (byte 0x{byte:02x} in {_excerpt(around)}); convert the file, e.g. iconv -f latin1 -t utf-8"
 
 
 def _stop_or_os_error(err: BaseException) -> None:
-    """Re-raise, before `err` is taken for a fault of the user's data or model, a stop signal that landed while a
-    library was loading (datasets wraps it in its own error), and an operating-system error about a path (a cache
-    that cannot be written, say), which common.exit_codes says with the option the path came from."""
+    """Re-raise a stop signal (datasets wraps it in its own error) and an error about a path (an unwritable cache:
+    common.runtime names the option it came from) before `err` is taken for a fault of the user's data or model."""
     found = causes(err)
     if stop := next((e for e in found if isinstance(e, Preempted)), None):
         raise stop
@@ -152,14 +113,13 @@ def _stop_or_os_error(err: BaseException) -> None:
         raise err
 
 
-def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
-    """datasets.load_dataset(builder, ...) (a local file `path` read as the format `builder`), what it, pyarrow or
-    pandas raise about the data as one line naming `source` and what to do. An operating-system error about a path
-    (a cache that cannot be written, say) is left to common.exit_codes, which names the path and its option."""
+def _load(source: str, builder: str, *load_args, **load_kwargs):
+    """datasets.load_dataset, with what it, pyarrow or pandas raise about the data as one line naming `source`."""
     from datasets import load_dataset
 
     quiet = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")  # it logs its own error line first
     level, quiet.level = quiet.level, logging.CRITICAL
+    path = load_kwargs.get("data_files")  # a local file
     try:
         return load_dataset(builder, *load_args, **load_kwargs)
     except Exception as err:
@@ -172,7 +132,7 @@ def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
             why = _not_utf8(decode)
         # datasets has no one error for a file without rows: "corresponds to no data" for blank lines or a
         # header alone, a format's own error for an empty file
-        elif path and ("corresponds to no data" in str(err) or Path(path).expanduser().stat().st_size == 0):
+        elif path and ("corresponds to no data" in str(err) or Path(path).stat().st_size == 0):
             why = "holds no rows; add data or pass another file"
         elif path:
             why = f"cannot be read as {builder} ({what}); {FORMAT_HINTS[builder]}"
@@ -184,7 +144,7 @@ def _load(source: str, builder: str, *load_args, path=None, **load_kwargs):
 
 
 def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
-    """How error messages name each split's data."""
+    """How error lines name each split's data."""
     if dataset_name:
         return {split: f"--dataset_name {dataset_name} ({split} split)" for split in ("train", "validation")}
     held_out = f"the part of --train_file {train_file} held out for validation"
@@ -196,14 +156,13 @@ def data_sources(dataset_name=None, train_file=None, validation_file=None) -> di
 
 def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
                       validation_split_percentage=5, seed=0):  # fmt: skip
-    """A DatasetDict with `train` and `validation`, from the hub or local files; without a validation split,
-    `validation_split_percentage` percent of train is held out (seeded)."""
+    """A DatasetDict with `train` and `validation`; without a validation split, `validation_split_percentage`
+    percent of train is held out (seeded)."""
     from datasets import DatasetDict
 
     if dataset_name:
-        flag = f"--dataset_name {dataset_name}" + (
-            f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
-        )
+        flag = f"--dataset_name {dataset_name}"
+        flag += f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
         if dataset_name.startswith(("/", ".", "~")):  # a folder: say so if it is not there
             check_path("--dataset_name", dataset_name, folder=True)
         raw = _load(flag, dataset_name, dataset_config_name)
@@ -211,15 +170,12 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
             raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
     else:
         raw = DatasetDict()
-        for split, flag, path in (
-            ("train", "--train_file", train_file),
-            ("validation", "--validation_file", validation_file),
-        ):
+        for split, path in (("train", train_file), ("validation", validation_file)):
             if path:
-                check_path(flag, path)
+                check_path(f"--{split}_file", path)
                 fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
                 raw[split] = _load(
-                    f"{flag} {path}", fmt, path=path, data_files=str(Path(path).expanduser()), split="train"
+                    f"--{split}_file {path}", fmt, data_files=str(Path(path).expanduser()), split="train"
                 )
     if "validation" not in raw:
         try:
@@ -235,8 +191,8 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
 
 
 def check_conversation(messages) -> None:
-    """Refuse a conversation the chat template cannot render faithfully or that teaches nothing: a list of
-    {"role": str, "content": str} messages with at least one assistant reply."""
+    """Refuse a conversation the chat template would render unfaithfully (a number or a list of parts as content),
+    or that teaches nothing (no assistant reply)."""
     if not isinstance(messages, list) or not messages:
         raise RecipeError(f"`messages` is {_excerpt(messages)}, not a list of {MESSAGE_SHAPE} messages")
     for number, message in enumerate(messages, 1):
@@ -257,10 +213,9 @@ def check_conversation(messages) -> None:
 
 
 def chat_example(tokenizer, messages) -> dict:
-    """A conversation tokenized with the tokenizer's chat template, only the assistant's replies labelled, so the
-    loss never trains the model to write the user's prompts. Each reply is the text between the rendering of
-    the conversation before it (with the generation prompt) and the rendering that includes it; tokens whose
-    characters fall inside such a span keep their label."""
+    """A conversation in the tokenizer's chat template, only the assistant's replies labelled: each reply is the
+    text between the rendering of the turns before it (with the generation prompt) and the rendering through it.
+    (transformers' return_assistant_tokens_mask needs {% generation %} markers, which most templates lack.)"""
     from jinja2 import TemplateError
 
     check_conversation(messages)
@@ -288,34 +243,29 @@ def chat_example(tokenizer, messages) -> dict:
 
 
 def pack(examples: dict, block_size: int) -> dict:
-    """The batch's examples concatenated and cut into blocks of `block_size` tokens (the rest dropped): no compute
-    spent on padding."""
+    """The examples concatenated and cut into blocks of `block_size` (the rest dropped): no compute on padding."""
     joined = {key: list(chain.from_iterable(examples[key])) for key in ("input_ids", "labels")}
     usable = len(joined["input_ids"]) // block_size * block_size
     return {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in joined.items()}
 
 
-def tokenize_and_pack(
-    raw, tokenizer, *, data_format: str, text_column: str, block_size: int, num_proc=None, sources=None
-):
-    """`raw` tokenized (text: `text_column` plus EOS; chat: the `messages` column, prompts masked) and packed into
-    blocks, each split holding at least one block in which something is trained. `datasets` caches each step, so a
-    process that runs this after the main one (prepare_data_first) loads the cache. `sources` names each split's
-    data in error messages (data_sources)."""
+def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
+    """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
+    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
     from datasets import DatasetDict
 
     sources = {split: f"the {split} split" for split in raw} | (sources or {})
     column = text_column if data_format == "text" else "messages"
     for split, data in raw.items():  # every split's, before the minutes of tokenizing the first
         if column not in data.column_names:
-            columns = ", ".join(data.column_names)
+            missing = f"not in the data (columns: {', '.join(data.column_names)})"
             if data_format == "chat":
                 raise RecipeError(
-                    f"{sources[split]}: --data_format chat needs a column named messages: not in the data (columns: "
-                    f"{columns}); pass --data_format text for plain text"
+                    f"{sources[split]}: --data_format chat needs a column named messages: {missing}; pass "
+                    "--data_format text for plain text"
                 )
             hint = "; it looks like chat data: pass --data_format chat" if "messages" in data.column_names else ""
-            raise RecipeError(f"{sources[split]}: --text_column {column}: not in the data (columns: {columns}){hint}")
+            raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
     if data_format == "chat" and not tokenizer.chat_template:
         raise RecipeError(
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
@@ -366,17 +316,9 @@ def tokenize_and_pack(
 
 
 def lm_dataloaders(args, accelerator, tokenizer, config):
-    """(train, eval, block_size): tokenized and packed once by the main process (the others read datasets'
-    cache), in fixed-size blocks that need no padding."""
+    """(train, eval, block_size): packed by the main process first (the others read datasets' cache)."""
     from transformers import default_data_collator
 
-    vocab = getattr(config, "vocab_size", None)
-    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
-        raise RecipeError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
-            "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the tokenizer the "
-            "model was trained with"
-        )
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
     limit = min(n for n in limits if n and n < 1_000_000_000)  # what both the model and the tokenizer accept
     block_size = args.block_size or min(limit, 1024)
@@ -397,30 +339,23 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         )  # fmt: skip
     workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
     loader = partial(make_dataloader, seed=args.seed, num_workers=workers, collate_fn=default_data_collator)
-    return (
-        loader(data["train"], args.per_device_train_batch_size, train=True),
-        loader(data["validation"], args.per_device_eval_batch_size, train=False),
-        block_size,
-    )
+    train = loader(data["train"], args.per_device_train_batch_size, train=True)
+    return train, loader(data["validation"], args.per_device_eval_batch_size, train=False), block_size
 
 
 # Models and tokenizers ----------------------------------------------------------------------------
 
 
 def load_causal_lm(args, **model_kwargs):
-    """(model, tokenizer) as add_model_args' arguments say: pretrained weights, or a new model from a config (and its
-    overrides); the tokenizer of --tokenizer_name or of the model; the embeddings grown to the tokenizer with
-    --resize_token_embeddings. Called once the Accelerator exists: under ZeRO-3, transformers then creates or loads
-    the weights straight into their shards. What transformers raises is one line (_load_error)."""
+    """(model, tokenizer) as add_lm_args' arguments say. Called once the Accelerator exists: under ZeRO-3,
+    transformers then creates or loads the weights straight into their shards."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    pretrained, trust, tokenizer, config = bool(args.model_name_or_path), args.trust_remote_code, None, None
-    flag, source = (
-        ("--model_name_or_path", args.model_name_or_path) if pretrained else ("--config_name", args.config_name)
-    )
+    source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
+    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
-        if pretrained:
+        if args.model_name_or_path:
             model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
         else:
             config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
@@ -430,116 +365,94 @@ def load_causal_lm(args, **model_kwargs):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         _stop_or_os_error(err)
+        attn = model_kwargs.get("attn_implementation", "sdpa")  # not installed, or a name transformers does not know
+        attn_failed = tokenizer is not None and (isinstance(err, ImportError) or "attn_impl" in str(err))
+        if attn not in ("eager", "sdpa") and attn_failed:
+            raise RecipeError(
+                f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or pass "
+                "--attn_implementation sdpa"
+            ) from err
         if config is not None and args.config_overrides:  # the config loaded: its overrides are what failed
             raise _overrides_error(config, args, err) from err
-        named = (
-            ("--tokenizer_name", args.tokenizer_name) if tokenizer is None and args.tokenizer_name else (flag, source)
-        )
-        raise _load_error(*named, err, model_kwargs.get("attn_implementation"), tokenizer=tokenizer is None) from err
+        if tokenizer is None and args.tokenizer_name:
+            flag, source = "--tokenizer_name", args.tokenizer_name
+        raise _load_error(flag, source, err, tokenizer=tokenizer is None) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     vocab = getattr(model.config, "vocab_size", None)
-    if args.resize_token_embeddings and vocab and len(tokenizer) > vocab:
-        logger.info(
-            f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at the others' mean"
-        )
+    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
+        if not args.resize_token_embeddings:
+            raise RecipeError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} "
+                "(config.vocab_size): pass --resize_token_embeddings to grow the embeddings to it, or "
+                "--tokenizer_name with the tokenizer the model was trained with"
+            )
+        logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
         model.resize_token_embeddings(len(tokenizer))
     elif args.resize_token_embeddings:
-        logger.info(
-            f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)} tokens"
-        )
+        logger.info(f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)}")
     return model, tokenizer
 
 
-def _load_error(flag: str, name: str, err: BaseException, attn_implementation=None, tokenizer=False) -> RecipeError:
-    """The RecipeError for what from_pretrained or from_config raised: a folder that is not there (which
-    transformers takes for a hub id) or lacks its config, damaged weights or config, an attention implementation
-    that is not installed, remote code, a model that is not a causal LM, tokenizer files that do not load."""
-    from safetensors import SafetensorError, safe_open
+def _load_error(flag: str, name: str, err: BaseException, tokenizer=False) -> RecipeError:
+    """One line for what loading the tokenizer or model raised, with the fix for its cause."""
+    from safetensors import SafetensorError
 
     text, folder = one_line(err), Path(name).expanduser()
     if local := name.startswith(("/", ".", "~")) or folder.exists():
-        check_path(flag, name, folder=True)  # raises the path's own error, said plainly
-    fix = (
-        "pass the folder that save_pretrained wrote (config.json, the weights and the tokenizer files)"
-        if local
-        else "check the hub id, the network (or HF_HUB_OFFLINE and the cache), or pass a local folder"
-    )
+        check_path(flag, name, folder=True)  # a folder that is not there, which transformers takes for a hub id
+    fix = "pass the folder that save_pretrained wrote" if local else "check the hub id and the network (or the cache)"
     if local and flag != "--tokenizer_name" and not (folder / "config.json").is_file():
-        return RecipeError(f"{flag} {name}: no config.json in the folder; {fix}")
-    if "trust_remote_code" in str(err):
-        return RecipeError(
-            f"{flag} {name}: the model runs code of its own repository; pass --trust_remote_code if you trust that "
-            "code"
-        )
-    if "not a valid JSON" in text:
-        return RecipeError(f"{flag} {name}: config.json is damaged ({text}); download or save the model again")
-    if tokenizer and not isinstance(err, OSError):
-        return RecipeError(
-            f"{flag} {name}: its tokenizer cannot be loaded ({type(err).__name__}: {text}); pass a model folder or "
-            "hub id whose tokenizer files load"
-        )
-    if isinstance(err, SafetensorError):
-        damaged = []
-        for path in sorted(folder.glob("*.safetensors")) if local else []:
-            try:
-                safe_open(path, framework="pt").__enter__()
-            except Exception:
-                damaged.append(path.name)
-        return RecipeError(
-            f"{flag} {name}: {', '.join(damaged) or 'its weights'} is damaged ({text}); download or save the model "
-            "again"
-        )
-    if isinstance(err, ImportError) and attn_implementation not in (None, "eager", "sdpa"):
-        return RecipeError(
-            f"--attn_implementation {attn_implementation} cannot be used here ({text}); install what it needs, or "
-            "pass --attn_implementation sdpa"
-        )
-    if "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
-        return RecipeError(f"{flag} {name}: {text}; pass a causal language model")
-    return RecipeError(f"{flag} {name}: {type(err).__name__}: {text}; {fix}")
+        why = f"no config.json in the folder; {fix}"  # transformers says it lacks a model_type
+    elif "trust_remote_code" in str(err):
+        why = "the model runs code of its own repository; pass --trust_remote_code if you trust that code"
+    elif tokenizer and not isinstance(err, OSError):
+        why = f"its tokenizer cannot be loaded ({type(err).__name__}: {text}); pass one whose tokenizer files load"
+    elif isinstance(err, SafetensorError):  # it does not name the file
+        why = f"its safetensors weights are damaged ({text}); download or save the model again"
+    elif "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
+        why = f"{text}; pass a causal language model"
+    else:
+        why = f"{type(err).__name__}: {text}; {fix}"
+    return RecipeError(f"{flag} {name}: {why}")
 
 
 def _overrides_error(config, args, err: BaseException) -> RecipeError:
-    """The RecipeError for --config_overrides that update_from_string, the config's own check or from_config
-    refused (`config`: the config they were applied to, its keys unchanged): a key the config lacks, a value not of
-    the key's type, values that contradict each other or the rest of the config."""
+    """One line for --config_overrides that update_from_string, config.validate or from_config refused (`config`
+    keeps its keys: update_from_string refuses an unknown one)."""
     overrides, known = args.config_overrides, list(config.to_dict())
-    for key in (pair.partition("=")[0] for pair in overrides.split(",")):
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            return RecipeError(
-                f"--config_overrides {overrides}: {args.config_name}'s config has no {key}{hint}; pass keys of its "
-                "config.json"
-            )
-    # huggingface_hub's validation error says nothing of its own: its cause is the readable one
-    what = one_line(err.__cause__) if err.__cause__ else f"{type(err).__name__}: {one_line(err)}"
-    return RecipeError(
-        f"--config_overrides {overrides}: the model {args.config_name} builds from them does not run ({what}); "
-        "give each key a value of its type in config.json, agreeing with the others and with the rest of the config"
-    )
+    unknown = [key for key in (pair.partition("=")[0] for pair in overrides.split(",")) if key not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        why = f"{args.config_name}'s config has no {unknown[0]}{hint}; pass keys of its config.json"
+    else:  # huggingface_hub's validation error says nothing of its own: its cause is the readable one
+        what = one_line(err.__cause__) if err.__cause__ else f"{type(err).__name__}: {one_line(err)}"
+        why = (
+            f"the model {args.config_name} builds from them does not run ({what}); give each key a value of its "
+            "type in config.json, agreeing with the others and with the rest of the config"
+        )
+    return RecipeError(f"--config_overrides {overrides}: {why}")
 
 
 # Training and evaluation --------------------------------------------------------------------------
 
 
 def target_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """The tokens a causal LM is trained to predict in a batch: the labels after the first position (the model
-    shifts them by one) not masked with -100. A step's loss is its mean over every target token of every
-    micro-batch and process: transformers' causal-LM losses divide their sum by `num_items_in_batch`."""
+    """The tokens a causal LM is trained to predict: labels not -100, after the first position (the model shifts
+    them). A step's loss is their mean over the whole step: transformers divides by `num_items_in_batch`."""
     return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def window_tokens(accelerator, window) -> torch.Tensor:
-    """The target tokens of a whole optimizer step, every micro-batch on every process (one scalar all-reduce, on
-    the device: no host sync), at least 1, so that a step without any is a zero update rather than NaN."""
+    """The target tokens of every micro-batch of an optimizer step on every process (an all-reduce on the device,
+    no host sync), at least 1: a step without any is a zero update, not NaN."""
     return accelerator.reduce(sum(target_tokens(batch["labels"]) for batch in window), reduction="sum").clamp(min=1)
 
 
 def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
-    """Token-weighted loss and perplexity over the whole eval set, each block counted once; None if `stop` (a
-    common.StopOnSignal) reports a signal, which every process sees at the same batch."""
+    """Token-weighted loss and perplexity over the eval set, each block once; None if `stop` (a StopOnSignal)
+    reports a signal, which every process sees at the same batch."""
     model.eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
@@ -548,12 +461,8 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
                 model.train()
                 return None
             logits, labels = model(input_ids=batch["input_ids"]).logits[:, :-1], batch["labels"][:, 1:]
-            per_block = torch.stack(  # a row at a time: fp32 logits are large
-                [
-                    F.cross_entropy(row.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
-                    for row, lab in zip(logits, labels)
-                ]
-            )
+            # a row at a time, as fp32 logits are large; cross_entropy skips the -100 labels
+            per_block = torch.stack([F.cross_entropy(x.float(), y, reduction="sum") for x, y in zip(logits, labels)])
             # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
             per_block, counts = accelerator.gather_for_metrics((per_block, (labels != IGNORE_INDEX).sum(-1)))
             loss_sum, tokens = loss_sum + per_block.sum().item(), tokens + counts.sum().item()

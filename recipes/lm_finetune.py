@@ -24,9 +24,7 @@ from accelerate.utils import set_seed
 import common
 from common import RecipeError
 from common.text import (
-    add_model_args,
-    add_text_args,
-    attn_implementation,
+    add_lm_args,
     evaluate_causal_lm,
     flops_per_token,
     lm_dataloaders,
@@ -59,16 +57,14 @@ HYPERPARAMETERS = dict(
 
 def parse_args(argv=None):
     p = common.training_parser("lm_finetune", __doc__.split("\n")[0])
-    m = add_model_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, --resize_token_embeddings, ...
+    m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
     m.add_argument(
         "--torch_dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
         default="float32",
         help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision",
     )
-    m.add_argument(
-        "--attn_implementation", type=attn_implementation, default="sdpa", help="sdpa, flash_attention_2, eager, ..."
-    )
+    m.add_argument("--attn_implementation", default="sdpa", help="sdpa, flash_attention_2, eager, ...")
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--lora_r", type="non_negative_int", help="LoRA rank; 0 trains all weights")
@@ -79,7 +75,6 @@ def parse_args(argv=None):
         nargs="+",
         help="names of the model's linear layers (q_proj v_proj ...), or all-linear",
     )
-    add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     if args.torch_dtype == "auto" and args.config_name:

@@ -27,8 +27,7 @@ from accelerate.utils import DummyOptim, DummyScheduler, set_seed
 import common
 from common import RecipeError, logger
 from common.text import (
-    add_model_args,
-    add_text_args,
+    add_lm_args,
     evaluate_causal_lm,
     lm_dataloaders,
     load_causal_lm,
@@ -56,10 +55,9 @@ HYPERPARAMETERS = dict(
 
 def parse_args(argv=None):
     p = common.training_parser("zero", __doc__.split("\n")[0])
-    m = add_model_args(p)
+    m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
-    add_text_args(p)
     p.set_defaults(**HYPERPARAMETERS)
     return p.parse_args(argv)  # and the checks of common.text's arguments
 
