@@ -411,9 +411,8 @@ def first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the process that failed first. torch stamps whole seconds, and a process whose peer left
     often fails in the same one: then the one that said why (2: a user mistake, 75: stopped at a checkpoint) is the
     cause, then one that exited rather than was killed."""
-    first = min(f.timestamp for f in failures.values())
-    tied = [(rank, f) for rank, f in failures.items() if f.timestamp == first]
-    return min(tied, key=lambda rf: (rf[1].exitcode not in (2, 75), rf[1].exitcode < 0, rf[0]))
+    by_rank = sorted(failures.items())  # min() keeps the first of equals: the lowest rank
+    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode not in (2, 75), rf[1].exitcode < 0))
 
 
 def exit_code(exitcode: int, who: str) -> int:
