@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Launch a recipe under `accelerate launch` with the config that fits this host: ./launch.sh --help.
-# scripts/launcher.py does the work. This shell runs it with the environment's python in a process group of its
-# own, which neither a terminal's Ctrl-C nor a kill of this shell's group (kill -9 -- -PGID) reaches: this shell
-# passes stop signals on (the launcher acts on the first), and killed outright it leaves the launcher a SIGTERM
-# from Linux (a parent-death signal). Either way the training processes stop at a checkpoint.
+# scripts/launcher.py does the work, in a process group of its own that neither a terminal's Ctrl-C nor a kill of
+# this shell's group (kill -9 -- -PGID) reaches: this shell passes stop signals on; killed outright, it leaves the
+# launcher a SIGTERM from Linux (a parent-death signal). Either way the training processes stop at a checkpoint.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="$(dirname "$(command -v accelerate || echo "$ROOT/.venv/bin/accelerate")")/python"  # accelerate's environment

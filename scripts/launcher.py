@@ -3,17 +3,15 @@
        ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
        ./launch.sh selftest [--config NAME] [--num_processes N] [--mixed_precision no|bf16]
 
-Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml, by default the one for the GPUs
-this host sees, or N CPU processes (default 2) in one gloo group; on CPU, --config zero2/zero3/fsdp runs DeepSpeed or
-FSDP2 there (fp32 unless --mixed_precision bf16).
-Other arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm, run one
-launch.sh per node with srun (slurm/*.sbatch). `doctor`: this node's GPUs and versions, and an all-reduce's speed.
-`selftest`: the README's promises checked under a config on this machine, on a tiny model, in a few minutes.
---num_processes N: processes on this node; --max_restarts N: restart them up to N times when one fails.
-Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node, if not the first
-of the Slurm node list), RDZV_TIMEOUT (seconds to wait for the head and the other nodes, 60),
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds the processes get to save a checkpoint when stopped, 120).
-SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
+Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml: by default the one for this host's
+GPUs, or N CPU processes (default 2) in one gloo group, where --config zero2/zero3/fsdp runs DeepSpeed or FSDP2 (fp32
+unless --mixed_precision bf16). --num_processes: on this node; --max_restarts: restarts when a process fails. Other
+arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm: one launch.sh per
+node, by srun (slurm/*.sbatch). doctor: GPUs, versions, an all-reduce's speed. selftest: the README's promises, checked
+on this machine with a tiny model. Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR
+(the head node; default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other nodes, 60),
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120). SIGTERM, SIGUSR1, SIGHUP or Ctrl-C:
+the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 sys.path.insert(0, str(ROOT))
 from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
-
-# launch.sh's work (the usage above is its --help); launch.sh runs this in a process group of its own (see launch.sh).
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 stops: list[int] = []  # the stop signals received, in order
@@ -86,20 +82,18 @@ def by(sig: int | None) -> str:
     return "a signal" if sig is None else "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
 
 
-def stopped_code(sig: int | None) -> int:
-    """A stop before training saved nothing to lose: Ctrl-C is the user's 130; any other stop (preemption, Slurm's
-    time limit) 75, like a stop at a checkpoint, so that a requeued job starts again."""
-    return 128 + sig if sig == signal.SIGINT else 75
+def stopped_before(what: str, sig: int | None) -> int:
+    """Nothing was saved: Ctrl-C is the user's 130; any other stop (preemption, Slurm's time limit) 75, like a stop
+    at a checkpoint, so that a requeued job starts again."""
+    code = 128 + sig if sig == signal.SIGINT else 75
+    say(f"stopped by {by(sig)} before {what}; nothing was saved (exit {code})")
+    return code
 
 
 def on_stop(signum, frame) -> None:
     stops.append(signum)
     if not started:  # nothing to save (a helper such as `doctor --report` ends too)
-        say(f"stopped by {by(signum)} before the processes started; nothing was saved (exit {stopped_code(signum)})")
-        finish(stopped_code(signum))
-
-
-# ---------------------------------------------------------------- the command
+        finish(stopped_before("the processes started", signum))
 
 
 def env(*names: str, default: str = "") -> str:
@@ -113,10 +107,9 @@ def number(name: str, value: str | None, low: int, what: str, high: int = 999999
     return int(value) if value else None
 
 
-# The keys of an accelerate YAML (accelerate's ClusterConfig fields; tests/test_launcher.py keeps this equal to the
-# installed accelerate's): a key outside them does nothing, silently. Listed here, so the check imports no torch.
-# RETIRED_KEYS: keys older releases write (`accelerate config`), with the first release that refuses them.
-RETIRED_KEYS = {"ipex_config": (1, 13)}
+# accelerate's ClusterConfig fields, listed so that checking a YAML imports no torch (tests/test_launcher.py keeps
+# them equal); RETIRED_KEYS: keys older releases write (`accelerate config`), with the first release that refuses them.
+RETIRED_KEYS = {"ipex_config": "1.13"}
 CONFIG_KEYS = """command_file commands compute_environment debug deepspeed_config distributed_type downcast_bf16
 dynamo_config enable_cpu_affinity fp8_config fsdp_config gpu_ids machine_rank main_process_ip main_process_port
 main_training_function megatron_lm_config mixed_precision mpirun_config num_machines num_processes parallelism_config
@@ -124,11 +117,13 @@ rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm t
 
 
 def read_config(path: Path) -> tuple[int, int, str, bool]:
-    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, checked: its keys, the
-    numbers, the DeepSpeed config file it names."""
+    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML; a key accelerate does not
+    read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
     import difflib
+    from importlib.metadata import version
 
     import yaml
+    from packaging.version import Version
 
     try:
         config = yaml.safe_load(path.read_text())
@@ -137,18 +132,14 @@ def read_config(path: Path) -> tuple[int, int, str, bool]:
         raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
-    for key in sorted(set(config) & set(RETIRED_KEYS)):
-        from importlib.metadata import version
-
-        installed = version("accelerate")
-        if tuple(int(part) for part in re.findall(r"[0-9]+", installed)[:2]) >= RETIRED_KEYS[key]:
-            since = ".".join(map(str, RETIRED_KEYS[key]))
+    for key in sorted(set(config) - set(CONFIG_KEYS)):
+        since, installed = RETIRED_KEYS.get(key), version("accelerate")
+        if since and Version(installed) < Version(since):
+            continue  # the accelerate installed reads it
+        if since:
             raise ValueError(f"{path}: {key} is read by accelerate < {since} only (installed: {installed}); delete it")
-    for key in sorted(set(config) - set(CONFIG_KEYS) - set(RETIRED_KEYS)):
-        close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
-        raise ValueError(
-            f"{path}: {key} is not a key accelerate reads" + (f" (did you mean {close[0]}?)" if close else "")
-        )
+        close = [f" (did you mean {match}?)" for match in difflib.get_close_matches(key, CONFIG_KEYS, n=1)]
+        raise ValueError(f"{path}: {key} is not a key accelerate reads{''.join(close)}")
     deepspeed_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if deepspeed_file and not Path(deepspeed_file).is_file():
         raise ValueError(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")
@@ -192,16 +183,15 @@ def show(words: list[str]) -> str:
 def wait_for_head(head: str, port: int, seconds: int, rank: int) -> None:
     """A head that cannot be reached fails in `seconds` with the likely causes, not with torch's traceback."""
     deadline = time.monotonic() + seconds
-    while True:
+    while time.monotonic() <= deadline:
         with suppress(OSError):
             return socket.create_connection((head, port), timeout=5).close()
-        if time.monotonic() > deadline:
-            die(
-                f"node {rank} cannot reach the head node {head}:{port} after {seconds} s; check that the head's "
-                f"launcher started, that port {port} is free and open between the nodes (firewall), that {head!r} "
-                "resolves to an address of the network the nodes share (or set MASTER_ADDR); see ./launch.sh doctor"
-            )
         time.sleep(1)
+    die(
+        f"node {rank} cannot reach the head node {head}:{port} after {seconds} s; check that the head's launcher "
+        f"started, that port {port} is free and open between the nodes (firewall), that {head!r} resolves to an "
+        "address of the network the nodes share (or set MASTER_ADDR); see ./launch.sh doctor"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -228,7 +218,6 @@ def main(argv: list[str]) -> int:
             ours[{"-h": "--help"}.get(word, word)] = True
         else:
             rest.append(word)
-
     # Every number launch.sh takes, checked here: a bad one would surface as a traceback of accelerate or torch.
     processes_here = "a positive integer (the processes on this node)"
     num_processes = number("--num_processes", ours.get("--num_processes"), 1, processes_here)
@@ -248,7 +237,6 @@ def main(argv: list[str]) -> int:
         die(f"unknown config {ours['--config']!r} (available: {names})")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
-
     nodes, rank = 1, 0  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
     if env("SLURM_JOB_ID"):
         nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
@@ -279,13 +267,9 @@ def main(argv: list[str]) -> int:
             f"{per_node} processes requested on this node but only {gpus} GPU(s) are visible; pass --num_processes "
             f"{gpus} or a config for {gpus} GPU(s)"
         )
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
-        die(
-            f"{per_node} CPU processes requested on this node, which has {cores} core(s); pass --num_processes {cores}"
-        )
-
+        die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
     if nodes > 1:  # read inside the srun step: in the batch script SLURM_NODEID is 0 on every node
         if not env("SLURM_STEP_ID"):
@@ -322,7 +306,6 @@ def main(argv: list[str]) -> int:
             cmd += ["--rdzv_backend", "c10d", "--rdzv_conf", "is_host=1"]
         cmd += ["--max_restarts", str(max_restarts)]
     cmd += [str(script), *rest]
-
     print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
     os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # a group's launcher sets these; left
@@ -338,14 +321,10 @@ def main(argv: list[str]) -> int:
     return run(cmd[2:], grace)
 
 
-# ---------------------------------------------------------------- the run
-
-
 def run(launch_args: list[str], grace: int) -> int:
-    """`accelerate launch` in this process: launch_command runs in a worker thread, because torch's elastic agent
-    sets its signal handlers only in the main thread, so the stop signals stay ours. The first sends SIGTERM once to
-    each training process running (the children; torch starts them in sessions of their own), which saves a
-    checkpoint and exits 75; later ones wait for that. Rank 0 writes how the run ended to RECIPE_STATUS_FILE."""
+    """`accelerate launch` in a worker thread, so that the stop signals stay ours (torch's elastic agent sets its
+    handlers only in the main thread): the first sends each training process (our children, in sessions of their
+    own) one SIGTERM, to save a checkpoint; later ones wait. Rank 0 says how it ended in RECIPE_STATUS_FILE."""
     global started, status_file
     import accelerate.commands.launch as accelerate_launch
 
@@ -403,8 +382,7 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
         say(f"the run had finished when {by(stop)} came; its model and results.json are complete (exit 0)")
         return 0
     if stop and status not in ("error", "interrupted"):  # before training, or they died of the SIGTERM starting
-        say(f"stopped by {by(stop)} before training; nothing was saved (exit {stopped_code(stop)})")
-        return stopped_code(stop)
+        return stopped_before("training", stop)
     if isinstance(err, ChildFailedError):
         rank, failure = first_failure(err.failures)
         return exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")
@@ -430,12 +408,11 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
 
 
 def first_failure(failures: dict) -> tuple[int, object]:
-    """(rank, failure) of the process that failed first. torch stamps failures in whole seconds, and a process
-    whose peer left often fails in the same second: among those, the one that said why (2: a user mistake, 75:
-    stopped at a checkpoint) is the cause, then one that exited rather than was killed."""
-    first = min(f.timestamp for f in failures.values())
-    tied = sorted((rank, f) for rank, f in failures.items() if f.timestamp == first)
-    return min(tied, key=lambda rf: (rf[1].exitcode not in (2, 75), rf[1].exitcode < 0, rf[0]))
+    """(rank, failure) of the process that failed first. torch stamps whole seconds, and a process whose peer left
+    often fails in the same one: then the one that said why (2: a user mistake, 75: stopped at a checkpoint) is the
+    cause, then one that exited rather than was killed."""
+    by_rank = sorted(failures.items())  # min() keeps the first of equals: the lowest rank
+    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode not in (2, 75), rf[1].exitcode < 0))
 
 
 def exit_code(exitcode: int, who: str) -> int:

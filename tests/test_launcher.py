@@ -300,8 +300,11 @@ def test_the_config_keys_launch_sh_knows_are_the_installed_accelerates():
     from accelerate.commands.config.config_args import ClusterConfig
 
     installed = {f.name for f in dataclasses.fields(ClusterConfig)}
-    release = tuple(int(part) for part in accelerate.__version__.split(".")[:2])
-    retired = {key for key, since in launcher.RETIRED_KEYS.items() if release >= since}
+    from packaging.version import Version
+
+    retired = {
+        key for key, since in launcher.RETIRED_KEYS.items() if Version(accelerate.__version__) >= Version(since)
+    }
     assert set(launcher.CONFIG_KEYS) == installed - set(launcher.RETIRED_KEYS)
     assert installed & set(launcher.RETIRED_KEYS) == set(launcher.RETIRED_KEYS) - retired
 
