@@ -1,11 +1,7 @@
-"""The arguments every recipe shares, named as in transformers' TrainingArguments. A recipe adds its own and
-states the defaults of its hyperparameters in one block at its top (HYPERPARAMETERS, a reason each).
-
-Every value is checked once, when the arguments are parsed: by the `type=` beside it (`positive_int`,
-`probability`, ...), and for rules between arguments by the checks registered with the parser
-(`parser.checks`: the shared ones below, those of common.vision and common.text, and the recipe's own). A
-mistake costs one `error:` line and exit code 2 before anything is loaded, launched or written. No message
-repeats a value that looks like a credential. This module imports nothing heavy: launch.sh uses it.
+"""The arguments every recipe shares, named as in transformers' TrainingArguments; a recipe states its defaults in
+one block (HYPERPARAMETERS). Every value is checked once, at parsing: by its `type=` (`positive_int`, ...) and, for
+rules between arguments, by `parser.checks`. A mistake costs one `error:` line and exit 2 before anything is
+loaded or written; no message repeats a credential. Imports nothing heavy: launch.sh uses it.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ GIVEN: dict = {}  # option -> text value of the last parse: where a failing path
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one `error: ...` line (no usage block) and exit code 2, printed by the first
-    process only, credentials masked; unknown and empty arguments refused; then every check in `checks`,
-    `check(parser, args)`, which calls parser.error for a combination no single type can see."""
+    """argparse whose errors are one `error:` line (no usage block), exit 2, printed by the first process only,
+    credentials masked; unknown and empty arguments refused; then each `check(parser, args)` in `checks`."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -88,8 +83,8 @@ SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)"
 
 
 def mask_words(words) -> list:
-    """Command-line words with credentials masked: the value of an option named like one (--hub_token X,
-    --hub_token=X, --wandb-api-key X), and any hub token or URL password."""
+    """Command-line words with credentials masked: an option named like one's value (--hub_token X, --api-key=X),
+    any hub token or URL password."""
     shown, hide_next = [], False
     for word in map(str, words):
         if hide_next and not word.startswith("--"):
@@ -116,8 +111,7 @@ def mask_secrets(message: str, argv=()) -> str:
 
 
 def public_args(args) -> dict:
-    """The arguments as results.json, checkpoints and trackers record them: unset ones dropped, credentials
-    masked."""
+    """The arguments as results.json, checkpoints and trackers record them: unset dropped, credentials masked."""
     shown = {}
     for name, value in vars(args).items():
         if value is not None:
@@ -220,8 +214,7 @@ def _check_warmup(parser, args) -> None:
 
 
 def training_parser(recipe: str, description: str) -> ArgumentParser:
-    """The shared arguments; `recipe`, the name checkpoints record (a copy renamed to train.py still resumes
-    them), is set as args.recipe."""
+    """The shared arguments; `recipe` is the name checkpoints record (a copy renamed train.py still resumes them)."""
     p = ArgumentParser(
         description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

@@ -1,15 +1,12 @@
 """A stalled process named, not waited on: when a process has made no progress for --hang_timeout seconds, every
 process that can still run writes its Python stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints
 one line naming the ranks that stalled (host, pid, step, phase) and those waiting for them, and the job ends with
-HUNG_EXIT_CODE (124) in --hang_timeout plus about half a minute, no checkpoint of the stalled step written.
+exit 124, nothing of the stalled step saved.
 
-The watch is out of band: a thread in each process reads the time of its last progress (an optimizer step or an
-evaluation batch: StopOnSignal.requested) and, when it is too old, the main thread's stack, which tells the phase
-(data loading, forward/backward, optimizer step, evaluation, checkpoint save) and whether it waits in a
-collective. The ranks meet in the output folder, which every node sees as checkpoints need: no collective is
-added to a step. A phase that is slow by nature (a checkpoint or final save, loading a checkpoint) and the first
-step (compiling, warming up) get longer: as long as the collectives around them can wait (--ddp_timeout), less the
-time to report, so that a stall there is named before a collective fails without naming anyone.
+A thread in each process reads the time of its last progress (StopOnSignal.requested) and the main thread's stack,
+which tells the phase and whether it waits in a collective. The ranks meet in the output folder, which every node
+sees: no collective is added to a step. Phases slow by nature (saves, loads, the first step) get as long as the
+collectives around them can wait (--ddp_timeout), less the time to report, so a stall there is still named.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ WAITS = re.compile(r"broadcast|reduce|gather|barrier|wait|recv|send|sync")
 
 def phase_of(frames) -> tuple[str, bool]:
     """(the phase, whether it waits in a collective) of a stack, innermost frame last. A backward pass counts as
-    waiting where another rank stalls: DDP's gradient all-reduce runs inside it, out of Python's sight."""
+    waiting: DDP's gradient all-reduce runs inside it, out of Python's sight."""
     names = [f.name for f in frames]
     places = ("distributed", "accelerate/utils/operations", "common/preemption")
     waiting = any(WAITS.search(f.name) and any(p in f.filename for p in places) for f in frames)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+CODE_FILE = os.environ.pop("LAUNCH_SH_CODE", "")  # where launch.sh reads this process's exit code
 stops: list[int] = []  # the stop signals received, in order
 started = False  # the launch thread runs: training processes may exist
 status_file = ""
@@ -74,6 +75,9 @@ def finish(code: int):
     kill(children(), signal.SIGKILL)
     if status_file:
         Path(status_file).unlink(missing_ok=True)
+    if CODE_FILE:  # launch.sh reads it: its `wait` can lose our status
+        with suppress(OSError):
+            Path(CODE_FILE).write_text(f"{code & 255}\n")
     sys.stdout.flush()
     os._exit(code)
 
