@@ -28,8 +28,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_image(path):
-    """ImageFolder's loader, naming the file it cannot read (a loader worker meets it). 16-bit grey keeps its high
-    byte, as PIL does for 16-bit colour: PIL's convert would clip every value above 255."""
+    """ImageFolder's loader, naming a file it cannot read; 16-bit grey keeps its high byte (PIL's convert clips)."""
     try:
         with warnings.catch_warnings():  # above PIL's pixel limit a decode per sample per epoch is a mistake
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -155,9 +154,7 @@ def _check_model_args(parser, args) -> None:
             timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
         except RecipeError as err:
             parser.error(str(err))
-    elif name != "resnet18_cifar" and name not in (
-        models := torchvision.models.list_models(module=torchvision.models)
-    ):
+    elif name not in (models := ["resnet18_cifar", *torchvision.models.list_models(module=torchvision.models)]):
         close = difflib.get_close_matches(name, models, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         parser.error(
@@ -186,11 +183,10 @@ def _check_model_args(parser, args) -> None:
             return one_line(err)
 
     sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
-    # where no size passes on the meta device, the model cannot be probed there
-    if (problem := fails(size)) and (fits := next((s for s in sizes if s > size and not fails(s)), None)):
-        data, fix = (
-            (f"{args.dataset}'s ", " with --dataset imagefolder") if args.dataset != "imagefolder" else ("", "")
-        )
+    problem = fails(size)
+    if fits := problem and next((s for s in sizes if s > size and not fails(s)), None):  # None: cannot be probed
+        cifar = args.dataset != "imagefolder"
+        data, fix = (f"{args.dataset}'s ", " with --dataset imagefolder") if cifar else ("", "")
         parser.error(
             f"--model {name} cannot take {data}{size}x{size} images ({problem}); pass --image_size {fits}{fix}, or "
             "another --model"
