@@ -1,15 +1,11 @@
-"""Images and image classifiers for the vision recipe: reading image files (16-bit, damaged, too large), CIFAR or a
-pair of ImageFolders, torchvision and timm models with a new head, pretrained weights (published, or a file read as
-weights only), a frozen backbone, the normalization layer, and a check of a model against the image size made
-before any data is read."""
+"""Images and image classifiers for the vision recipe: image files, CIFAR or two ImageFolders, torchvision and timm
+models with a new head, loaded weights, a frozen backbone, the norm layer, and a model probed at parse time."""
 
 import contextlib
 import difflib
 import os
 import pickle
 import warnings
-from pathlib import Path
-from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -32,8 +28,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_image(path):
-    """ImageFolder's loader, naming the file it cannot read (the error comes from a loader worker). 16-bit grey
-    keeps its high byte, as PIL does for 16-bit colour: PIL's own convert would clip every value above 255."""
+    """ImageFolder's loader, naming a file it cannot read; 16-bit grey keeps its high byte (PIL's convert clips)."""
     try:
         with warnings.catch_warnings():  # above PIL's pixel limit a decode per sample per epoch is a mistake
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -55,15 +50,13 @@ def load_image(path):
 
 
 def load_images(args):
-    """(train, eval, image size, mean, std, num_classes) of --dataset, not yet transformed: CIFAR (downloaded into
-    --data_dir when it is not there) or --train_dir/--val_dir, two ImageFolders of the same two or more classes;
-    normalized as --pretrained's weights were trained, if any. Read by the main process first (a download, a scan
-    of a shared filesystem), then by the others."""
+    """(train, eval, image size, mean, std, num_classes) of --dataset, not yet transformed, normalized as
+    --pretrained's weights were trained; read by the main process first (a download, a scan), then the others."""
     with prepare_data_first(PartialState()):
         train, evals = _image_sets(args)
     folder = args.dataset == "imagefolder"
     size, mean, std = (args.image_size, IMAGENET_MEAN, IMAGENET_STD) if folder else (32, CIFAR_MEAN, CIFAR_STD)
-    if args.pretrained:  # the weights expect the inputs they were trained on: timm's config, torchvision's preset
+    if args.pretrained:  # timm's config, torchvision's preset
         cfg = (
             timm_weights(args.model, pretrained=True)
             if args.model.startswith("timm/")
@@ -130,6 +123,9 @@ def add_model_args(parser) -> None:
 
 
 def _check_model_args(parser, args) -> None:
+    """The model arguments' rules, and --model probed on the meta device (shapes only, no memory): without it a ViT
+    fails at the first step, after the data is read, in a traceback, and a ResNet on 8 px trains on 1 pixel."""
+    name, size, batch = args.model, args.image_size, args.per_device_train_batch_size
     tuned = args.pretrained or args.pretrained_path
     for wrong, message in (
         (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
@@ -140,10 +136,12 @@ def _check_model_args(parser, args) -> None:
          "--learning_rate: drop --head_lr_scale"),
         (tuned and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers, and the weights "
          "loaded into them; fine-tune with --norm_layer batch or sync_batch"),
+        (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
+         "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
+         "--pretrained_path"),
     ):  # fmt: skip
         if wrong:
             parser.error(message)
-    size, batch = args.image_size, args.per_device_train_batch_size
     memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
     if nbytes > memory:  # a typo of a size: one batch would not even fit as float32 input
         parser.error(
@@ -151,37 +149,22 @@ def _check_model_args(parser, args) -> None:
             f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
             "see (the images are resized to it), such as 224"
         )
-    try:
-        check_model(args.model, size, batch, args.dataset, args.pretrained)
-    except RecipeError as err:  # what building the model would meet after the data is read, said now
-        parser.error(str(err))
-
-
-def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> None:
-    """Refuse (RecipeError) --model `name` where it cannot train on `size`-pixel images in batches of `batch`: a
-    name that is no model, weights that are not published, and a forward on the meta device (shapes only, no
-    memory, no compute), where too small an input fails as it would in training or reaches a layer that strides
-    over a single pixel."""
     if name.startswith("timm/"):
-        timm_weights(name, pretrained)  # timm is installed, the name is a model's, its weights published if asked
-    elif name == "resnet18_cifar" and pretrained:
-        raise RecipeError(
-            "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18 (or "
-            "another torchvision or timm/ model) with --pretrained, or --pretrained_path"
-        )
-    elif name != "resnet18_cifar" and name not in (
-        models := torchvision.models.list_models(module=torchvision.models)
-    ):
+        try:
+            timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
+        except RecipeError as err:
+            parser.error(str(err))
+    elif name not in (models := ["resnet18_cifar", *torchvision.models.list_models(module=torchvision.models)]):
         close = difflib.get_close_matches(name, models, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise RecipeError(
+        parser.error(
             f"--model {name}: not a torchvision classification model{hint}; pass resnet18_cifar or a name from "
             "torchvision.models.list_models(module=torchvision.models)"
         )
     try:
         with torch.device("meta"):
             model = new_model(name, 10).train()  # batch norm's one-value-per-channel check is a training one
-    except Exception:  # a model whose construction needs real data cannot be checked this way
+    except Exception:  # a model whose construction needs real data cannot be probed this way
         return
 
     def check(layer, inputs):  # the meta model is thrown away: its hooks with it
@@ -199,21 +182,17 @@ def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> N
         except Exception as err:  # that, or the model's own shape errors: a kernel larger than its input, ViT's size
             return one_line(err)
 
-    if problem := fails(size):
-        sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
-        if (fits := next((s for s in sizes if s > size and not fails(s)), None)) is None:
-            return  # no size passes on the meta device: this model cannot be checked there
-        if dataset != "imagefolder":
-            raise RecipeError(
-                f"--model {name} cannot take {dataset}'s {size}x{size} images ({problem}); it takes {fits} px: use "
-                f"--model resnet18_cifar, or an ImageFolder (--dataset imagefolder) with --image_size {fits}"
-            )
-        raise RecipeError(
-            f"--model {name} cannot take {size}x{size} images ({problem}); pass --image_size {fits} (a size it "
-            "takes), or choose another --model"
+    sizes = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
+    problem = fails(size)
+    if fits := problem and next((s for s in sizes if s > size and not fails(s)), None):  # None: cannot be probed
+        cifar = args.dataset != "imagefolder"
+        data, fix = (f"{args.dataset}'s ", " with --dataset imagefolder") if cifar else ("", "")
+        parser.error(
+            f"--model {name} cannot take {data}{size}x{size} images ({problem}); pass --image_size {fits}{fix}, or "
+            "another --model"
         )
-    if batch == 1 and fails(size, batch=1):
-        raise RecipeError(
+    if batch == 1 and not problem and fails(size, batch=1):
+        parser.error(
             f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
             "--per_device_train_batch_size 1; pass 2 or more"
         )
@@ -223,9 +202,7 @@ def check_model(name, size, batch, dataset="imagefolder", pretrained=False) -> N
 
 
 def timm_weights(name, pretrained=False):
-    """timm's config of the published weights of --model timm/NAME[.TAG] (their mean and std, where they are), or
-    None; refused (RecipeError) if timm is not installed, NAME is no timm model, or weights timm does not publish
-    are asked for (a TAG, or `pretrained`)."""
+    """timm's config of --model timm/NAME[.TAG]'s published weights, or None; RecipeError for what timm lacks."""
     try:
         import timm
     except ImportError as err:
@@ -249,9 +226,7 @@ def timm_weights(name, pretrained=False):
 
 
 def build_model(args, num_classes: int, on_gpu: bool):
-    """--model with `num_classes` outputs, as the model arguments say: random, or --pretrained's published weights
-    (downloaded once per node: the others wait, then read the cache) or --pretrained_path's, with a new head; the
-    backbone frozen (--freeze_backbone); the norm layer (--norm_layer)."""
+    """--model as the model arguments say; published weights are downloaded by one process per node."""
     with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
     if args.pretrained_path:
@@ -281,41 +256,31 @@ def new_model(name, num_classes, pretrained=False):
         model = torchvision.models.resnet18(num_classes=num_classes)
         model.conv1, model.maxpool = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.Identity()
         return model
-    # Inception and GoogLeNet add auxiliary heads in training, which a plain cross-entropy cannot take.
-    extra = {"aux_logits": False, "init_weights": True} if name in ("inception_v3", "googlenet") else {}
+    # Inception, GoogLeNet: no auxiliary heads (a plain cross-entropy cannot take them); inputs as their weights want
+    extra = {"aux_logits": False, "init_weights": True, "transform_input": pretrained}
+    extra = extra if name in ("inception_v3", "googlenet") else {}
+    model = torchvision.models.get_model(name, num_classes=num_classes, **extra)
     if not pretrained:
-        return torchvision.models.get_model(name, num_classes=num_classes, **extra)
+        return model
     weights = torchvision.models.get_model_weights(name).DEFAULT
-    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
-    try:  # torchvision's builders load with weights_only=False: torch's own switch makes it True
-        with patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
-            model = torchvision.models.get_model(name, weights=weights)
+    try:  # as torchvision's builders read them, but as weights only: no pickled code runs
+        state = weights.get_state_dict(weights_only=True, check_hash=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # offline, damaged, pickled code
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
         why = "not plain weights" if isinstance(err, pickle.UnpicklingError) else one_line(err)
-        state = "cannot be loaded" if path.is_file() else "are not in the cache and could not be downloaded"
+        state = "cannot be loaded" if os.path.isfile(path) else "are not in the cache and could not be downloaded"
         raise RecipeError(
             f"--pretrained: torchvision's weights for --model {name} ({weights}) {state} ({why}); download "
             f"{weights.url} where there is network and put it at {path} (TORCH_HOME sets the folder), or pass "
             "--pretrained_path"
         ) from err
-    for aux in ("AuxLogits", "aux1", "aux2"):  # the weights come with the auxiliary heads: drop them as above
-        if getattr(model, aux, None) is not None:
-            setattr(model, aux, None)
-            model.aux_logits = False
-    (head,) = head_names(model)
-    old = model.get_submodule(head)
-    new = (
-        torch.nn.Linear(old.in_features, num_classes)
-        if isinstance(old, torch.nn.Linear)
-        else torch.nn.Conv2d(old.in_channels, num_classes, old.kernel_size)
-    )
-    model.set_submodule(head, new)
+    new = (*(f"{head}." for head in head_names(model)), "AuxLogits.", "aux1.", "aux2.")  # a new head, no aux ones
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(new)}, strict=False)
     return model
 
 
 def head_names(model) -> list:
-    """The classification layer(s): timm's get_classifier(), else the last Linear or Conv2d (in which every
-    torchvision classifier ends)."""
+    """timm's get_classifier(), else the last Linear or Conv2d, in which every torchvision classifier ends."""
     if hasattr(model, "get_classifier"):
         heads = model.get_classifier() if isinstance(model.get_classifier(), tuple) else (model.get_classifier(),)
         return [name for name, m in model.named_modules() if any(m is head for head in heads)]
@@ -323,8 +288,7 @@ def head_names(model) -> list:
 
 
 def load_weights(model, path, name):
-    """--pretrained_path into `model`: every tensor must fit but the head's, which stays new if the file's is for
-    another number of classes (or missing)."""
+    """--pretrained_path into `model`: every tensor must fit but the head's, new if the file's has other classes."""
     check_path("--pretrained_path", path)
     try:
         state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
@@ -338,14 +302,14 @@ def load_weights(model, path, name):
     own = model.state_dict()
     head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
     fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
-    counted = lambda k: k not in head and "num_batches_tracked" not in k  # noqa: E731
+    counted = [k for k in {**own, **state} if k not in head and "num_batches_tracked" not in k]
     misfits = {
-        "missing": [k for k in own if k not in state and counted(k)],
-        "not in the model": [k for k in state if k not in own and counted(k)],
+        "missing": [k for k in counted if k not in state],
+        "not in the model": [k for k in counted if k not in own],
         "of another shape": [
             f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
-            for k in state
-            if k in own and k not in fits and counted(k)
+            for k in counted
+            if k in own and k in state and k not in fits
         ],
     }
     if any(misfits.values()):
@@ -355,16 +319,13 @@ def load_weights(model, path, name):
             "the --model they belong to"
         )
     model.load_state_dict(fits, strict=False)
-    new_head = sorted(head - fits.keys())  # the file's is for another number of classes, or missing
-    logger.info(
-        f"loaded {path}" + (f"; {', '.join(new_head)} new: the file's head has other classes" if new_head else "")
-    )
+    new = sorted(head - fits.keys())
+    logger.info(f"loaded {path}" + (f"; {', '.join(new)} new: the file's head has other classes" if new else ""))
 
 
 def freeze_backbone(model):
-    """Train only the head: the other parameters stop requiring gradients (before prepare, so DDP neither syncs
-    nor waits for them), and BatchNorm becomes FrozenBatchNorm2d, so the backbone computes what it was trained to
-    whatever the batch and the number of processes."""
+    """Train only the head: the rest stops requiring gradients (before prepare, so DDP neither syncs nor waits for
+    it), and BatchNorm is frozen, so the backbone computes what it was trained to whatever the batch."""
     total = count_parameters(model)
     model.requires_grad_(False)
     for head in head_names(model):
@@ -376,17 +337,14 @@ def freeze_backbone(model):
     for parent, name, norm in _layers(model, torch.nn.BatchNorm2d):
         setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
         getattr(parent, name).load_state_dict(norm.state_dict())
-    trained = count_parameters(model, True)
-    logger.info(
-        f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained:,} of {total:,} parameters"
-    )
+    trained = f"{count_parameters(model, True):,} of {total:,} parameters"
+    logger.info(f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained}")
     return model
 
 
 def set_norm_layer(model, kind: str, on_gpu: bool):
     """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b do not train
-    exactly as 1 x Nb: sync_batch computes them over every process (an all-reduce per layer, GPUs only in torch);
-    group (GroupNorm, up to 32 groups) needs no batch statistics at all."""
+    as 1 x Nb: sync_batch all-reduces them (GPUs only in torch); group (GroupNorm) needs no batch statistics."""
     if kind == "sync_batch":
         if not on_gpu:
             raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
@@ -404,19 +362,13 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
 
 
 def _layers(model, kind) -> list:
-    """(parent, name, layer) of every `kind` layer in `model`, listed before any is replaced."""
-    return [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, kind)
-    ]
+    """(parent, name, layer) of every `kind` layer, listed before any is replaced."""
+    children = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    return [(parent, name, child) for parent, name, child in children if isinstance(child, kind)]
 
 
 def param_groups(model, args) -> list:
-    """The optimizer's groups: weight decay on weights, not biases and norms; frozen parameters in none; with
-    --head_lr_scale, the head's last, at that multiple of the rate (their `lr_scale`, timm's name, which the
-    recipe's loop applies)."""
+    """decay_groups, and with --head_lr_scale the head's apart, its `lr_scale` (timm's name) applied by the loop."""
     groups = decay_groups(model, args.weight_decay)
     if args.head_lr_scale == 1:
         return groups

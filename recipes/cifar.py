@@ -24,7 +24,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 from torchvision import transforms as T
 
 import common
-from common import vision
+from common.vision import add_model_args, build_model, load_images, param_groups
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
     p.add_argument("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
     p.add_argument("--image_size", type="positive_int", default=32, help="ImageFolder images are resized to this")
-    vision.add_model_args(p)  # --model, --pretrained[_path], --freeze_backbone, --head_lr_scale, --norm_layer
+    add_model_args(p)  # --model, --pretrained[_path], --freeze_backbone, --head_lr_scale, --norm_layer
     p.add_argument("--optimizer", choices=["sgd", "adamw"])
     p.add_argument("--momentum", type="fraction_below_one")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(**HYPERPARAMETERS)
-    args = p.parse_args(argv)  # and vision's checks of the model arguments
+    args = p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
     folders = args.train_dir or args.val_dir
     if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
         p.error(
@@ -108,7 +108,7 @@ def parse_args(argv=None):
 
 def build_datasets(args):
     """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
-    train, evals, size, mean, std, num_classes = vision.load_images(args)
+    train, evals, size, mean, std, num_classes = load_images(args)
     if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
         eval_tf = [T.Resize((size, size))]
         train_tf = [*eval_tf, T.RandomCrop(size, padding=size // 8)] if args.random_crop else eval_tf
@@ -134,7 +134,7 @@ def as_uint8(dataset, size):
 def build_device_datasets(args, device):
     """--data_on_device: (train, eval, num_classes) held on `device` as uint8. A batch is padded,
     cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
-    train, evals, size, mean, std, num_classes = vision.load_images(args)
+    train, evals, size, mean, std, num_classes = load_images(args)
     pad = size // 8 if args.random_crop else 0
     mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
@@ -177,7 +177,7 @@ def get_dataloaders(args, accelerator):
 def build_optimizer(args, model, lr, fused=True):
     """fused: one kernel updates every parameter, instead of several launches per tensor (CUDA and CPU). The
     rate logged is the backbone's (the head's group has lr_scale --head_lr_scale)."""
-    groups = vision.param_groups(model, args)
+    groups = param_groups(model, args)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov, fused=fused)
@@ -214,7 +214,7 @@ def main(argv=None):
     plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
-    model = vision.build_model(args, num_classes, on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
+    model = build_model(args, num_classes, on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
     if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
