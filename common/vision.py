@@ -275,7 +275,9 @@ def new_model(name, num_classes, pretrained=False):
             "--pretrained_path"
         ) from err
     new = (*(f"{head}." for head in head_names(model)), "AuxLogits.", "aux1.", "aux2.")  # a new head, no aux ones
-    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(new)}, strict=False)
+    missing = model.load_state_dict({k: v for k, v in state.items() if not k.startswith(new)}, strict=False)
+    if unloaded := [k for k in missing.missing_keys if not k.startswith(new)] + missing.unexpected_keys:
+        raise RuntimeError(f"torchvision's {weights} do not fit its {name}: {unloaded[:3]}")  # silently random else
     return model
 
 
