@@ -1,12 +1,10 @@
-"""Stopping when the cluster or the user asks: SIGTERM (preemption, scancel, a launcher shutting down),
-SIGUSR1 (Slurm's `--signal=USR1@T` before the time limit) or a first Ctrl-C; a second Ctrl-C interrupts.
+"""Stopping when the cluster or the user asks: SIGTERM (preemption, scancel, a launcher shutting down), SIGUSR1
+(Slurm's `--signal=USR1@T` before the time limit) or a first Ctrl-C; a second Ctrl-C interrupts.
 
-The handlers are in place from a recipe's first line (common.exit_codes). Before the training loop
-starts there is nothing to save: a stop ends the process at once with PREEMPTED_EXIT_CODE, so a
-requeued job simply starts again. In the loop a signal may reach one process, or all of them at
-slightly different moments, so no process acts on its own: at every optimizer step (and evaluation
-batch) they OR their flags together, stop at the same point, save one checkpoint and exit 75.
-"""
+The handlers are in place from a recipe's first line (common.exit_codes). Before the training loop there is nothing
+to save: a stop ends the process at once with exit 75, and a requeued job starts again. In the loop a signal may
+reach one process, or each at another moment: at every step the processes agree, stop at the same one, save one
+checkpoint and exit 75."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -32,11 +31,8 @@ class Preempted(Exception):
     """The run stopped on a signal, after saving `checkpoint` (None: before training, nothing to save)."""
 
     def __init__(self, message: str, step=None, checkpoint=None):
-        super().__init__(message, step, checkpoint)
+        super().__init__(message)  # step and checkpoint travel in __dict__ (pickled by decide_on_main's broadcast)
         self.step, self.checkpoint = step, checkpoint
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def install_stop_handlers() -> None:
@@ -78,7 +74,7 @@ class StopOnSignal:
     """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
     every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
     their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
-    (--hang_timeout). `finishing`: the same for a final evaluation, which a signal does not cut short."""
+    (--hang_timeout). `finishing.requested()`: progress alone, for a final evaluation a signal does not cut short."""
 
     def __init__(self, accelerator, args=None):
         global _in_loop
@@ -90,7 +86,7 @@ class StopOnSignal:
             from .watchdog import Watchdog
 
             self.watchdog = Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
-        self.finishing = _Finishing(self)
+        self.finishing = SimpleNamespace(requested=self._progress)
         _in_loop = True
 
     def requested(self, step: int | None = None) -> str | None:
@@ -110,6 +106,10 @@ class StopOnSignal:
             self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return None
 
+    def _progress(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
     def preempted(self, step: int, checkpoint, during: str | None = None) -> Preempted:
         """The exception that ends the run once its checkpoint is saved (common.exit_codes: exit 75)."""
         when = f"during {during} " if during else ""
@@ -119,17 +119,6 @@ class StopOnSignal:
             step,
             checkpoint,
         )
-
-
-class _Finishing:
-    """StopOnSignal for a final evaluation: progress for the watchdog, never a stop."""
-
-    def __init__(self, stop):
-        self.stop = stop
-
-    def requested(self) -> None:
-        if self.stop.watchdog is not None:
-            self.stop.watchdog.beat()
 
 
 def write_status(text: str) -> None:

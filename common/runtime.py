@@ -1,9 +1,6 @@
-"""Building the Accelerator, refusing launches that would not train as one job, and how a recipe ends.
-
-The failure this module exists for: N processes that never form one group (or whose model is never wrapped for
-gradient sync), each quietly training its own copy; `make_accelerator` checks what formed. `exit_codes` is the one
-place where a run's end becomes an exit code and, for a mistake the user can fix, one line.
-"""
+"""Building the Accelerator, refusing launches that would not train as one job (N processes that never form one
+group, each quietly training its own copy), and `exit_codes`: the one place where a run's end becomes an exit code
+and, for a mistake the user can fix, one line."""
 
 from __future__ import annotations
 
@@ -53,16 +50,12 @@ class RecipeError(Exception):
     meet it alone (`same_on_every_rank=False`)."""
 
     def __init__(self, message: str, same_on_every_rank: bool = True):
-        super().__init__(message, same_on_every_rank)
+        super().__init__(message)  # the flag travels in __dict__ (pickled by decide_on_main's broadcast)
         self.same_on_every_rank = same_on_every_rank
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 class DataError(RecipeError):
-    """Bad data met by one process, often in a DataLoader worker (torch re-raises it with the worker's traceback
-    in the text: `one_line` recovers the message)."""
+    """Bad data met by one process, often in a DataLoader worker (`one_line` recovers its message)."""
 
     def __init__(self, message: str, same_on_every_rank: bool = False):
         super().__init__(message, same_on_every_rank)
@@ -109,15 +102,15 @@ def os_error_line(err: BaseException) -> str | None:
     found = next((e for e in causes(err) if isinstance(e, OSError) and e.errno in OS_FIXES and e.filename), None)
     if found is None:
         return None
-    path = os.path.abspath(os.fsdecode(found.filename))
+    name = os.fsdecode(found.filename)
+    path, where = os.path.abspath(name), name
     origins = [*_args.GIVEN.items(), *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
     for origin, value in origins:
         base = os.path.abspath(os.path.expanduser(value))
-        if path == base:
-            return _args.mask_secrets(f"{origin} {value}: {_os_reason(found)}")
-        if path.startswith(base.rstrip(os.sep) + os.sep):
-            return _args.mask_secrets(f"{os.fsdecode(found.filename)} (in {origin} {value}): {_os_reason(found)}")
-    return _args.mask_secrets(f"{os.fsdecode(found.filename)}: {_os_reason(found)}")
+        if path == base or path.startswith(base.rstrip(os.sep) + os.sep):
+            where = f"{origin} {value}" if path == base else f"{name} (in {origin} {value})"
+            break
+    return _args.mask_secrets(f"{where}: {_os_reason(found)}")
 
 
 def _os_reason(err: OSError) -> str:
@@ -143,18 +136,15 @@ def decide_on_main(accelerator, fn):
     outcome = [None]
     if accelerator.is_main_process:
         try:
-            outcome = [("ok", fn())]
-        except (RecipeError, RunFinished, Preempted) as err:
-            broadcast_object_list([("raise", err)])
-            raise
+            outcome = [fn()]
         except BaseException as err:
-            broadcast_object_list([("raise", RecipeError(f"the main process failed: {one_line(err)}"))])
+            known = isinstance(err, (RecipeError, RunFinished, Preempted))
+            broadcast_object_list([err if known else RecipeError(f"the main process failed: {one_line(err)}")])
             raise
     broadcast_object_list(outcome)
-    kind, value = outcome[0]
-    if kind == "raise":
-        raise value
-    return value
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 @contextlib.contextmanager
@@ -163,46 +153,34 @@ def exit_codes():
     exit 2; RunFinished `done:` and 0; a stop on a signal 75; a second Ctrl-C 130; a stuck collective 124; a bug
     its traceback and 1. launch.sh reads how the run ended from RECIPE_STATUS_FILE."""
     install_stop_handlers()
-    first = os.environ.get("RANK", "0") == "0"  # the launcher's: a group that did not form has many rank 0s
-    together = True  # every process ends here at the same point: the process group can be taken down
+    code, status, line = 1, None, None  # a bug: its traceback
+    together = False  # every process ends here at the same point: the process group can be taken down
+    everyone = False  # one process may meet it alone: each prints its line, not the launcher's rank 0 alone
     try:
         yield
         write_status("finished")
         return
     except RecipeError as err:
-        if not err.same_on_every_rank or first:
-            tqdm.write(f"error: {one_line(err)}", file=sys.stderr)  # on a line of its own, below a progress bar
-        write_status("error")
-        together, code = err.same_on_every_rank, 2
+        code, status, line = 2, "error", f"error: {one_line(err)}"
+        together, everyone = err.same_on_every_rank, not err.same_on_every_rank
     except RunFinished as done:
-        if first:
-            tqdm.write(f"done: {done}", file=sys.stderr)
-            write_status("finished")
-        code = 0
+        code, status, line, together = 0, "finished", f"done: {done}", True
     except Preempted as stop:
-        if first:
-            tqdm.write(f"preempted: {stop}", file=sys.stderr)
-            write_status(f"preempted {stop.step} {stop.checkpoint}")
-        together, code = stop.checkpoint is not None, PREEMPTED_EXIT_CODE
+        code, status, line = PREEMPTED_EXIT_CODE, f"preempted {stop.step} {stop.checkpoint}", f"preempted: {stop}"
+        together = stop.checkpoint is not None
     except KeyboardInterrupt:
-        if first:
-            tqdm.write("interrupted by Ctrl-C: nothing was saved after the last checkpoint", file=sys.stderr)
-            write_status("interrupted")
-        together, code = False, 130
+        code, status, line = 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint"
     except Exception as err:
         if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
-            if first:  # a collective that did not complete: a process stalled, died or the job was suspended
-                tqdm.write(f"error: {LOST_PEERS}", file=sys.stderr)
-                write_status("error")
-            code = HUNG_EXIT_CODE
-        elif line := os_error_line(err):
-            tqdm.write(f"error: {line}", file=sys.stderr)
-            write_status("error")
-            code = 2
+            code, status, line = HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}"  # a collective did not complete
+        elif os_line := os_error_line(err):
+            code, status, line, everyone = 2, "error", f"error: {os_line}", True
         else:  # printed now, so the frames holding DataLoader workers (which ignore SIGTERM) go before exit
             traceback.print_exc()
-            code = 1
-        together = False
+    if line and (everyone or os.environ.get("RANK", "0") == "0"):  # the launcher's RANK: one group or not
+        tqdm.write(line, file=sys.stderr)  # on a line of its own, below a progress bar
+    if status:
+        write_status(status)  # launch.sh's rank 0 alone writes it
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash. Taken down only when every process is here: one still in a collective would make it wait for ever.
     # Objects that still hold it can abort the teardown all the same once a peer has exited: a process of several
@@ -228,10 +206,9 @@ def exit_without_teardown(code: int) -> None:
 
 
 def make_accelerator(args, **kwargs) -> Accelerator:
-    """The recipes' Accelerator, refusing a launch that would not train as one job (more processes than GPUs, a
-    group that did not form or does not sync gradients, a config Accelerate did not apply, a DeepSpeed config at odds
-    with the recipe). A process started by a launcher ends with it (a parent-death signal: it stops at a checkpoint);
-    hosts without GPUs get gloo explicitly (DeepSpeed's CPU path needs it to see the world size)."""
+    """The recipes' Accelerator, refusing a launch that would not train as one job as asked. A process started by a
+    launcher ends with it (a parent-death signal: it stops at a checkpoint); hosts without GPUs get gloo explicitly
+    (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _refuse_known_bad_versions(expected)
     if expected > 1 and not os.environ.get("MASTER_ADDR"):  # every launcher of a group sets both
@@ -274,8 +251,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                   "accelerate.utils.fsdp_utils", "accelerate.accelerator"):  # fmt: skip
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _cache_missing_optional_packages()
-    _check_process_group(accelerator, expected)
-    _check_config_honoured(accelerator)
+    _check_what_formed(accelerator, expected)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's
         config, k = accelerator.state.deepspeed_plugin.deepspeed_config, args.gradient_accumulation_steps
         if config.get("gradient_accumulation_steps", "auto") not in ("auto", k):
@@ -290,30 +266,23 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     return accelerator
 
 
-# (package, first good version, what goes wrong below it, from how many processes): releases that would not
-# fail but hang or train wrong, refused also when pip was told to ignore pyproject's floors.
-KNOWN_BAD = (("torch", "2.8", "a job of several processes hangs at exit in destroy_process_group", 2),)
-
-
 def _refuse_known_bad_versions(processes: int) -> None:
+    """A torch that would not fail but hang, refused also when pip was told to ignore pyproject's floors."""
     from packaging.version import Version
 
-    for package, good, problem, from_processes in KNOWN_BAD:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            installed = importlib.metadata.version(package)
-            if processes >= from_processes and Version(installed).release < Version(good).release:
-                raise RecipeError(
-                    f"{package} {installed} is installed, and with it {problem}; pip install '{package}>={good}' "
-                    "(pyproject.toml lists the versions the recipes are tested with)"
-                )
+    installed = importlib.metadata.version("torch")
+    if processes > 1 and Version(installed).release < (2, 8):
+        raise RecipeError(
+            f"torch {installed} is installed, and with it a job of several processes hangs at exit in "
+            "destroy_process_group; pip install 'torch>=2.8' (pyproject.toml lists the tested versions)"
+        )
 
 
 def _cache_missing_optional_packages() -> None:
     """Accelerate's prepared optimizer asks whether lomo_optim is installed twice a step (an uncached find_spec:
-    100 to 300 us a step here); one that is not is recorded so in sys.modules, Python's own record of imports."""
-    for name in ("lomo_optim",):
-        if name not in sys.modules and importlib.util.find_spec(name) is None:
-            sys.modules[name] = None
+    100 to 300 us a step here); its absence is recorded in sys.modules, Python's own record of imports."""
+    if "lomo_optim" not in sys.modules and importlib.util.find_spec("lomo_optim") is None:
+        sys.modules["lomo_optim"] = None
 
 
 def _accelerate_launch() -> list | None:
@@ -361,21 +330,6 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
     return True
 
 
-def _check_process_group(accelerator: Accelerator, expected: int) -> None:
-    """Refuse to train unless the `expected` processes form one group that syncs gradients."""
-    if accelerator.num_processes != expected:
-        raise RecipeError(
-            f"the launcher started {expected} processes but they formed a group of {accelerator.num_processes} "
-            f"(distributed type {accelerator.distributed_type.value}): each process would train its own copy of "
-            f"the model; {CPU_FIX}"
-        )
-    if expected > 1 and accelerator.distributed_type == DistributedType.NO:
-        raise RecipeError(
-            f"{expected} processes formed a group, but with distributed type NO the model would not be wrapped for "
-            f"gradient synchronisation; {CPU_FIX}"
-        )
-
-
 def fsdp_on_cpu(timeout: datetime.timedelta) -> None:
     """FSDP2 runs on CPU over gloo, but Accelerate applies FSDP only for GPU-like distributed types
     (AcceleratorState.__init__ leaves out MULTI_CPU): the gloo group is formed here and presented as MULTI_GPU.
@@ -385,10 +339,16 @@ def fsdp_on_cpu(timeout: datetime.timedelta) -> None:
     PartialState(cpu=True, backend="gloo", timeout=timeout).distributed_type = DistributedType.MULTI_GPU
 
 
-def _check_config_honoured(accelerator: Accelerator) -> None:
-    """Refuse what Accelerate did not set up as asked: it falls back without a word (FSDP on CPU to DDP, fp16 on
-    CPU to fp32 while reporting fp16)."""
+def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
+    """Refuse what Accelerate did not set up as asked: the `expected` processes in one group that syncs gradients,
+    and the config's FSDP, DeepSpeed and fp16 (it falls back without a word: FSDP on CPU to DDP, fp16 on CPU to fp32
+    while reporting fp16)."""
     kind = accelerator.distributed_type.value
+    if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
+        raise RecipeError(
+            f"the launcher started {expected} processes but they formed a group of {accelerator.num_processes} "
+            f"(distributed type {kind}): each process would train its own copy of the model; {CPU_FIX}"
+        )
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if parse_flag_from_env(asked) and kind != name:
             raise RecipeError(

@@ -96,9 +96,7 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         os.replace(self.folder / f".rank-{self.rank}.txt", self.folder / f"rank-{self.rank}.txt")
-        deadline = time.monotonic() + MARGIN
-        while time.monotonic() < deadline and len(found := self._reports()) < self.world:
-            time.sleep(0.5)
+        _wait(lambda: len(self._reports()) == self.world)
         found, said = self._reports(), self.folder / "reported"
         reporter = str(self.ranks[min(found)][1])  # its pid: an earlier hang's file says another
         if self.rank == min(found):  # the lowest rank that can still run says it, once
@@ -109,9 +107,7 @@ class Watchdog:
                     with contextlib.suppress(OSError):
                         os.kill(self.ranks[rank][1], 9)
         else:  # not before it is said: this exit would break the collective the reporter waits in, and end it first
-            deadline = time.monotonic() + MARGIN
-            while time.monotonic() < deadline and not (said.is_file() and said.read_text() == reporter):
-                time.sleep(0.2)
+            _wait(lambda: said.is_file() and said.read_text() == reporter)
         write_status("error")
         os._exit(HUNG_EXIT_CODE)
 
@@ -129,28 +125,30 @@ class Watchdog:
 
     def line(self, found: dict, idle: float, limit: str) -> str:
         """The one line: who stalled (no report, or one not waiting in a collective), who waits for them."""
-        stalled = [r for r in range(self.world) if r not in found or not found[r]["waiting"]]
         waiting = [r for r in range(self.world) if r in found and found[r]["waiting"]]
-
-        def who(rank):
+        said = []
+        for rank in (r for r in range(self.world) if r not in waiting):
             host, pid = self.ranks[rank]
-            if rank not in found:
-                return f"rank {rank} ({host}, pid {pid}) stalled without answering (frozen, or dead)"
-            return (
-                f"rank {rank} ({host}, pid {pid}) stalled after step {found[rank]['step']} in {found[rank]['phase']}"
+            report = found.get(rank)
+            how = (
+                f"after step {report['step']} in {report['phase']}"
+                if report
+                else "without answering (frozen, or dead)"
             )
-
-        if stalled:
-            said = "; ".join(who(r) for r in stalled)
-            if waiting:
-                them, phase = "them" if len(stalled) > 1 else "it", found[waiting[0]]["phase"]
-                ranks = (
-                    f"ranks {', '.join(map(str, waiting))} wait" if len(waiting) > 1 else f"rank {waiting[0]} waits"
-                )
-                said += f"; {ranks} for {them} in {phase}"
-        else:
-            said = "every rank waits in a collective: one of them skipped or added one"
+            said.append(f"rank {rank} ({host}, pid {pid}) stalled {how}")
+        if said and waiting:
+            them = "it" if len(said) == 1 else "them"
+            ranks = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
+            said.append(f"{ranks} for {them} in {found[waiting[0]]['phase']}")
+        who = "; ".join(said) or "every rank waits in a collective: one of them skipped or added one"
         return (
-            f"no progress for {idle:.0f} s ({limit}): {said}; the stacks of the ranks that could answer are in "
+            f"no progress for {idle:.0f} s ({limit}): {who}; the stacks of the ranks that could answer are in "
             f"{self.folder}/; the checkpoints already saved are intact (exit {HUNG_EXIT_CODE})"
         )
+
+
+def _wait(done) -> None:
+    """Until `done()`, for MARGIN seconds at most."""
+    deadline = time.monotonic() + MARGIN
+    while time.monotonic() < deadline and not done():
+        time.sleep(0.2)
