@@ -76,15 +76,15 @@ class StopOnSignal:
     their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
     (--hang_timeout). `finishing.requested()`: progress alone, for a final evaluation a signal does not cut short."""
 
-    def __init__(self, accelerator, args=None):
+    def __init__(self, accelerator, args):
+        from .watchdog import Watchdog  # here: it imports this module
+
         global _in_loop
         self._flag, self._pending, self.signal = torch.zeros(1, dtype=torch.int32), None, None
         spans = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if spans else None
         self.watchdog = None
-        if args is not None and getattr(args, "hang_timeout", 0):
-            from .watchdog import Watchdog
-
+        if args.hang_timeout:
             self.watchdog = Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
         self.finishing = SimpleNamespace(requested=self._progress)
         _in_loop = True
@@ -113,12 +113,8 @@ class StopOnSignal:
     def preempted(self, step: int, checkpoint, during: str | None = None) -> Preempted:
         """The exception that ends the run once its checkpoint is saved (common.exit_codes: exit 75)."""
         when = f"during {during} " if during else ""
-        return Preempted(
-            f"stopped by {self.signal} {when}after step {step}; saved {checkpoint}. "
-            f"Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})",
-            step,
-            checkpoint,
-        )
+        message = f"stopped by {self.signal} {when}after step {step}; saved {checkpoint}"
+        return Preempted(f"{message}. Continue with --resume_from_checkpoint latest (exit code 75)", step, checkpoint)
 
 
 def write_status(text: str) -> None:

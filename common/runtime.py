@@ -4,6 +4,7 @@ and, for a mistake the user can fix, one line."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -25,14 +26,8 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_
 from tqdm.auto import tqdm
 
 from . import args as _args
-from .preemption import (
-    HUNG_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-    STATUS_FILE_ENV,
-    Preempted,
-    install_stop_handlers,
-    write_status,
-)
+from . import preemption
+from .preemption import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
 logger = get_logger("recipes")
 LOST_PEERS = (
@@ -182,9 +177,8 @@ def exit_codes():
     if status:
         write_status(status)  # launch.sh's rank 0 alone writes it
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
-    # crash. Taken down only when every process is here: one still in a collective would make it wait for ever.
-    # Objects that still hold it can abort the teardown all the same once a peer has exited: a process of several
-    # skips that teardown (exit_without_teardown).
+    # crash: taken down only when every process is here (one still in a collective would wait for ever), and a
+    # process of several skips the interpreter's teardown (exit_without_teardown).
     group = torch.distributed.is_available() and torch.distributed.is_initialized()
     if together and group:
         torch.distributed.destroy_process_group()
@@ -197,8 +191,6 @@ def exit_without_teardown(code: int) -> None:
     """Exit with `code` after Python's exit handlers, skipping the interpreter's teardown, where torch's C++ objects
     that hold the gloo group (a DDP reducer, Accelerate's state) abort once a peer has gone (exit 134, not 2).
     atexit has no public way to run its handlers: the private one is here alone (tests/test_common.py checks it)."""
-    import atexit
-
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -218,17 +210,16 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             "accelerate launch",
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )
-    launch = _accelerate_launch()
-    _processes_asked(expected, launch)
+    launch = _started_by_accelerate_launch(expected)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")  # the config's use_cpu, as accelerate launch passes it
-    if not use_cpu and torch.cuda.is_available() and local > gpus:  # else later: 'invalid device ordinal'
+    # ACCELERATE_USE_CPU: the config's use_cpu, as accelerate launch passes it; else later 'invalid device ordinal'
+    if not parse_flag_from_env("ACCELERATE_USE_CPU") and torch.cuda.is_available() and local > gpus:
         raise RecipeError(
             f"{local} processes were started on this node but only {gpus} GPU(s) are visible; pass --num_processes "
             f"{gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
         )
     # torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone
-    if "TORCHELASTIC_RUN_ID" in os.environ or STATUS_FILE_ENV in os.environ or launch is not None:
+    if "TORCHELASTIC_RUN_ID" in os.environ or preemption.STATUS_FILE_ENV in os.environ or launch:
         die_with_parent(signal.SIGTERM, _PARENT)
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
@@ -285,31 +276,25 @@ def _cache_missing_optional_packages() -> None:
         sys.modules["lomo_optim"] = None
 
 
-def _accelerate_launch() -> list | None:
-    """The options of `accelerate launch` if it is this process's parent (Linux: its command line), else None."""
+def _started_by_accelerate_launch(expected: int) -> bool:
+    """Whether `accelerate launch` is this process's parent (Linux: its command line). It runs `--num_processes N`
+    as one process, without a word, unless it has several GPUs, --multi_gpu or a multi-process config: refused."""
     try:
         parent = [os.fsdecode(a) for a in Path(f"/proc/{_PARENT}/cmdline").read_bytes().split(b"\0")]
     except OSError:
-        return None
-    if any(Path(arg).name == "accelerate" for arg in parent[:2]) and "launch" in parent:
-        return parent[parent.index("launch") + 1 :]
-    return None
-
-
-def _processes_asked(expected: int, launch: list | None) -> None:
-    """Accelerate runs `--num_processes N` as one process, without a word, unless it has several GPUs, --multi_gpu
-    or a multi-process config (`launch`: accelerate launch's options): refused."""
-    if expected > 1 or launch is None:
-        return
+        return False
+    if not any(Path(arg).name == "accelerate" for arg in parent[:2]) or "launch" not in parent:
+        return False
     from accelerate.commands.launch import launch_command_parser
 
     with contextlib.suppress(SystemExit):  # options this accelerate does not know: not ours to judge
-        asked = launch_command_parser().parse_known_args(launch)[0].num_processes
-        if asked and asked > 1:
+        asked = launch_command_parser().parse_known_args(parent[parent.index("launch") + 1 :])[0].num_processes
+        if expected == 1 and asked and asked > 1:
             raise RecipeError(
                 f"accelerate launch --num_processes {asked} started one process: it starts several only with "
                 f"--multi_gpu, a multi-process --config_file or more than one GPU; {CPU_FIX}"
             )
+    return True
 
 
 _PARENT = os.getppid()  # as early as this process can tell: the launcher that started it
@@ -318,12 +303,7 @@ _PARENT = os.getppid()  # as early as this process can tell: the launcher that s
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
     """Linux sends this process `sig` when its parent exits (prctl PR_SET_PDEATHSIG; elsewhere False): torchrun's
     workers, in sessions of their own, would outlive a killed launcher. `parent` gone already: `sig` now."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            return False
-    except (OSError, AttributeError):
+    if not sys.platform.startswith("linux") or ctypes.CDLL(None).prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
         return False
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)

@@ -1,13 +1,10 @@
-"""A stalled process named, not waited on: when a process has made no progress for --hang_timeout seconds, every
-process that can still run writes its Python stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints
-one line naming the ranks that stalled (host, pid, step, phase) and those waiting for them, and the job ends with
-exit 124, nothing of the stalled step saved.
+"""A stalled process named, not waited on: after --hang_timeout seconds without progress (StopOnSignal.requested),
+every process that can still run writes its stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints one
+line naming the ranks that stalled and those waiting for them, and the job ends with exit 124.
 
-A thread in each process reads the time of its last progress (StopOnSignal.requested) and the main thread's stack,
-which tells the phase and whether it waits in a collective. The ranks meet in the output folder, which every node
-sees: no collective is added to a step. Phases slow by nature (saves, loads, the first step) get as long as the
-collectives around them can wait (--ddp_timeout), less the time to report, so a stall there is still named.
-"""
+The ranks meet in the output folder, which every node sees: no collective is added to a step. Phases slow by nature
+(saves, loads, the first step) get as long as the collectives around them can wait (--ddp_timeout), less the time to
+report, so a stall there is still named."""
 
 from __future__ import annotations
 
@@ -23,23 +20,21 @@ import time
 import traceback
 from pathlib import Path
 
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from .preemption import HUNG_EXIT_CODE, write_status
 
 MARGIN = 20.0  # seconds a reporting process waits for the others' stacks
 SLOW_PHASES = ("checkpoint save", "final save", "checkpoint load")
-# (function names or a file's tail, the phase): the innermost match in the main thread's stack names it.
+# (function names, the phase): the first phase here with a function in the main thread's stack names it.
 PHASES = (
     (("save_checkpoint", "write_checkpoint", "save_state"), "checkpoint save"),
     (("save_model", "write_results"), "final save"),
     (("load_checkpoint", "load_state"), "checkpoint load"),
     (("evaluate", "evaluate_causal_lm"), "evaluation"),
     (("_next_data", "__next__", "fetch", "__getitems__", "__getitem__"), "data loading"),
-    (
-        ("step", "_single_tensor_sgd", "_multi_tensor_adamw", "_single_tensor_adamw", "clip_grad_norm_"),
-        "optimizer step",
-    ),
+    (("step", "clip_grad_norm_"), "optimizer step"),  # torch's optimizers run inside their step()
     (("backward", "forward", "_call_impl"), "forward/backward"),
 )
 # A frame of torch.distributed, DDP or Accelerate's operations whose name says it waits for the other processes.
@@ -62,13 +57,10 @@ def phase_of(frames) -> tuple[str, bool]:
 
 class Watchdog:
     def __init__(self, accelerator, hang_timeout: float, ddp_timeout: float, output_dir):
-        from accelerate.utils import gather_object
-
         self.timeout, self.folder = hang_timeout, Path(output_dir) / "hang"
         self.slow_timeout = max(hang_timeout, ddp_timeout - 2 * MARGIN)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        me = (socket.gethostname(), os.getpid())
-        self.ranks = gather_object([me]) if self.world > 1 else [me]  # who each rank is, for the report
+        self.ranks = gather_object([(socket.gethostname(), os.getpid())])  # who each rank is, for the report
         self.step, self.last, self._main = 0, time.monotonic(), threading.main_thread().ident
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
@@ -80,8 +72,7 @@ class Watchdog:
         while True:
             time.sleep(min(5.0, self.timeout / 4))
             idle = time.monotonic() - self.last
-            frames = traceback.extract_stack(sys._current_frames()[self._main])
-            phase, waiting = phase_of(frames)
+            phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
             if idle >= (self.slow_timeout if slow else self.timeout):
                 limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
@@ -129,12 +120,9 @@ class Watchdog:
         said = []
         for rank in (r for r in range(self.world) if r not in waiting):
             host, pid = self.ranks[rank]
-            report = found.get(rank)
-            how = (
-                f"after step {report['step']} in {report['phase']}"
-                if report
-                else "without answering (frozen, or dead)"
-            )
+            how = "without answering (frozen, or dead)"
+            if rank in found:
+                how = f"after step {found[rank]['step']} in {found[rank]['phase']}"
             said.append(f"rank {rank} ({host}, pid {pid}) stalled {how}")
         if said and waiting:
             them = "it" if len(said) == 1 else "them"
