@@ -1,10 +1,9 @@
 """Stopping when the cluster or the user asks: SIGTERM (preemption, scancel, a launcher shutting down), SIGUSR1
 (Slurm's `--signal=USR1@T` before the time limit) or a first Ctrl-C; a second Ctrl-C interrupts.
 
-The handlers are in place from a recipe's first line (common.exit_codes). Before the training loop there is nothing
-to save: a stop ends the process at once with exit 75, and a requeued job starts again. In the loop a signal may
-reach one process, or each at another moment: at every step the processes agree, stop at the same one, save one
-checkpoint and exit 75."""
+The handlers are in place from a recipe's first line (common.exit_codes). Before the training loop a stop ends the
+process at once (exit 75: nothing to save, a requeued job starts again); in it, StopOnSignal stops every process at
+the same step, after one checkpoint, whichever process the signal reached first."""
 
 from __future__ import annotations
 
