@@ -377,7 +377,6 @@ def test_a_filesystem_without_locks_is_used_with_one_warning(acc, tmp_path, monk
         raise OSError(38, "Function not implemented")  # ENOSYS: Lustre mounted without -o flock
 
     monkeypatch.setattr(outputs.fcntl, "lockf", refuse)
-    monkeypatch.setattr(outputs._RunLock, "warned", False)
     with caplog.at_level(logging.WARNING, logger="recipes"):
         assert outputs.prepare_output_dir(acc[0], options(tmp_path / "run")) is None
     assert caplog.text.count("cannot lock --output_dir") == 1 and "would not be stopped" in caplog.text
