@@ -26,7 +26,6 @@ from .checkpoint import (
     STATE_FILE,
     TMP_CHECKPOINT_RE,
     complete_checkpoints,
-    finish_interrupted_saves,
     load_checkpoint,
     model_files,
     record_written,
@@ -99,19 +98,16 @@ def prepare_output_dir(accelerator, args) -> Path | None:
     if not spec and restarts > 0:
         logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
         spec, overwrite = "latest", False  # the first attempt started over already
-    continuing = decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
+    decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
     _check_writable(accelerator, output_dir)
-    if continuing:
-        decide_on_main(accelerator, lambda: finish_interrupted_saves(output_dir))
     resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
     decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
     accelerator.init_trackers(args.recipe, config=tracker_config(args))
     return resume_from
 
 
-def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
-    """On the main process: lock output_dir, refuse what would mix or overwrite runs; whether this run continues
-    the one there."""
+def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
+    """On the main process: lock output_dir, refuse what would mix or overwrite runs."""
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not (path / STATE_FILE).is_file():  # a typo, or the run's folder itself
         raise RecipeError(
@@ -124,8 +120,9 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
             f"--overwrite_output_dir starts over and --resume_from_checkpoint {spec} continues the run in "
             f"{output_dir}: pass one of them"
         )
-    lock = _RunLock.acquire(output_dir)
+    lock = _RunLock.held.get(output_dir.resolve()) or _RunLock(output_dir)
     try:
+        lock.acquire()
         ours = model_files(output_dir)
         foreign = [n for n in MODEL_NAMES if (output_dir / n).exists() and n not in ours]
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
@@ -148,7 +145,6 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
     except BaseException:
         lock.release()
         raise
-    return continuing
 
 
 def _begin(output_dir: Path, overwrite: bool) -> None:
@@ -241,22 +237,14 @@ class _RunLock:
         self.fd, self.proceeded = None, False
         self.made = [p for p in (output_dir, *output_dir.parents) if not p.exists()]  # deepest first
 
-    @classmethod
-    def acquire(cls, output_dir: Path) -> _RunLock:
-        lock = cls(output_dir)
-        if lock.key in cls.held:  # this process holds it already (a second prepare_output_dir)
-            return cls.held[lock.key]
-        try:
-            lock._lock()
-        except BaseException:
-            lock.release()
-            raise
-        if not cls.held:
-            atexit.register(cls.release_all)
-        cls.held[lock.key] = lock
-        return lock
-
-    def _lock(self) -> None:
+    def acquire(self) -> None:
+        """Locked, or refused naming the run that holds it; unguarded, with a warning, where the filesystem has no
+        locks. On failure the caller releases it."""
+        if self.key in _RunLock.held:  # this process holds it already (a second prepare_output_dir)
+            return
+        if not _RunLock.held:
+            atexit.register(_RunLock.release_all)
+        _RunLock.held[self.key] = self
         for _ in range(50):  # the file was removed between our open and our lock (its holder ended): again
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
