@@ -519,26 +519,23 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
         _write_model(unwrapped, state_dict, output_dir, tokenizer)
 
     needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
-    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, main_only=True)
+    tmp = output_dir / ".tmp-model"
+    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp=tmp, main_only=True)
     return output_dir
 
 
 def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     earlier, tmp = model_files(output_dir), output_dir / ".tmp-model"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if hasattr(unwrapped, "save_pretrained"):
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        else:
-            tmp.mkdir()
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
-        publish(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
+    if hasattr(unwrapped, "save_pretrained"):
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    else:
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
+    publish(tmp)
     names = sorted(f.name for f in tmp.iterdir())
     for name in names:
         os.replace(tmp / name, output_dir / name)

@@ -294,7 +294,7 @@ class _RunLock:
         if self.pid != os.getpid():  # a forked child inherited the object, not the lock
             return
         if self.fd is not None:
-            if self.proceeded or not os.fstat(self.fd).st_size:  # removed while locked: see _lock's inode check
+            if self.proceeded or not os.fstat(self.fd).st_size:  # removed while locked: see acquire's inode check
                 self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
