@@ -155,15 +155,13 @@ def _begin(output_dir: Path, overwrite: bool) -> None:
 
 
 def _run_outputs(output_dir: Path) -> list:
-    """What runs wrote in output_dir (its lock aside), checkpoints first: complete checkpoints (the marker lists
-    their files), a save's temporary forms, results.json and the files save_model recorded."""
+    """What runs wrote in output_dir (its lock aside), checkpoints first: checkpoint folders (a complete one's
+    marker lists its files), a save's temporary forms, results.json and the files save_model recorded."""
     names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
     found = [
         p
         for p in output_dir.iterdir()
-        if p.name in names
-        or (p.is_dir() and TMP_CHECKPOINT_RE.fullmatch(p.name))
-        or (CHECKPOINT_RE.fullmatch(p.name) and (p / STATE_FILE).is_file())
+        if p.name in names or (p.is_dir() and (CHECKPOINT_RE.fullmatch(p.name) or TMP_CHECKPOINT_RE.fullmatch(p.name)))
     ]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
@@ -191,8 +189,9 @@ def _finished(output_dir: Path) -> str | None:
 
 
 def _start_over(output_dir: Path) -> None:
-    """--overwrite_output_dir: delete what runs wrote; a user's files, even inside a checkpoint, stay."""
-    found = _run_outputs(output_dir)
+    """--overwrite_output_dir: delete what runs wrote; a user's files, even inside a checkpoint or in a checkpoint
+    folder without a marker, stay."""
+    found = [p for p in _run_outputs(output_dir) if not CHECKPOINT_RE.fullmatch(p.name) or (p / STATE_FILE).is_file()]
     if found:
         logger.warning(f"--overwrite_output_dir: deleting the earlier run's {', '.join(p.name for p in found)}")
     for path in sorted(found, key=lambda p: p.name != RESULTS_FILE):  # results.json first: no longer finished
