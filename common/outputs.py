@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from accelerate.utils import gather_object
 
 from .checkpoint import (
     CHECKPOINT_RE,
@@ -99,7 +99,7 @@ def prepare_output_dir(accelerator, args) -> Path | None:
         logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
         spec, overwrite = "latest", False  # the first attempt started over already
     decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
-    _check_writable(accelerator, output_dir)
+    _check_writable(output_dir)
     resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
     decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
     accelerator.init_trackers(args.recipe, config=tracker_config(args))
@@ -203,7 +203,7 @@ def _start_over(output_dir: Path) -> None:
             path.unlink()
 
 
-def _check_writable(accelerator, output_dir: Path) -> None:
+def _check_writable(output_dir: Path) -> None:
     """Every process creates a file in output_dir, which the main process made (a nameless one, O_TMPFILE: a
     process stopped here leaves nothing); a node that cannot, or does not see the folder, stops every process."""
     problem = None
@@ -211,9 +211,8 @@ def _check_writable(accelerator, output_dir: Path) -> None:
         tempfile.TemporaryFile(dir=output_dir).close()
     except OSError as err:
         problem = one_line(err)
-    flag = torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32)
-    if failed := int(accelerator.reduce(flag, reduction="sum").item()):
-        raise RecipeError(_unwritable(output_dir, problem or f"{failed} process(es) on other nodes cannot"))
+    if problems := [p for p in gather_object([problem]) if p]:
+        raise RecipeError(_unwritable(output_dir, problem or f"on another node: {problems[0]}"))
 
 
 def _unwritable(output_dir: Path, detail: str) -> str:
