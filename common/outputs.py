@@ -212,7 +212,7 @@ def _check_writable(output_dir: Path) -> None:
     except OSError as err:
         problem = one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
-        raise RecipeError(_unwritable(output_dir, problem or f"on another node: {problems[0]}"))
+        raise RecipeError(_unwritable(output_dir, problem or f"another process: {problems[0]}"))
 
 
 def _unwritable(output_dir: Path, detail: str) -> str:
