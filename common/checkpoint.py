@@ -51,13 +51,15 @@ def write_json(path, data: dict) -> None:
         raise
 
 
-def publish(path: Path) -> None:
+def publish(path: Path) -> dict:
     """The user's umask's permissions for `path` (a file, or a folder's files): safetensors writes 0600, which a
-    colleague or a service account could not read."""
+    colleague or a service account could not read. Returns the folder's files' sizes by their path in it."""
     umask = os.umask(0)
     os.umask(umask)
-    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
         file.chmod(0o666 & ~umask)
+    return {str(f.relative_to(path)): f.stat().st_size for f in files}
 
 
 def read_state(path) -> dict:
@@ -262,7 +264,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
         return _together(accelerator, what, output_dir, needed, fn, tmp=tmp, main_only=main_only)
 
     together(lambda: accelerator.save_state(str(tmp)))
-    (files,) = [f for f in together(lambda: (publish(tmp), _sizes(tmp))[1], main_only=True) if f is not None]
+    (files,) = [f for f in together(lambda: publish(tmp), main_only=True) if f is not None]
     shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
     digests = {k: v for share in shares for k, v in share.items()}
     marker = {"step": step, **state, "saved_at": time.time(), "files": files, HASH: digests}
@@ -274,10 +276,6 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
             _prune(output_dir, final, total_limit)
     accelerator.wait_for_everyone()
     return final
-
-
-def _sizes(folder: Path) -> dict:
-    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
 def _install(tmp: Path, final: Path) -> None:
@@ -312,8 +310,10 @@ def _saved_at(path: Path) -> float:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
-    step = lambda p: int(CHECKPOINT_RE.fullmatch(p.name)[1])  # noqa: E731
-    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: (_saved_at(p), step(p)))
+    return sorted(
+        (p for p in found if (p / STATE_FILE).is_file()),
+        key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))),
+    )
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
