@@ -51,13 +51,15 @@ def write_json(path, data: dict) -> None:
         raise
 
 
-def publish(path: Path) -> None:
+def publish(path: Path) -> dict:
     """The user's umask's permissions for `path` (a file, or a folder's files): safetensors writes 0600, which a
-    colleague or a service account could not read."""
+    colleague or a service account could not read. Returns the folder's files' sizes by their path in it."""
     umask = os.umask(0)
     os.umask(umask)
-    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
         file.chmod(0o666 & ~umask)
+    return {str(f.relative_to(path)): f.stat().st_size for f in files}
 
 
 def read_state(path) -> dict:
@@ -141,23 +143,20 @@ def _write_failure(err: BaseException) -> tuple | None:
     return None
 
 
-def nearest_existing(path) -> Path:
-    """`path`, or the nearest folder above it that exists."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _free_bytes(folder: Path) -> int | None:
+    """Free space on the filesystem of `folder` (or of the nearest folder above it: a first save creates it)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     with contextlib.suppress(OSError):
-        return shutil.disk_usage(nearest_existing(folder)).free
+        return shutil.disk_usage(folder).free
     return None
 
 
 def _human(n: int) -> str:
-    unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), ("bytes", 1))
-    return f"{n} bytes" if scale == 1 else f"{n / scale:.1f} {unit}"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 # Integrity ----------------------------------------------------------------------------------------
@@ -194,12 +193,12 @@ def _size_damage(path: Path) -> tuple:
     return None, files, digests
 
 
-def checkpoint_damage(path, accelerator=None, checksums: bool = True) -> str | None:
-    """Why the checkpoint at `path` cannot be loaded, or None: a listed file missing, of another size or, with
-    `checksums`, another sha256 (a bad disk or copy). With `accelerator`, every process calls it and hashes a share."""
+def checkpoint_damage(path, accelerator=None) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, or None: a listed file missing, of another size or another
+    sha256 (a bad disk or copy). With `accelerator`, every process calls it and hashes a share."""
     path = Path(path)
     problem, files, digests = decide_on_main(accelerator, lambda: _size_damage(path))
-    if problem or not checksums or not digests:
+    if problem or not digests:
         return problem
     bad = []
     for name in _share({name: files.get(name, 0) for name in digests}, accelerator):
@@ -265,7 +264,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
         return _together(accelerator, what, output_dir, needed, fn, tmp=tmp, main_only=main_only)
 
     together(lambda: accelerator.save_state(str(tmp)))
-    (files,) = [f for f in together(lambda: (publish(tmp), _sizes(tmp))[1], main_only=True) if f is not None]
+    (files,) = [f for f in together(lambda: publish(tmp), main_only=True) if f is not None]
     shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
     digests = {k: v for share in shares for k, v in share.items()}
     marker = {"step": step, **state, "saved_at": time.time(), "files": files, HASH: digests}
@@ -279,12 +278,8 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
     return final
 
 
-def _sizes(folder: Path) -> dict:
-    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-
-
 def _install(tmp: Path, final: Path) -> None:
-    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (finish_interrupted_saves)."""
+    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (_finish_interrupted_saves)."""
     if final.exists():
         shutil.rmtree(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
@@ -295,23 +290,15 @@ def remove_checkpoint(path: Path) -> None:
     """Delete the files the marker of `path` lists, the marker, and the folders left empty: a file someone added
     stays, and a folder without a marker is not ours."""
     try:
-        listed = {Path(name) for name in read_state(path).get("files", {})} | {Path(STATE_FILE)}
+        listed = [Path(name) for name in read_state(path).get("files", {})]
     except (OSError, ValueError, TypeError, AttributeError):
         return
-    if all(f.relative_to(path) in listed for f in path.rglob("*") if not f.is_dir()):
-        shutil.rmtree(path)  # nothing else there: the usual case
-        return
-    for name in listed - {Path(STATE_FILE)}:
+    for name in [*listed, Path(STATE_FILE)]:  # the marker last: a removal cut short leaves a damaged checkpoint
         if not name.is_absolute() and ".." not in name.parts:
             (path / name).unlink(missing_ok=True)
-    (path / STATE_FILE).unlink(missing_ok=True)
     for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [path]:
         with contextlib.suppress(OSError):
             folder.rmdir()
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.rsplit("-", 1)[1])
 
 
 def _saved_at(path: Path) -> float:
@@ -323,7 +310,10 @@ def _saved_at(path: Path) -> float:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
-    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: (_saved_at(p), checkpoint_step(p)))
+    return sorted(
+        (p for p in found if (p / STATE_FILE).is_file()),
+        key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))),
+    )
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
@@ -340,22 +330,14 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
 # Resuming -----------------------------------------------------------------------------------------
 
 
-def not_a_checkpoint(spec: str) -> str:
-    return (
-        f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
-        "folder written by a recipe, or `latest`"
-    )
-
-
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
     """--resume_from_checkpoint: `latest`, the intact checkpoint written last (None when there is none yet: a
-    requeued job can always pass it), or a path, refused when incomplete or damaged. Every process calls it."""
+    requeued job can always pass it), once the saves a crash cut short are finished; or a path, refused when
+    damaged (prepare_output_dir refused it already if it has no marker). Every process calls it."""
     if not spec:
         return None
     if spec != "latest":
         path = Path(spec)
-        if not decide_on_main(accelerator, lambda: (path / STATE_FILE).is_file()):
-            raise RecipeError(not_a_checkpoint(spec))
         if damage := checkpoint_damage(path, accelerator):
             raise RecipeError(
                 f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; pass an older "
@@ -364,6 +346,7 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
         return path
 
     def candidates():
+        _finish_interrupted_saves(Path(output_dir))
         for path in sorted(Path(output_dir).glob("checkpoint-*")):
             if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
                 logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
@@ -380,11 +363,11 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
     return None
 
 
-def finish_interrupted_saves(output_dir: Path) -> None:
+def _finish_interrupted_saves(output_dir: Path) -> None:
     """A .tmp-checkpoint-<step> a crash left: renamed into place if complete and intact, else deleted."""
     for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
         final = output_dir / tmp.name.removeprefix(".tmp-")
-        if (tmp / STATE_FILE).is_file() and checkpoint_damage(tmp) is None:
+        if checkpoint_damage(tmp) is None:  # its marker, written last, is there and every file matches it
             _install(tmp, final)
             logger.warning(f"completed the interrupted save of {final}")
         else:
@@ -536,35 +519,33 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
         _write_model(unwrapped, state_dict, output_dir, tokenizer)
 
     needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
-    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, main_only=True)
+    tmp = output_dir / ".tmp-model"
+    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp=tmp, main_only=True)
     return output_dir
 
 
 def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     earlier, tmp = model_files(output_dir), output_dir / ".tmp-model"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if hasattr(unwrapped, "save_pretrained"):
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        else:
-            tmp.mkdir()
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
-        publish(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
+    if hasattr(unwrapped, "save_pretrained"):
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    else:
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
+    publish(tmp)
     names = sorted(f.name for f in tmp.iterdir())
     for name in names:
         os.replace(tmp / name, output_dir / name)
     tmp.rmdir()
     write_json(output_dir / MODEL_FILES, {"files": names})
     for stale in set(earlier) - set(names):
-        shutil.rmtree(output_dir / stale) if (output_dir / stale).is_dir() else (output_dir / stale).unlink(
-            missing_ok=True
-        )
+        if (output_dir / stale).is_dir():
+            shutil.rmtree(output_dir / stale)
+        else:
+            (output_dir / stale).unlink(missing_ok=True)
     logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
 

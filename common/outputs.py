@@ -8,7 +8,6 @@ recipes wrote (a pretrained model's folder, say), and deletes only what runs wro
 from __future__ import annotations
 
 import atexit
-import contextlib
 import errno
 import json
 import os
@@ -18,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from accelerate.utils import gather_object
 
 from .checkpoint import (
     CHECKPOINT_RE,
@@ -26,13 +25,9 @@ from .checkpoint import (
     RESULTS_FILE,
     STATE_FILE,
     TMP_CHECKPOINT_RE,
-    checkpoint_step,
     complete_checkpoints,
-    finish_interrupted_saves,
     load_checkpoint,
     model_files,
-    nearest_existing,
-    not_a_checkpoint,
     record_written,
     remove_checkpoint,
     resharded_deepspeed,
@@ -56,13 +51,11 @@ MODEL_NAMES = (
     "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
 )  # fmt: skip
 TMP_FILES = (".tmp-model", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")  # of an interrupted final save
-# Filesystems without working locks (Lustre mounted without -o flock, some FUSE and SMB mounts).
-UNSUPPORTED_LOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
 class OutputDir:
-    """--output_dir, claimed for this run, and what the run writes there: checkpoints, the final weights,
-    results.json. `resume_from`: the checkpoint this run continues, or None."""
+    """--output_dir, claimed for this run, and what the run writes there. `resume_from`: the checkpoint this run
+    continues, or None."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -88,12 +81,11 @@ class OutputDir:
 
 
 def prepare_output_dir(accelerator, args) -> Path | None:
-    """Claim --output_dir before any work there; return the checkpoint to resume from, or None. The main process
-    locks it until it exits. An earlier run there is refused unless this one continues it or passes
-    --overwrite_output_dir; `latest` on a finished run raises RunFinished (a requeued job ends, exit 0); a restart
-    under --max_restarts resumes `latest`. Every process proves it can write there now, not hours in."""
-    output_dir, spec = Path(args.output_dir), args.resume_from_checkpoint
-    overwrite = bool(getattr(args, "overwrite_output_dir", False))
+    """Claim --output_dir before any work there; return the checkpoint to resume from, or None. An earlier run
+    there is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run
+    raises RunFinished (a requeued job ends, exit 0); a restart under --max_restarts resumes `latest`. Every process
+    proves it can write there now, not hours in."""
+    output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
     for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
         if name not in ("output_dir", "resume_from_checkpoint") and isinstance(value, str) and Path(value).is_dir():
             if output_dir.resolve().is_relative_to(Path(value).resolve()):
@@ -106,39 +98,42 @@ def prepare_output_dir(accelerator, args) -> Path | None:
     if not spec and restarts > 0:
         logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
         spec, overwrite = "latest", False  # the first attempt started over already
-    continuing = decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
-    _check_writable(accelerator, output_dir)
-    if continuing:
-        decide_on_main(accelerator, lambda: finish_interrupted_saves(output_dir))
+    decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
+    _check_writable(output_dir)
     resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
     decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
     accelerator.init_trackers(args.recipe, config=tracker_config(args))
     return resume_from
 
 
-def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
-    """On the main process: lock output_dir, refuse what would mix or overwrite runs; whether this run continues
-    the one there."""
+def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
+    """On the main process: lock output_dir, refuse what would mix or overwrite runs."""
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not (path / STATE_FILE).is_file():  # a typo, or the run's folder itself
-        raise RecipeError(not_a_checkpoint(spec))
-    inside = path is not None and path.resolve().parent == output_dir.resolve()  # a checkpoint of this run
-    if overwrite and (spec == "latest" or inside):
-        what = f"latest continues the run in {output_dir}" if spec == "latest" else f"{spec} is one it would delete"
-        raise RecipeError(f"--overwrite_output_dir starts over and --resume_from_checkpoint {what}: pass one of them")
-    lock = _RunLock.acquire(output_dir)
+        raise RecipeError(
+            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
+            "folder written by a recipe, or `latest`"
+        )
+    continuing = spec == "latest" or (path is not None and path.resolve().parent == output_dir.resolve())
+    if overwrite and continuing:
+        raise RecipeError(
+            f"--overwrite_output_dir starts over and --resume_from_checkpoint {spec} continues the run in "
+            f"{output_dir}: pass one of them"
+        )
+    lock = _RunLock.held.get(output_dir.resolve()) or _RunLock(output_dir)
     try:
-        ours = set(model_files(output_dir))
+        lock.acquire()
+        ours = model_files(output_dir)
         foreign = [n for n in MODEL_NAMES if (output_dir / n).exists() and n not in ours]
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
             raise RecipeError(
                 f"--output_dir {output_dir} holds a model that no run of these recipes wrote ({', '.join(foreign)}), "
                 "which a run would write over; pass another --output_dir"
             )
-        previous = _run_outputs(output_dir)
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
-        if previous and not (spec == "latest" or inside or overwrite):
+        previous = [p.name for p in _run_outputs(output_dir)]
+        if previous and not (continuing or overwrite):
             advice = (
                 f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir to "
                 "start over there from it, or another --output_dir"
@@ -150,88 +145,74 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> bool:
     except BaseException:
         lock.release()
         raise
-    return spec == "latest" or inside
 
 
 def _begin(output_dir: Path, overwrite: bool) -> None:
     """On the main process, once nothing can refuse the run: it owns the folder now."""
-    _RunLock.held[_key(output_dir)].proceed()
+    _RunLock.held[output_dir.resolve()].proceed()
     if overwrite:
         _start_over(output_dir)
 
 
-def _ours(path: Path) -> bool:
-    """A checkpoint folder in one of the forms this project's saves write."""
-    return path.is_dir() and any(r.fullmatch(path.name) for r in (CHECKPOINT_RE, TMP_CHECKPOINT_RE))
-
-
 def _run_outputs(output_dir: Path) -> list:
-    """Names in output_dir that a recipe's run wrote there (its lock file aside)."""
-    if not output_dir.is_dir():
-        return []
-    written = {
-        RESULTS_FILE,
-        *(set(model_files(output_dir)) & {"model.safetensors", "config.json", "adapter_config.json"}),
-    }
-    return sorted(p.name for p in output_dir.iterdir() if p.name in written or _ours(p))
+    """What runs wrote in output_dir (its lock aside), checkpoints first: checkpoint folders (a complete one's
+    marker lists its files), a save's temporary forms, results.json and the files save_model recorded."""
+    names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
+    found = [
+        p
+        for p in output_dir.iterdir()
+        if p.name in names or (p.is_dir() and (CHECKPOINT_RE.fullmatch(p.name) or TMP_CHECKPOINT_RE.fullmatch(p.name)))
+    ]
+    return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
 
 def _finished(output_dir: Path) -> str | None:
     """Why output_dir holds a finished run (results.json, written last, and no checkpoint after it), or None."""
-    if not (output_dir / RESULTS_FILE).is_file():
+    results, checkpoints = output_dir / RESULTS_FILE, complete_checkpoints(output_dir)
+    if not results.is_file():
+        return None
+    if checkpoints and (checkpoints[-1] / STATE_FILE).stat().st_mtime > results.stat().st_mtime:
         return None
     try:
-        steps = json.loads((output_dir / RESULTS_FILE).read_text()).get("steps")
-    except (OSError, ValueError, AttributeError):
-        steps = None
-    checkpoints = complete_checkpoints(output_dir)
-    if checkpoints and (checkpoints[-1] / STATE_FILE).stat().st_mtime > (output_dir / RESULTS_FILE).stat().st_mtime:
-        return None
+        steps = f", {int(json.loads(results.read_text())['steps'])} steps"
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = ""
     further = (
-        f"; to train it further pass --resume_from_checkpoint {max(checkpoints, key=checkpoint_step)} with a larger "
-        "--max_train_steps"
+        f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
         if checkpoints
         else ""
     )
-    counted = f", {steps} steps" if isinstance(steps, int) else ""
     return (
-        f"{output_dir} holds a finished run ({RESULTS_FILE}{counted}): nothing left to train{further}; to start over, "
+        f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train{further}; to start over, "
         "pass --overwrite_output_dir instead of --resume_from_checkpoint"
     )
 
 
 def _start_over(output_dir: Path) -> None:
-    """--overwrite_output_dir: delete what runs wrote (checkpoints' listed files, a save's temporary forms,
-    results.json, save_model's recorded files); a user's files, even inside a checkpoint, stay."""
-    if not output_dir.is_dir():
-        return
-    names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
-    saved = lambda p: _ours(p) and (TMP_CHECKPOINT_RE.fullmatch(p.name) or (p / STATE_FILE).is_file())  # noqa: E731
-    found = sorted(
-        (p for p in output_dir.iterdir() if saved(p) or p.name in names), key=lambda p: (not _ours(p), p.name)
-    )
+    """--overwrite_output_dir: delete what runs wrote; a user's files, even inside a checkpoint or in a checkpoint
+    folder without a marker, stay."""
+    found = [p for p in _run_outputs(output_dir) if not CHECKPOINT_RE.fullmatch(p.name) or (p / STATE_FILE).is_file()]
     if found:
         logger.warning(f"--overwrite_output_dir: deleting the earlier run's {', '.join(p.name for p in found)}")
     for path in sorted(found, key=lambda p: p.name != RESULTS_FILE):  # results.json first: no longer finished
         if CHECKPOINT_RE.fullmatch(path.name):
             remove_checkpoint(path)
+        elif path.is_dir():
+            shutil.rmtree(path)
         else:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            path.unlink()
 
 
-def _check_writable(accelerator, output_dir: Path) -> None:
-    """Every process writes a file in output_dir (or the nearest existing folder above it); all agree."""
-    problem = "it is a file" if output_dir.exists() and not output_dir.is_dir() else None
-    if problem is None:
-        try:  # a file without a name (O_TMPFILE): a process stopped here leaves nothing in the folder
-            with tempfile.TemporaryFile(dir=nearest_existing(output_dir)) as probe:
-                probe.write(b"ok")
-                probe.flush()
-        except OSError as err:
-            problem = one_line(err)
-    flag = torch.tensor([problem is not None], device=accelerator.device, dtype=torch.int32)
-    if failed := int(accelerator.reduce(flag, reduction="sum").item()):
-        raise RecipeError(_unwritable(output_dir, problem or f"{failed} process(es) on other nodes cannot"))
+def _check_writable(output_dir: Path) -> None:
+    """Every process creates a file in output_dir, which the main process made (a nameless one, O_TMPFILE: a
+    process stopped here leaves nothing); a node that cannot, or does not see the folder, stops every process."""
+    problem = None
+    try:
+        tempfile.TemporaryFile(dir=output_dir).close()
+    except OSError as err:
+        problem = one_line(err)
+    if problems := [p for p in gather_object([problem]) if p]:
+        raise RecipeError(_unwritable(output_dir, problem or f"another process: {problems[0]}"))
 
 
 def _unwritable(output_dir: Path, detail: str) -> str:
@@ -241,86 +222,59 @@ def _unwritable(output_dir: Path, detail: str) -> str:
     )
 
 
-def _key(output_dir: Path) -> str:
-    return str(Path(output_dir).resolve())
-
-
 class _RunLock:
     """An fcntl lock on <output_dir>/.run.lock, held by the main process until it exits: the kernel releases it
-    however the process ends (no stale lock), and it holds across NFS nodes. A run that proceeds writes who it is
-    there, for a second run's message; a refused run leaves the folder as it found it. Nothing else in the process
-    may open the file: closing any descriptor of it drops the lock."""
+    however the process ends (no stale lock), and it holds across NFS nodes. The file is removed only by the
+    process locking it, and a refused run removes it only if it found none. Nothing else in the process may open
+    the file: closing any descriptor of it drops the lock."""
 
-    held: dict = {}
-    warned = False
+    held: dict = {}  # resolved output_dir: its lock, released at exit
 
     def __init__(self, output_dir: Path):
-        self.output_dir, self.path, self.pid = output_dir, output_dir / LOCK_FILE, os.getpid()
-        self.fd, self.created, self.created_dirs, self.proceeded = None, False, [], False
+        self.key, self.path, self.pid = output_dir.resolve(), output_dir / LOCK_FILE, os.getpid()
+        self.fd, self.proceeded = None, False
+        self.made = [p for p in (output_dir, *output_dir.parents) if not p.exists()]  # deepest first
 
-    @classmethod
-    def acquire(cls, output_dir: Path) -> _RunLock:
-        if _key(output_dir) in cls.held:  # this process holds it already (a second prepare_output_dir)
-            return cls.held[_key(output_dir)]
-        lock = cls(output_dir)
-        try:
-            lock._acquire()
-        except BaseException:
-            lock.release()
-            raise
-        if not cls.held:
-            atexit.register(cls.release_all)
-        cls.held[_key(output_dir)] = lock
-        return lock
-
-    def _acquire(self) -> None:
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise RecipeError(_unwritable(self.output_dir, "it is a file"))
-        for _ in range(50):  # another run removing or replacing the file meanwhile: try again
+    def acquire(self) -> None:
+        """Locked, or refused naming the run that holds it; unguarded, with a warning, where the filesystem has no
+        locks. On failure the caller releases it."""
+        if self.key in _RunLock.held:  # this process holds it already (a second prepare_output_dir)
+            return
+        if not _RunLock.held:
+            atexit.register(_RunLock.release_all)
+        _RunLock.held[self.key] = self
+        for _ in range(50):  # the file was removed between our open and our lock (its holder ended): again
             try:
-                for folder in reversed([p for p in [self.output_dir, *self.output_dir.parents] if not p.exists()]):
-                    folder.mkdir(exist_ok=True)
-                    self.created_dirs.append(folder)
-                try:
-                    fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-                except FileExistsError:
-                    fd, created = os.open(self.path, os.O_RDWR), False
-            except FileNotFoundError:
-                continue
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as err:
-                raise RecipeError(_unwritable(self.output_dir, one_line(err))) from err
-            self.fd, self.created = fd, created
+                raise RecipeError(_unwritable(self.path.parent, one_line(err))) from err
             try:
                 if fcntl is None:
                     raise OSError(errno.ENOSYS, "no fcntl on this platform")
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self.path.exists() and os.stat(self.path)[1:3] == os.fstat(fd)[1:3]:  # (inode, device)
+                    self.fd = fd
+                    return
             except OSError as err:
                 if err.errno in (errno.EACCES, errno.EAGAIN):
                     holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "it has not said who"
                     raise RecipeError(
-                        f"--output_dir {self.output_dir} is in use by another run ({holder}); wait for it to end, or "
+                        f"--output_dir {self.path.parent} is in use by another run ({holder}); wait for it to end, or "
                         "pass another --output_dir"
                     ) from err
-                self._close()
-                if err.errno == errno.ESTALE:  # NFS: the file was removed on another node
-                    continue
-                if err.errno not in UNSUPPORTED_LOCK:
-                    raise RecipeError(
-                        f"cannot lock --output_dir {self.output_dir} ({one_line(err)}); pass a folder on another "
-                        "filesystem"
-                    ) from err
-                if not _RunLock.warned:
+                if err.errno != errno.ESTALE:  # not NFS's "removed on another node": no locks on this filesystem
                     logger.warning(
-                        f"cannot lock --output_dir {self.output_dir} on this filesystem ({one_line(err)}): a second "
+                        f"cannot lock --output_dir {self.path.parent} on this filesystem ({one_line(err)}): a second "
                         "run started into it would not be stopped"
                     )
-                    _RunLock.warned = True
-                return
-            with_path = self.path.exists() and os.stat(self.path)[1:3] == os.fstat(fd)[1:3]  # (inode, device)
-            if with_path:
-                return
-            self._close()  # its holder removed it meanwhile: lock the one at the path now
-        raise RecipeError(f"could not lock --output_dir {self.output_dir}: its lock file kept being replaced")
+                    if not os.fstat(fd).st_size:  # created by this run
+                        self.path.unlink(missing_ok=True)
+                    return
+            finally:
+                if self.fd != fd:
+                    os.close(fd)
+        raise RecipeError(f"could not lock --output_dir {self.path.parent}: its lock file kept being replaced")
 
     def proceed(self) -> None:
         """The run goes on: the file now says who holds it (another node reads it over NFS: fsync)."""
@@ -332,25 +286,23 @@ class _RunLock:
             os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}{job}, started {started}\n".encode(), 0)
             os.fsync(self.fd)
 
-    def _close(self) -> None:
-        if self.fd is not None:
-            if self.created or self.proceeded:  # removed while still locked: a run waiting on it sees it replaced
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
-            os.close(self.fd)
-            self.fd, self.created = None, False
-
     def release(self) -> None:
+        """Unlocked; the lock file removed unless a refused run found it there, and the folders this run made if
+        nothing was written in them."""
         if self.pid != os.getpid():  # a forked child inherited the object, not the lock
             return
-        self._close()
-        for folder in reversed(self.created_dirs):
+        if self.fd is not None:
+            if self.proceeded or not os.fstat(self.fd).st_size:  # removed while locked: see acquire's inode check
+                self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+        for folder in self.made:
             try:
-                folder.rmdir()  # only if nothing was written there
+                folder.rmdir()
             except OSError:
                 break
-        self.created_dirs = []
-        _RunLock.held.pop(_key(self.output_dir), None)
+        self.made = []
+        _RunLock.held.pop(self.key, None)
 
     @classmethod
     def release_all(cls) -> None:

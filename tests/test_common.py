@@ -127,7 +127,7 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
 def test_latest_without_checkpoints_starts_fresh_and_bad_paths_fail(tmp_path, accelerate_state):
     assert resolve_checkpoint(tmp_path, "latest") is None
     assert resolve_checkpoint(tmp_path, None) is None
-    with pytest.raises(RecipeError, match="not a complete checkpoint"):
+    with pytest.raises(RecipeError, match="damaged: trainer_state.json is unreadable"):
         resolve_checkpoint(tmp_path, str(make_checkpoint(tmp_path, 5, complete=False)))
 
 
