@@ -143,12 +143,17 @@ def _write_failure(err: BaseException) -> tuple | None:
     return None
 
 
+def nearest_existing(path) -> Path:
+    """`path`, or the nearest folder above it that exists (here: a first save creates it)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _free_bytes(folder: Path) -> int | None:
-    """Free space on the filesystem of `folder` (or of the nearest folder above it: a first save creates it)."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
     with contextlib.suppress(OSError):
-        return shutil.disk_usage(folder).free
+        return shutil.disk_usage(nearest_existing(folder)).free
     return None
 
 

@@ -28,6 +28,7 @@ from .checkpoint import (
     complete_checkpoints,
     load_checkpoint,
     model_files,
+    nearest_existing,
     record_written,
     remove_checkpoint,
     resharded_deepspeed,
@@ -204,11 +205,11 @@ def _start_over(output_dir: Path) -> None:
 
 
 def _check_writable(output_dir: Path) -> None:
-    """Every process creates a file in output_dir, which the main process made (a nameless one, O_TMPFILE: a
-    process stopped here leaves nothing); a node that cannot, or does not see the folder, stops every process."""
+    """Every process creates a nameless file (O_TMPFILE: a process stopped here leaves nothing) in output_dir, or the
+    nearest folder above it it sees (NFS may show another node's new folder seconds late); all agree."""
     problem = None
     try:
-        tempfile.TemporaryFile(dir=output_dir).close()
+        tempfile.TemporaryFile(dir=nearest_existing(output_dir)).close()
     except OSError as err:
         problem = one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
