@@ -141,14 +141,16 @@ class TrainLog:
         one-time costs (kernel selection, the allocator, torch.compile) a short run cannot amortize."""
         self._bar.close()
         atexit.unregister(self._bar.close)
-        steps, samples = at.step - self._start[0], at.seen - self._start[1]
+        plan, steps, samples = self.plan, at.step - self._start[0], at.seen - self._start[1]
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         steady = None
         if steps > 1 and self.train_seconds > self._first[0]:
             steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
         summary = {
             "steps": at.step,
-            "epochs": round(at.seen / (self.plan.epoch_rounds * self.plan.round_samples), 2),
+            "epochs": round(
+                at.seen / (plan.num_samples - plan.num_samples % plan.round_samples), 2
+            ),  # an epoch trains all but its remainder
             "samples_seen": at.seen,
             "train_loss": self.train_loss,
             "samples_per_second": rate,

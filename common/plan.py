@@ -30,6 +30,9 @@ def scale_lr(learning_rate: float, batch_size: int, reference_batch_size: int, r
     return learning_rate * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
+NEVER = 2**62  # a limit no run reaches
+
+
 @dataclass
 class Position:
     """Optimizer steps taken, the epoch, samples of its order trained, samples trained in all (the schedule's
@@ -50,11 +53,8 @@ class TrainingPlan:
     per_device_batch_size: int
     num_processes: int
     gradient_accumulation_steps: int
-    effective_batch_size: int
     learning_rate: float  # scaled to effective_batch_size
-    steps_per_epoch: int
     max_train_steps: int
-    num_epochs: int
     warmup_steps: int
     warmup_samples: int
     total_samples: int  # what max_train_steps trains: the schedule's length
@@ -62,33 +62,28 @@ class TrainingPlan:
     data_fingerprint: str = ""  # common.data.fingerprint of the training set
 
     @property
+    def effective_batch_size(self) -> int:
+        return effective_batch_size(self.per_device_batch_size, self.num_processes, self.gradient_accumulation_steps)
+
+    @property
     def round_samples(self) -> int:
         return self.per_device_batch_size * self.num_processes
 
     @property
-    def epoch_rounds(self) -> int:
-        return self.num_samples // self.round_samples
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_samples // self.round_samples / self.gradient_accumulation_steps)
 
-    def samples_for_steps(self, steps: int) -> int:
-        """Samples trained by the first `steps` optimizer steps of a run started at an epoch's start."""
-        epochs, rest = divmod(steps, self.steps_per_epoch)
-        return (
-            epochs * self.epoch_rounds + min(rest * self.gradient_accumulation_steps, self.epoch_rounds)
-        ) * self.round_samples
-
-    def steps_from(self, epoch: int, sample: int, *, until_epoch: int | None = None, samples: int | None = None):
-        """Walk from `sample` of `epoch` to the end of epoch `until_epoch - 1`, or until at least `samples` more are
-        trained: (optimizer steps, the samples they train, the epoch after)."""
-        steps = trained = 0
-        k = self.gradient_accumulation_steps
-        while (until_epoch is None or epoch < until_epoch) and (samples is None or trained < samples):
-            rounds = (self.num_samples - sample) // self.round_samples
-            if samples is not None:  # whole steps, only as many as the budget needs
-                needed = -(-(samples - trained) // self.round_samples)
-                rounds = min(rounds, -(-needed // k) * k)
-            steps, trained = steps + -(-rounds // k), trained + rounds * self.round_samples
+    def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
+        """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
+        at least `samples` trained (in whole steps), or epoch `epochs` is reached."""
+        k, per_round = self.gradient_accumulation_steps, self.round_samples
+        epoch, sample, taken, trained = start.epoch, start.sample, 0, 0
+        while taken < steps and trained < samples and epoch < epochs:
+            left = (self.num_samples - sample) // per_round  # whole rounds left in this epoch
+            n = min(-(-left // k), steps - taken, -(-(samples - trained) // (k * per_round)))  # ceilings: steps
+            taken, trained = taken + n, trained + min(n * k, left) * per_round
             epoch, sample = epoch + 1, 0
-        return steps, trained, epoch
+        return taken, trained
 
     def lr_at(self, seen: int) -> float:
         """The learning rate of the step that follows `seen` trained samples."""
@@ -124,33 +119,34 @@ def plan_training(
             f"{gradient_accumulation_steps}, so no optimizer step would see the effective batch the learning rate is "
             f"scaled for; lower --gradient_accumulation_steps to {rounds} or less"
         )
-    steps_per_epoch = math.ceil(rounds / gradient_accumulation_steps)
-    max_train_steps = max_train_steps or steps_per_epoch * num_train_epochs
-    warmup_steps = math.ceil(warmup_ratio * max_train_steps) if warmup_steps is None else warmup_steps
     batch = effective_batch_size(per_device_batch_size, num_processes, gradient_accumulation_steps)
     plan = TrainingPlan(
-        num_samples, per_device_batch_size, num_processes, gradient_accumulation_steps, batch,
-        scale_lr(learning_rate, batch, reference_batch_size, lr_scaling), steps_per_epoch, max_train_steps,
-        math.ceil(max_train_steps / steps_per_epoch), warmup_steps, 0, 0, lr_scheduler_type,
+        num_samples, per_device_batch_size, num_processes, gradient_accumulation_steps,
+        scale_lr(learning_rate, batch, reference_batch_size, lr_scaling), 0, 0, 0, 0, lr_scheduler_type,
     )  # fmt: skip
+    max_train_steps = max_train_steps or plan.steps_per_epoch * num_train_epochs
+    warmup_steps = math.ceil(warmup_ratio * max_train_steps) if warmup_steps is None else warmup_steps
     return replace(
         plan,
-        warmup_samples=plan.samples_for_steps(warmup_steps),
-        total_samples=plan.samples_for_steps(max_train_steps),
+        max_train_steps=max_train_steps,
+        warmup_steps=warmup_steps,
+        warmup_samples=plan.walk(Position(), steps=warmup_steps)[1],
+        total_samples=plan.walk(Position(), steps=max_train_steps)[1],
     )
 
 
 LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
+WARMUP = ("warmup_steps", "warmup_ratio")
 
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
     """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` (same data and seed; other
-    changed settings listed). In another layout the run continues at the same sample, the rate follows the new
-    effective batch by --lr_scaling, the schedule keeps its place, and what is left is counted in steps of the new
-    layout; one line says what changed."""
-    num_samples = len(dataset)
+    changed settings listed) in any layout. A resume continues at the checkpoint's sample and trains, in steps of
+    this layout, the rest of --num_train_epochs, what the checkpoint's --max_train_steps meant, or the steps up to
+    a new one; the rate follows this effective batch by --lr_scaling and the schedule keeps its place and its
+    warmup (unless --warmup_steps or --warmup_ratio changed)."""
     plan = plan_training(
-        num_samples=num_samples, per_device_batch_size=args.per_device_train_batch_size,
+        num_samples=len(dataset), per_device_batch_size=args.per_device_train_batch_size,
         num_processes=num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size, lr_scaling=args.lr_scaling,
         num_train_epochs=args.num_train_epochs, max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps,
@@ -161,37 +157,32 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "
         f"{args.reference_batch_size} -> {plan.learning_rate:.4g} ({args.lr_scaling}); "
-        f"{plan.max_train_steps} steps of which {plan.warmup_steps} warmup"
     )
     if resume is None:
-        logger.info(described)
+        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
         return plan, Position()
     state = read_state(resume)
     saved_args = state.get("args", {})
+    if "data_fingerprint" not in state:  # earlier versions counted batches of their own layout
+        raise RecipeError(
+            f"checkpoint {resume} was written by an earlier version of the recipes; resume it with that version, or "
+            "start a new --output_dir"
+        )
     if saved_args.get("seed", args.seed) != args.seed:
         raise RecipeError(
             f"the checkpoint was written with --seed {saved_args['seed']}, which fixes the order of the data it has "
             f"not trained yet; resume with --seed {saved_args['seed']}"
         )
     changed = changed_settings(saved_args, args)
-    if state.get("data_fingerprint", plan.data_fingerprint) != plan.data_fingerprint or (
-        state.get("num_samples", num_samples) != num_samples  # a checkpoint from before fingerprints
-    ):
+    if state["data_fingerprint"] != plan.data_fingerprint:
         differs = f"; this run differs in {', '.join(changed)}" if changed else ""
         raise RecipeError(
             f"checkpoint {resume} was written for other training data ({state['num_samples']:,} samples, this run "
-            f"has {num_samples:,}, the contents differ){differs}; resume with the data and preprocessing that wrote "
-            "it (its trainer_state.json lists the arguments), or start a new --output_dir"
+            f"has {plan.num_samples:,}, the contents differ){differs}; resume with the data and preprocessing that "
+            "wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
         )
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
-    old = {key: state.get(key) for key in LAYOUT}
-    new = dict(zip(LAYOUT, (num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps)))
-    if "samples_seen" not in state:  # an earlier version counted batches of its own layout
-        raise RecipeError(
-            f"checkpoint {resume} was written by an earlier version of the recipes, which kept its position in "
-            "batches; resume it with that version, or start a new --output_dir"
-        )
     start = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
     if args.max_train_steps is not None and start.step > args.max_train_steps:  # it would only save these weights
         raise RecipeError(
@@ -199,36 +190,28 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
             f"nothing to train, and the run's model would become this checkpoint's; pass --max_train_steps "
             f"{start.step} or more, or an earlier checkpoint"
         )
-    if old == new:
-        logger.info(described)
-        return plan, start
-    note = ""
-    if num_samples - start.sample < plan.round_samples:  # no full round of the new layout left in this epoch
-        note = (
-            f"; the {num_samples - start.sample} samples left in epoch {start.epoch} do not fill a round of "
-            f"{plan.round_samples}: continuing at epoch {start.epoch + 1}, as every epoch drops its remainder"
-        )
-        start = replace(start, epoch=start.epoch + 1, sample=0)
     if args.max_train_steps is None:
-        steps, samples, end = plan.steps_from(start.epoch, start.sample, until_epoch=args.num_train_epochs)
+        steps, samples = plan.walk(start, epochs=args.num_train_epochs)
+    elif saved_args.get("max_train_steps") == args.max_train_steps:  # the samples it meant for that run
+        steps, samples = plan.walk(start, samples=state["total_samples"] - start.seen)
     else:
-        if saved_args.get("max_train_steps") == args.max_train_steps and "total_samples" in state:
-            budget = state["total_samples"] - start.seen  # what --max_train_steps meant for that run
-        else:  # a new length: the extra steps are steps of this layout
-            budget = (args.max_train_steps - start.step) * plan.effective_batch_size
-        steps, samples, end = plan.steps_from(start.epoch, start.sample, samples=max(budget, 0))
-    warmup = state.get("warmup_samples", plan.warmup_samples)
-    plan = replace(
-        plan, max_train_steps=start.step + steps, num_epochs=max(end, start.epoch), total_samples=start.seen + samples,
-        warmup_samples=warmup, warmup_steps=round(warmup / plan.effective_batch_size),
-    )  # fmt: skip
+        steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)
+    plan = replace(plan, max_train_steps=start.step + steps, total_samples=start.seen + samples)
+    warmup = state["warmup_samples"]  # the checkpoint's, unless --warmup_steps or --warmup_ratio changed
+    if warmup != plan.warmup_samples and all(saved_args.get(k) == getattr(args, k) for k in WARMUP):
+        plan = replace(plan, warmup_samples=warmup, warmup_steps=round(warmup / plan.effective_batch_size))
+    old = [state[key] for key in LAYOUT]
+    new = [num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps]
+    if old == new:
+        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
+        return plan, start
     lr = f"{state['learning_rate']:.4g} -> " if state.get("learning_rate") is not None else ""
     logger.warning(
         f"resuming checkpoint-{start.step} with another layout: processes x per-device batch x accumulation "
-        f"{' x '.join(str(old[k]) for k in LAYOUT)} -> {' x '.join(str(new[k]) for k in LAYOUT)}, effective batch "
-        f"{state.get('effective_batch_size')} -> {plan.effective_batch_size}; learning rate {lr}"
+        f"{' x '.join(map(str, old))} -> {' x '.join(map(str, new))}, effective batch "
+        f"{state['effective_batch_size']} -> {plan.effective_batch_size}; learning rate {lr}"
         f"{plan.learning_rate:.4g} ({args.lr_scaling}); continuing epoch {start.epoch} at sample {start.sample:,} of "
-        f"its order, schedule at sample {start.seen:,} of {plan.total_samples:,}; {steps} more steps{note}"
+        f"its order, schedule at sample {start.seen:,} of {plan.total_samples:,}; {steps} more steps"
     )
     return plan, start
 
