@@ -11,7 +11,6 @@ import difflib
 import math
 import os
 import re
-import sys
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 # transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
@@ -46,7 +45,6 @@ class ArgumentParser(argparse.ArgumentParser):
         unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
         if unset:  # a mistake in the recipe, not the user's
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
-        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
@@ -71,43 +69,36 @@ class ArgumentParser(argparse.ArgumentParser):
         )
 
     def error(self, message):
-        message = mask_secrets(message, getattr(self, "_argv", []))
         # The launcher's RANK: under `accelerate launch` every process would print the same line.
-        self.exit(2, f"error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+        self.exit(2, f"error: {mask_secrets(message)}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
-# Credentials: whole words of an option's name (hub_token and api_key are masked, tokenizer_name is not), hub
-# tokens and user:password@ in URLs. The one rule for everything this project prints or writes.
+# Credentials: the value of an option named like one, by whole words of its name (hub_token and api_key, not
+# tokenizer_name), and anywhere a hub token or a URL's user:password@. The one rule for what this project prints
+# or writes; an option's value appears in a parse error only as an unrecognized argument (mask_words).
 SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
 SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")
 
 
+def mask_secrets(text: str) -> str:
+    return SECRET_VALUES.sub("***", text)
+
+
+def _secret_option(word: str) -> bool:
+    return word.startswith("-") and bool(SECRET_NAMES.search(word.lstrip("-").replace("-", "_")))
+
+
 def mask_words(words) -> list:
-    """Command-line words with credentials masked: an option named like one's value (--hub_token X, --api-key=X),
-    any hub token or URL password."""
-    shown, hide_next = [], False
-    for word in map(str, words):
-        if hide_next and not word.startswith("--"):
-            shown.append("***")
-            hide_next = False
-            continue
-        hide_next = False
-        if word.startswith("-"):
-            flag, eq, _ = word.partition("=")
-            if SECRET_NAMES.search(flag.lstrip("-").replace("-", "_")):
-                word, hide_next = (f"{flag}=***", False) if eq else (word, True)
-        shown.append(SECRET_VALUES.sub("***", word))
+    """Command-line words with credentials masked: --hub_token X, --api-key=X, any hub token or URL password."""
+    words, shown = [str(w) for w in words], []
+    for before, word in zip(["", *words], words):
+        flag, eq, _ = word.partition("=")
+        if eq and _secret_option(flag):
+            word = f"{flag}=***"
+        elif "=" not in before and _secret_option(before) and not word.startswith("--"):
+            word = "***"
+        shown.append(mask_secrets(word))
     return shown
-
-
-def mask_secrets(message: str, argv=()) -> str:
-    """`message` with hub tokens, URL passwords and the values `mask_words` hides in `argv` masked."""
-    argv = [str(a) for a in argv]
-    secrets = {w if s == "***" else w.partition("=")[2] for w, s in zip(argv, mask_words(argv)) if s.endswith("***")}
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= 4:  # shorter ones would mask unrelated letters
-            message = message.replace(secret, "***")
-    return SECRET_VALUES.sub("***", message)
 
 
 def public_args(args) -> dict:
@@ -116,7 +107,7 @@ def public_args(args) -> dict:
     for name, value in vars(args).items():
         if value is not None:
             secret = SECRET_NAMES.search(name) and not isinstance(value, bool)
-            shown[name] = "***" if secret else SECRET_VALUES.sub("***", value) if isinstance(value, str) else value
+            shown[name] = "***" if secret else mask_secrets(value) if isinstance(value, str) else value
     return shown
 
 
@@ -128,7 +119,7 @@ def _listed(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=None):
+def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
     """An argparse type for finite numbers of `kind` in [low, high] (an open end when `*_open`)."""
     parts = [f"{'greater than' if low_open else 'at least'} {low}"] if low is not None else []
     parts += [f"{'below' if high_open else 'at most'} {high}"] if high is not None else []
@@ -148,7 +139,6 @@ def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=
             raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
         return value
 
-    convert.__name__ = name or wanted
     return convert
 
 

@@ -9,39 +9,31 @@ import os
 import time
 
 import torch
-from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .preemption import Preempted, ignore_stop_signals
-from .runtime import RecipeError, RunFinished, one_line
+from .preemption import ignore_stop_signals
+from .runtime import decide_on_main
 
 
 @contextlib.contextmanager
 def prepare_data_first(accelerator):
-    """The block on the main process first, then each node's local main, then the rest: a download or a
-    `datasets` cache is written once. If it fails on the main process, the others raise its error without running
-    it."""
-    if accelerator.num_processes == 1:
-        yield
-        return
-    outcome = [None]
-    if accelerator.is_main_process:
-        try:
+    """The block on the main process first, then on each node's local main, then on the rest: a download or a
+    `datasets` cache is written once. The others raise the main process's error without running it."""
+    if not accelerator.is_main_process:
+        decide_on_main(accelerator, None)  # waits for the main process's block: its error raises here
+        with accelerator.local_main_process_first():
             yield
-        except BaseException as err:
-            known = isinstance(err, (RecipeError, RunFinished, Preempted))
-            broadcast_object_list(
-                [err if known else RecipeError(f"the main process failed preparing the data: {one_line(err)}")]
-            )
-            raise
-        broadcast_object_list(outcome)
-        with accelerator.local_main_process_first():  # its turn done: each node's local main, then the rest
-            return
-    broadcast_object_list(outcome)  # waits for the main process's turn
-    if outcome[0] is not None:
-        raise outcome[0]
-    with accelerator.local_main_process_first():
+        return
+    try:
         yield
+    except BaseException:
+        decide_on_main(accelerator, _reraise)  # the others raise it too
+    decide_on_main(accelerator, lambda: None)
+    accelerator.wait_for_everyone()  # the barrier local_main_process_first holds the others at
+
+
+def _reraise():
+    raise  # the exception its caller is handling
 
 
 def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_workers=None, collate_fn=None):
@@ -174,9 +166,8 @@ def fingerprint(dataset, samples: int = 64) -> str:
                 stack.extend(reversed(value))
             elif isinstance(value, dict):
                 stack.extend(value[k] for k in sorted(value, reverse=True))
-            elif isinstance(value, torch.Tensor):
-                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-            else:  # a PIL image, a label, text
+            else:  # a tensor, an array, a PIL image, a label, text
+                value = value.numpy(force=True) if isinstance(value, torch.Tensor) else value
                 digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
     return digest.hexdigest()[:16]
 
