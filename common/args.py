@@ -16,14 +16,8 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 # transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
 # metric, nor cosine_with_min_lr or warmup_stable_decay, which need more arguments)
 SCHEDULES = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+)  # fmt: skip
 # The shared arguments whose defaults each recipe states itself, for its model and data.
 TRAINING_HYPERPARAMETERS = (
     "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",

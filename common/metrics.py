@@ -230,9 +230,8 @@ def tracker_config(args) -> dict:
 def write_results(accelerator, args, plan, **metrics) -> Path:
     """results.json, written atomically by the main process: what every run reports and the recipe's `metrics`
     (a number that is not finite as null: JSON has no NaN)."""
-    dist = torch.distributed
     record = {
-        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "world_size": accelerator.num_processes,  # the group that formed: make_accelerator refuses a smaller one
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,

@@ -58,7 +58,7 @@ class TrainingPlan:
     warmup_steps: int
     warmup_samples: int
     total_samples: int  # what max_train_steps trains: the schedule's length
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: str
     data_fingerprint: str = ""  # common.data.fingerprint of the training set
 
     @property
@@ -99,33 +99,23 @@ class TrainingPlan:
         return get_scheduler(self.lr_scheduler_type, dummy, self.warmup_samples, self.total_samples).lr_lambdas[0]
 
 
-def plan_training(
-    *, num_samples: int, per_device_batch_size: int, num_processes: int, gradient_accumulation_steps: int,
-    learning_rate: float, reference_batch_size: int, lr_scaling: str, num_train_epochs: int,
-    max_train_steps: int | None = None, warmup_steps: int | None = None, warmup_ratio: float = 0.0,
-    lr_scheduler_type: str = "constant",
-) -> TrainingPlan:  # fmt: skip
-    """The plan of a run from step 0, made before `accelerator.prepare`."""
-    rounds = num_samples // (per_device_batch_size * num_processes)
-    if rounds == 0:
+def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
+    """The plan of a run of `args` (the shared training arguments) from step 0, made before `accelerator.prepare`."""
+    batch, k = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    rounds = num_samples // (batch * num_processes)
+    if rounds < k:  # no step would train the effective batch the rate is scaled for
+        fix = f"--gradient_accumulation_steps to {rounds} or less" if rounds else "--per_device_train_batch_size"
         raise RecipeError(
-            f"the training set holds {num_samples} samples, fewer than one batch of {per_device_batch_size} for each "
-            f"of the {num_processes} process(es); lower --per_device_train_batch_size or use more data"
+            f"the training set holds {num_samples} samples: {rounds} batch(es) of {batch} for each of the "
+            f"{num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps {k}, so no optimizer "
+            f"step would see the effective batch the learning rate is scaled for; lower {fix}, or use more data"
         )
-    if gradient_accumulation_steps > rounds:  # a step would be the whole epoch, at a rate scaled for more
-        raise RecipeError(
-            f"the training set holds {num_samples} samples: {rounds} batch(es) of {per_device_batch_size} for each of "
-            f"the {num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps "
-            f"{gradient_accumulation_steps}, so no optimizer step would see the effective batch the learning rate is "
-            f"scaled for; lower --gradient_accumulation_steps to {rounds} or less"
-        )
-    batch = effective_batch_size(per_device_batch_size, num_processes, gradient_accumulation_steps)
-    plan = TrainingPlan(
-        num_samples, per_device_batch_size, num_processes, gradient_accumulation_steps,
-        scale_lr(learning_rate, batch, reference_batch_size, lr_scaling), 0, 0, 0, 0, lr_scheduler_type,
-    )  # fmt: skip
-    max_train_steps = max_train_steps or plan.steps_per_epoch * num_train_epochs
-    warmup_steps = math.ceil(warmup_ratio * max_train_steps) if warmup_steps is None else warmup_steps
+    lr = scale_lr(args.learning_rate, batch * num_processes * k, args.reference_batch_size, args.lr_scaling)
+    plan = TrainingPlan(num_samples, batch, num_processes, k, lr, 0, 0, 0, 0, args.lr_scheduler_type)
+    max_train_steps = args.max_train_steps or plan.steps_per_epoch * args.num_train_epochs
+    warmup_steps = args.warmup_steps
+    if warmup_steps is None:
+        warmup_steps = math.ceil(args.warmup_ratio * max_train_steps)
     return replace(
         plan,
         max_train_steps=max_train_steps,
@@ -145,14 +135,7 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     this layout, the rest of --num_train_epochs, what the checkpoint's --max_train_steps meant, or the steps up to
     a new one; the rate follows this effective batch by --lr_scaling and the schedule keeps its place and its
     warmup (unless --warmup_steps or --warmup_ratio changed)."""
-    plan = plan_training(
-        num_samples=len(dataset), per_device_batch_size=args.per_device_train_batch_size,
-        num_processes=num_processes, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, reference_batch_size=args.reference_batch_size, lr_scaling=args.lr_scaling,
-        num_train_epochs=args.num_train_epochs, max_train_steps=args.max_train_steps, warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio, lr_scheduler_type=args.lr_scheduler_type,
-    )  # fmt: skip
-    plan = replace(plan, data_fingerprint=fingerprint(dataset))
+    plan = replace(plan_training(args, len(dataset), num_processes), data_fingerprint=fingerprint(dataset))
     described = (
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "

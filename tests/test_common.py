@@ -1,6 +1,7 @@
 """Unit tests of common/: batch and LR arithmetic, the schedule, checkpoint resolution, and
 augmentation seeded by (seed, epoch, index)."""
 
+import argparse
 import itertools
 
 import pytest
@@ -41,18 +42,20 @@ def test_scale_lr_rejects_unknown_rule():
         scale_lr(0.1, 256, 128, "cube")
 
 
-def plan(**kw):
-    base = dict(
-        num_samples=1400,
-        per_device_batch_size=32,
-        num_processes=2,
+def plan(num_samples=1400, num_processes=2, **kw):
+    args = dict(
+        per_device_train_batch_size=32,
         gradient_accumulation_steps=1,
         learning_rate=0.1,
         reference_batch_size=128,
         lr_scaling="linear",
         num_train_epochs=3,
+        max_train_steps=None,
+        warmup_steps=None,
+        warmup_ratio=0.0,
+        lr_scheduler_type="constant",
     )
-    return plan_training(**{**base, **kw})
+    return plan_training(argparse.Namespace(**{**args, **kw}), num_samples, num_processes)
 
 
 def test_plan_counts_optimizer_steps_per_process():
