@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import operator
 import os
 import re
 
@@ -41,7 +42,12 @@ class ArgumentParser(argparse.ArgumentParser):
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
+            known = [option for action in self._actions for option in action.option_strings]
+            guesses = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
+            hint = (
+                f" (did you mean {' or '.join(guesses)}?)" if guesses else f"; {self.prog} --help lists every option"
+            )
+            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}")
         GIVEN.clear()
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
@@ -52,15 +58,6 @@ class ArgumentParser(argparse.ArgumentParser):
         for check in self.checks:
             check(self, namespace)
         return namespace
-
-    def _did_you_mean(self, extras) -> str:
-        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
-        guesses = [g for t in extras if t.startswith("--") for g in difflib.get_close_matches(t, known, 2, 0.75)]
-        return (
-            f" (did you mean {' or '.join(dict.fromkeys(guesses))}?)"
-            if guesses
-            else f"; {self.prog} --help lists every option"
-        )
 
     def error(self, message):
         # The launcher's RANK: under `accelerate launch` every process would print the same line.
@@ -113,23 +110,22 @@ def _listed(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
-    """An argparse type for finite numbers of `kind` in [low, high] (an open end when `*_open`)."""
-    parts = [f"{'greater than' if low_open else 'at least'} {low}"] if low is not None else []
-    parts += [f"{'below' if high_open else 'at most'} {high}"] if high is not None else []
+BOUNDS = {"at_least": operator.ge, "greater_than": operator.gt, "at_most": operator.le, "below": operator.lt}
+
+
+def _ranged(kind, **bounds):
+    """An argparse type for finite numbers of `kind` within `bounds` (BOUNDS' names: at_least=0, below=1, ...)."""
     noun = "a whole number" if kind is int else "a number"
-    wanted = f"{noun} {' and '.join(parts)}"
+    wanted = f"{noun} " + " and ".join(f"{name.replace('_', ' ')} {limit}" for name, limit in bounds.items())
 
     def convert(text):
         try:
             value = kind(text)
-        except (TypeError, ValueError):
+        except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}; pass {wanted}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
-        if (low is not None and (value <= low if low_open else value < low)) or (
-            high is not None and (value >= high if high_open else value > high)
-        ):
+        if not all(BOUNDS[name](value, limit) for name, limit in bounds.items()):
             raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
         return value
 
@@ -137,18 +133,18 @@ def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False):
 
 
 def at_least(low: int):
-    return _ranged(int, low)
+    return _ranged(int, at_least=low)
 
 
 TYPES = {  # registered with every training_parser: a recipe names them, add_argument("--hflip", type="probability")
-    "positive_int": _ranged(int, 1),
-    "non_negative_int": _ranged(int, 0),
-    "positive_float": _ranged(float, 0, low_open=True),
-    "non_negative_float": _ranged(float, 0),
-    "probability": _ranged(float, 0, 1),  # both ends mean something (warmup over none or all steps)
-    "fraction_below_one": _ranged(float, 0, 1, high_open=True),  # dropout, smoothing, momentum: 1 leaves nothing
-    "seed": _ranged(int, 0, 2**32, high_open=True),  # what numpy's and torch's generators accept
-    "percentage": _ranged(float, 0, 100, low_open=True, high_open=True),  # a held-out split: neither side empty
+    "positive_int": _ranged(int, at_least=1),
+    "non_negative_int": _ranged(int, at_least=0),
+    "positive_float": _ranged(float, greater_than=0),
+    "non_negative_float": _ranged(float, at_least=0),
+    "probability": _ranged(float, at_least=0, at_most=1),  # both ends mean something (warmup over none or all steps)
+    "fraction_below_one": _ranged(float, at_least=0, below=1),  # dropout, smoothing, momentum: 1 leaves nothing
+    "seed": _ranged(int, at_least=0, below=2**32),  # what numpy's and torch's generators accept
+    "percentage": _ranged(float, greater_than=0, below=100),  # a held-out split: neither side empty
 }
 
 
@@ -156,12 +152,9 @@ def checkpointing_steps(text):
     """'epoch' or a number of steps >= 1."""
     if text == "epoch":
         return text
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'")
-    if int(text) < 1:
+    if not re.fullmatch(r"[+-]?\d+", text) or int(text) < 1:
         raise argparse.ArgumentTypeError(
-            f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no checkpoints, omit "
-            "--checkpointing_steps"
+            f"{text!r} is neither a number of steps (1 or more) nor 'epoch'; to save no checkpoints, omit the option"
         )
     return int(text)
 
@@ -223,17 +216,18 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--num_train_epochs", type="positive_int")
     t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
-    t(
-        "--resume_from_checkpoint",
-        type=os.path.expanduser,
-        help="'latest' (in --output_dir) or a checkpoint-<step> folder",
-    )
+    t("--resume_from_checkpoint", type=os.path.expanduser, help="'latest' (in --output_dir) or checkpoint-<step>")
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")
     t("--overwrite_output_dir", action="store_true", help="start over where an earlier run is (deletes what it wrote)")
     t("--logging_steps", type="positive_int")
     t("--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
     t("--dataloader_num_workers", type="non_negative_int", help="per process; default from the CPU count")
-    t("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600, help="seconds before a stuck collective fails")
+    t(
+        "--ddp_timeout",
+        type=_ranged(int, at_least=1, at_most=365 * 86400),
+        default=600,
+        help="seconds before a stuck collective fails",
+    )
     t(
         "--hang_timeout", type="non_negative_int",
         help="seconds without a step or evaluation batch after which the stalled process is named and the job ends "

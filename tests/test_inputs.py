@@ -80,8 +80,12 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
     (["--seed", str(2**32)], "below 4294967296"),
     (["--seed", "abc"], "'abc' is not a whole number"),
-    (["--checkpointing_steps", "0"], "to save no checkpoints, omit --checkpointing_steps"),
-    (["--checkpointing_steps", "often"], "'often' is neither a number of steps nor 'epoch'"),
+    (
+        ["--checkpointing_steps", "0"],
+        "--checkpointing_steps: '0' is neither a number of steps (1 or more) nor 'epoch'; to save no checkpoints, "
+        "omit the option",
+    ),
+    (["--checkpointing_steps", "often"], "'often' is neither a number of steps (1 or more) nor 'epoch'"),
     (
         ["--lr_scheduler_type", "reduce_lr_on_plateau"],
         "--lr_scheduler_type: invalid choice: 'reduce_lr_on_plateau' (choose from 'linear', 'cosine', ",
