@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import resource
 import socket
@@ -143,6 +144,7 @@ class TrainLog:
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
         epoch_samples = self.plan.num_samples - self.plan.num_samples % self.plan.round_samples  # less its remainder
         rate = samples / self.train_seconds if steps and self.train_seconds else None
+        per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
         steady = None
         if steps > 1 and self.train_seconds > self._first[0]:
             steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
@@ -155,13 +157,8 @@ class TrainLog:
             "steady_samples_per_second": steady,
             "log_history": self.history,
             "per_rank": [
-                {
-                    "rank": r,
-                    "host": host,
-                    "step_seconds": round(s / max(n, 1), 4),
-                    "data_seconds": round(d / max(n, 1), 4),
-                }
-                for r, (host, (n, s, d)) in enumerate(zip(self.hosts, self.per_rank.tolist()))
+                {"rank": r, "host": host, "step_seconds": round(s, 4), "data_seconds": round(d, 4)}
+                for r, (host, (s, d)) in enumerate(zip(self.hosts, per_step.tolist()))
             ],
         }
         if tokens_per_sample:
@@ -177,9 +174,9 @@ def _diverged(step: int, what: str) -> RecipeError:
     )
 
 
-def count_parameters(model, trainable_only=False) -> int:
+def count_parameters(model) -> int:
     """Parameters, also under ZeRO-3, where a process holds a shard (`ds_numel`: the full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def parameters_per_process(accelerator, model) -> list:
@@ -229,7 +226,7 @@ def tracker_config(args) -> dict:
 
 def write_results(accelerator, args, plan, **metrics) -> Path:
     """results.json, written atomically by the main process: what every run reports and the recipe's `metrics`
-    (a number that is not finite as null: JSON has no NaN)."""
+    (a number that is not finite as null: JSON has no NaN, json.dumps writes one all the same)."""
     record = {
         "world_size": accelerator.num_processes,  # the group that formed: make_accelerator refuses a smaller one
         "num_processes": accelerator.num_processes,
@@ -243,17 +240,8 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
         "versions": library_versions(),
         "args": public_args(args),
     }
-    path = Path(args.output_dir) / "results.json"
+    path = Path(args.output_dir) / "results.json"  # the folder OutputDir claimed
     if accelerator.is_main_process:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, _finite(record))
+        write_json(path, json.loads(json.dumps(record, default=str), parse_constant=lambda nan: None))
     accelerator.wait_for_everyone()
     return path
-
-
-def _finite(value):
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
