@@ -32,9 +32,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error:` line (no usage block), exit 2, printed by the first process only,
     credentials masked; unknown and empty arguments refused; then each `check(parser, args)` in `checks`."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.checks = []
+    checks = ()  # training_parser's, then each recipe's: check(parser, args)
 
     def parse_args(self, args=None, namespace=None):
         unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
@@ -51,7 +49,8 @@ class ArgumentParser(argparse.ArgumentParser):
         GIVEN.clear()
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
-            if action.option_strings and any(isinstance(v, str) and not v.strip() for v in _listed(value)):
+            values = value if isinstance(value, list) else [value]  # nargs="+"
+            if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
                 self.error(f"argument {action.option_strings[0]}: must not be empty")
             if action.option_strings and isinstance(value, str):
                 GIVEN[action.option_strings[0]] = value
@@ -104,10 +103,6 @@ def public_args(args) -> dict:
 
 # Argument types: each returns the value or raises ArgumentTypeError, which argparse prints as
 # "error: argument --NAME: <message>".
-
-
-def _listed(value) -> list:
-    return value if isinstance(value, list) else [value]
 
 
 BOUNDS = {"at_least": operator.ge, "greater_than": operator.gt, "at_most": operator.le, "below": operator.lt}
@@ -198,7 +193,7 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():
         p.register("type", name, kind)
-    p.checks += [_check_warmup, _check_timeouts]
+    p.checks = [_check_warmup, _check_timeouts]
     t = p.add_argument_group("training (shared by every recipe)").add_argument
     # ~ as the inputs' paths take it: a shell leaves it as it is in --output_dir=~/x
     t("--output_dir", type=os.path.expanduser)

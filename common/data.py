@@ -70,8 +70,6 @@ class EpochSampler(Sampler):
     trained (`resume_at`). No `generator` attribute: Accelerate would reseed it."""
 
     def __init__(self, num_samples: int, seed: int):
-        if not isinstance(seed, int):
-            raise TypeError("EpochSampler needs the run's --seed: the order of the data follows it")
         self.num_samples, self.seed, self.epoch, self._resume = num_samples, seed, 0, (0, 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -158,18 +156,18 @@ def fingerprint(dataset, samples: int = 64) -> str:
     base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
     digest = hashlib.sha256(str(len(base)).encode())
     for i in sorted({i * len(base) // samples for i in range(samples)}):
-        item = tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]
-        stack = [item]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, (tuple, list)):
-                stack.extend(reversed(value))
-            elif isinstance(value, dict):
-                stack.extend(value[k] for k in sorted(value, reverse=True))
-            else:  # a tensor, an array, a PIL image, a label, text
-                value = value.numpy(force=True) if isinstance(value, torch.Tensor) else value
-                digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+        digest.update(_bytes(tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]))
     return digest.hexdigest()[:16]
+
+
+def _bytes(value) -> bytes:
+    """A sample's contents: tensors, arrays and images by their bytes, dicts in key order, labels and text."""
+    if isinstance(value, dict):
+        return b"".join(_bytes(value[k]) for k in sorted(value))
+    if isinstance(value, (tuple, list)):
+        return b"".join(map(_bytes, value))
+    value = value.numpy(force=True) if isinstance(value, torch.Tensor) else value
+    return value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()
 
 
 def _mix32(x):

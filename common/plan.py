@@ -125,26 +125,29 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     )
 
 
-LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
-WARMUP = ("warmup_steps", "warmup_ratio")
-
-
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
-    """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` (same data and seed; other
-    changed settings listed) in any layout. A resume continues at the checkpoint's sample and trains, in steps of
-    this layout, the rest of --num_train_epochs, what the checkpoint's --max_train_steps meant, or the steps up to
-    a new one; the rate follows this effective batch by --lr_scaling and the schedule keeps its place and its
-    warmup (unless --warmup_steps or --warmup_ratio changed)."""
+    """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` in any layout."""
     plan = replace(plan_training(args, len(dataset), num_processes), data_fingerprint=fingerprint(dataset))
-    described = (
+    start = Position()
+    if resume is not None:
+        plan, start = _resumed(args, plan, read_state(resume), resume)
+    logger.info(
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "
-        f"{args.reference_batch_size} -> {plan.learning_rate:.4g} ({args.lr_scaling}); "
+        f"{args.reference_batch_size} -> {plan.learning_rate:.4g} ({args.lr_scaling}); {plan.max_train_steps} steps "
+        f"of which {plan.warmup_steps} warmup"
     )
-    if resume is None:
-        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
-        return plan, Position()
-    state = read_state(resume)
+    return plan, start
+
+
+WARMUP_ARGS = ("warmup_steps", "warmup_ratio")
+
+
+def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPlan, Position]:
+    """Same data and seed (other changed settings listed); from the checkpoint's sample, the rest of
+    --num_train_epochs, what its --max_train_steps meant, or the steps up to a new one, in steps of this layout, at
+    this effective batch's rate (--lr_scaling); the schedule keeps its place and, unless --warmup_steps or
+    --warmup_ratio changed, its warmup."""
     saved_args = state.get("args", {})
     if "data_fingerprint" not in state:  # earlier versions counted batches of their own layout
         raise RecipeError(
@@ -181,21 +184,19 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)
     plan = replace(plan, max_train_steps=start.step + steps, total_samples=start.seen + samples)
     warmup = state["warmup_samples"]  # the checkpoint's, unless --warmup_steps or --warmup_ratio changed
-    if warmup != plan.warmup_samples and all(saved_args.get(k) == getattr(args, k) for k in WARMUP):
+    if warmup != plan.warmup_samples and all(saved_args.get(k) == getattr(args, k) for k in WARMUP_ARGS):
         plan = replace(plan, warmup_samples=warmup, warmup_steps=round(warmup / plan.effective_batch_size))
-    old = [state[key] for key in LAYOUT]
-    new = [num_processes, args.per_device_train_batch_size, args.gradient_accumulation_steps]
-    if old == new:
-        logger.info(f"{described}{plan.max_train_steps} steps of which {plan.warmup_steps} warmup")
-        return plan, start
-    lr = f"{state['learning_rate']:.4g} -> " if state.get("learning_rate") is not None else ""
-    logger.warning(
-        f"resuming checkpoint-{start.step} with another layout: processes x per-device batch x accumulation "
-        f"{' x '.join(map(str, old))} -> {' x '.join(map(str, new))}, effective batch "
-        f"{state['effective_batch_size']} -> {plan.effective_batch_size}; learning rate {lr}"
-        f"{plan.learning_rate:.4g} ({args.lr_scaling}); continuing epoch {start.epoch} at sample {start.sample:,} of "
-        f"its order, schedule at sample {start.seen:,} of {plan.total_samples:,}; {steps} more steps"
-    )
+    old = [state["world_size"], state["per_device_train_batch_size"], state["gradient_accumulation_steps"]]
+    new = [plan.num_processes, plan.per_device_batch_size, plan.gradient_accumulation_steps]
+    if old != new:
+        logger.warning(
+            f"resuming checkpoint-{start.step} with another layout: processes x per-device batch x accumulation "
+            f"{' x '.join(map(str, old))} -> {' x '.join(map(str, new))}, effective batch "
+            f"{state['effective_batch_size']} -> {plan.effective_batch_size}; learning rate "
+            f"{state['learning_rate']:.4g} -> {plan.learning_rate:.4g} ({args.lr_scaling}); continuing epoch "
+            f"{start.epoch} at sample {start.sample:,} of its order, schedule at sample {start.seen:,} of "
+            f"{plan.total_samples:,}; {steps} more steps"
+        )
     return plan, start
 
 
