@@ -41,10 +41,8 @@ class ArgumentParser(argparse.ArgumentParser):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             known = [option for action in self._actions for option in action.option_strings]
-            guesses = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
-            hint = (
-                f" (did you mean {' or '.join(guesses)}?)" if guesses else f"; {self.prog} --help lists every option"
-            )
+            near = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
+            hint = f" (did you mean {' or '.join(near)}?)" if near else f"; {self.prog} --help lists every option"
             self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}")
         GIVEN.clear()
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)

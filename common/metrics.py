@@ -93,28 +93,26 @@ class TrainLog:
     def _stragglers(self, times: torch.Tensor) -> dict:
         """Each process's mean step and data wait since the last log; a warning, once, for a rank that waits for its
         data a fifth of a step longer than the median rank three logs in a row: every rank waits for it."""
-        per_step = times[:, 1:] / times[:, :1].clamp(min=1)
-        if len(per_step) < 2:
+        if len(times) < 2:
             return {}
-        rank = int(per_step[:, 1].argmax())
-        median_step, median_data = per_step[:, 0].median().item(), per_step[:, 1].median().item()
-        slow = per_step[rank, 1].item() - median_data > 0.2 * median_step
-        streak = self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow)
-        if streak == 3:
+        per_step = times[:, 1:] / times[:, :1].clamp(min=1)
+        (step_rank, rank), (median_step, median_data) = per_step.argmax(0).tolist(), per_step.median(0).values.tolist()
+        slowest_step, slowest_data = per_step[step_rank, 0].item(), per_step[rank, 1].item()
+        slow = slowest_data - median_data > 0.2 * median_step
+        self._streak = (rank, self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow))
+        if self._streak[1] == 3:
             logger.warning(
-                f"rank {rank} ({self.hosts[rank]}) is a straggler: it waits {per_step[rank, 1]:.3f} s a step for its "
-                f"data where the median rank waits {median_data:.3f} s (a step takes {median_step:.3f} s), and every "
-                "rank waits for it at each gradient all-reduce; give it more loader workers "
-                "(--dataloader_num_workers), use --data_on_device, or check its node's filesystem and CPU load"
+                f"rank {rank} ({self.hosts[rank]}) is a straggler: it waits {slowest_data:.3f} s a step for its data "
+                f"where the median rank waits {median_data:.3f} s (a step takes {median_step:.3f} s), and every rank "
+                "waits for it at each gradient all-reduce; give it more loader workers (--dataloader_num_workers), "
+                "use --data_on_device, or check its node's filesystem and CPU load"
             )
-        self._streak = (rank, streak)
-        slowest = int(per_step[:, 0].argmax())
         return {
-            "step_seconds_slowest_rank": slowest,
-            "step_seconds_slowest": round(per_step[slowest, 0].item(), 4),
+            "step_seconds_slowest_rank": step_rank,
+            "step_seconds_slowest": round(slowest_step, 4),
             "step_seconds_median": round(median_step, 4),
             "data_seconds_slowest_rank": rank,
-            "data_seconds_slowest": round(per_step[rank, 1].item(), 4),
+            "data_seconds_slowest": round(slowest_data, 4),
             "data_seconds_median": round(median_data, 4),
         }
 
