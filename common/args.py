@@ -1,8 +1,6 @@
 """The arguments every recipe shares, named as in transformers' TrainingArguments; a recipe states its defaults in
-one block (HYPERPARAMETERS). Every value is checked once, at parsing: by its `type=` (`positive_int`, ...) and, for
-rules between arguments, by `parser.checks`. A mistake costs one `error:` line and exit 2 before anything is
-loaded or written; no message repeats a credential. Imports nothing heavy: launch.sh uses it.
-"""
+one block (HYPERPARAMETERS). Values are checked at parsing, by `type=` and `parser.checks`: a mistake costs one
+`error:` line and exit 2 before anything is loaded or written. Imports nothing heavy: launch.sh uses it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The run's plan: batch arithmetic, the learning rate scaled to the effective batch and its schedule, and where
-the run starts, fresh or resumed in any layout (processes, per-device batch, accumulation). Positions and the
-schedule count samples, not steps: a run resumed in another layout continues with the first sample it had not
-trained (common.data.EpochSampler), its schedule where it was.
-"""
+the run starts. Positions and the schedule count samples, not steps, so a run resumes in any layout (processes,
+per-device batch, accumulation) at the first sample it had not trained, its schedule where it was."""
 
 from __future__ import annotations
 
