@@ -172,9 +172,9 @@ def _diverged(step: int, what: str) -> RecipeError:
     )
 
 
-def count_parameters(model) -> int:
+def count_parameters(model, trainable_only=False) -> int:
     """Parameters, also under ZeRO-3, where a process holds a shard (`ds_numel`: the full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def parameters_per_process(accelerator, model) -> list:
