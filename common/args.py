@@ -1,30 +1,22 @@
 """The arguments every recipe shares, named as in transformers' TrainingArguments; a recipe states its defaults in
-one block (HYPERPARAMETERS). Every value is checked once, at parsing: by its `type=` (`positive_int`, ...) and, for
-rules between arguments, by `parser.checks`. A mistake costs one `error:` line and exit 2 before anything is
-loaded or written; no message repeats a credential. Imports nothing heavy: launch.sh uses it.
-"""
+one block (HYPERPARAMETERS). Values are checked at parsing, by `type=` and `parser.checks`: a mistake costs one
+`error:` line and exit 2 before anything is loaded or written. Imports nothing heavy: launch.sh uses it."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
 import math
+import operator
 import os
 import re
-import sys
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 # transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
 # metric, nor cosine_with_min_lr or warmup_stable_decay, which need more arguments)
 SCHEDULES = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+)  # fmt: skip
 # The shared arguments whose defaults each recipe states itself, for its model and data.
 TRAINING_HYPERPARAMETERS = (
     "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -38,22 +30,23 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error:` line (no usage block), exit 2, printed by the first process only,
     credentials masked; unknown and empty arguments refused; then each `check(parser, args)` in `checks`."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.checks = []
+    checks = ()  # training_parser's, then each recipe's: check(parser, args)
 
     def parse_args(self, args=None, namespace=None):
         unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
         if unset:  # a mistake in the recipe, not the user's
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
-        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{self._did_you_mean(extras)}")
+            known = [option for action in self._actions for option in action.option_strings]
+            near = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
+            hint = f" (did you mean {' or '.join(near)}?)" if near else f"; {self.prog} --help lists every option"
+            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}")
         GIVEN.clear()
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
-            if action.option_strings and any(isinstance(v, str) and not v.strip() for v in _listed(value)):
+            values = value if isinstance(value, list) else [value]  # nargs="+"
+            if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
                 self.error(f"argument {action.option_strings[0]}: must not be empty")
             if action.option_strings and isinstance(value, str):
                 GIVEN[action.option_strings[0]] = value
@@ -61,53 +54,37 @@ class ArgumentParser(argparse.ArgumentParser):
             check(self, namespace)
         return namespace
 
-    def _did_you_mean(self, extras) -> str:
-        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
-        guesses = [g for t in extras if t.startswith("--") for g in difflib.get_close_matches(t, known, 2, 0.75)]
-        return (
-            f" (did you mean {' or '.join(dict.fromkeys(guesses))}?)"
-            if guesses
-            else f"; {self.prog} --help lists every option"
-        )
-
     def error(self, message):
-        message = mask_secrets(message, getattr(self, "_argv", []))
         # The launcher's RANK: under `accelerate launch` every process would print the same line.
-        self.exit(2, f"error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+        self.exit(2, f"error: {mask_secrets(message)}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
-# Credentials: whole words of an option's name (hub_token and api_key are masked, tokenizer_name is not), hub
-# tokens and user:password@ in URLs. The one rule for everything this project prints or writes.
+# Credentials: the value of an option named like one, by whole words of its name (hub_token and api_key, not
+# tokenizer_name), and anywhere a hub token or a URL's user:password@. The one rule for what this project prints
+# or writes; an option's value appears in a parse error only as an unrecognized argument (mask_words).
 SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
 SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")
 
 
+def mask_secrets(text: str) -> str:
+    return SECRET_VALUES.sub("***", text)
+
+
+def _secret_option(word: str) -> bool:
+    return word.startswith("-") and bool(SECRET_NAMES.search(word.lstrip("-").replace("-", "_")))
+
+
 def mask_words(words) -> list:
-    """Command-line words with credentials masked: an option named like one's value (--hub_token X, --api-key=X),
-    any hub token or URL password."""
-    shown, hide_next = [], False
-    for word in map(str, words):
-        if hide_next and not word.startswith("--"):
-            shown.append("***")
-            hide_next = False
-            continue
-        hide_next = False
-        if word.startswith("-"):
-            flag, eq, _ = word.partition("=")
-            if SECRET_NAMES.search(flag.lstrip("-").replace("-", "_")):
-                word, hide_next = (f"{flag}=***", False) if eq else (word, True)
-        shown.append(SECRET_VALUES.sub("***", word))
+    """Command-line words with credentials masked: --hub_token X, --api-key=X, any hub token or URL password."""
+    words, shown = [str(w) for w in words], []
+    for before, word in zip(["", *words], words):
+        flag, eq, _ = word.partition("=")
+        if eq and _secret_option(flag):
+            word = f"{flag}=***"
+        elif "=" not in before and _secret_option(before) and not word.startswith("--"):
+            word = "***"
+        shown.append(mask_secrets(word))
     return shown
-
-
-def mask_secrets(message: str, argv=()) -> str:
-    """`message` with hub tokens, URL passwords and the values `mask_words` hides in `argv` masked."""
-    argv = [str(a) for a in argv]
-    secrets = {w if s == "***" else w.partition("=")[2] for w, s in zip(argv, mask_words(argv)) if s.endswith("***")}
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= 4:  # shorter ones would mask unrelated letters
-            message = message.replace(secret, "***")
-    return SECRET_VALUES.sub("***", message)
 
 
 def public_args(args) -> dict:
@@ -116,7 +93,7 @@ def public_args(args) -> dict:
     for name, value in vars(args).items():
         if value is not None:
             secret = SECRET_NAMES.search(name) and not isinstance(value, bool)
-            shown[name] = "***" if secret else SECRET_VALUES.sub("***", value) if isinstance(value, str) else value
+            shown[name] = "***" if secret else mask_secrets(value) if isinstance(value, str) else value
     return shown
 
 
@@ -124,47 +101,41 @@ def public_args(args) -> dict:
 # "error: argument --NAME: <message>".
 
 
-def _listed(value) -> list:
-    return value if isinstance(value, list) else [value]
+BOUNDS = {"at_least": operator.ge, "greater_than": operator.gt, "at_most": operator.le, "below": operator.lt}
 
 
-def _ranged(kind, low=None, high=None, *, low_open=False, high_open=False, name=None):
-    """An argparse type for finite numbers of `kind` in [low, high] (an open end when `*_open`)."""
-    parts = [f"{'greater than' if low_open else 'at least'} {low}"] if low is not None else []
-    parts += [f"{'below' if high_open else 'at most'} {high}"] if high is not None else []
+def _ranged(kind, **bounds):
+    """An argparse type for finite numbers of `kind` within `bounds` (BOUNDS' names: at_least=0, below=1, ...)."""
     noun = "a whole number" if kind is int else "a number"
-    wanted = f"{noun} {' and '.join(parts)}"
+    wanted = f"{noun} " + " and ".join(f"{name.replace('_', ' ')} {limit}" for name, limit in bounds.items())
 
     def convert(text):
         try:
             value = kind(text)
-        except (TypeError, ValueError):
+        except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}; pass {wanted}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {wanted}")
-        if (low is not None and (value <= low if low_open else value < low)) or (
-            high is not None and (value >= high if high_open else value > high)
-        ):
+        if not all(BOUNDS[name](value, limit) for name, limit in bounds.items()):
             raise argparse.ArgumentTypeError(f"{text} is out of range: pass {wanted}")
         return value
 
-    convert.__name__ = name or wanted
     return convert
 
 
 def at_least(low: int):
-    return _ranged(int, low)
+    return _ranged(int, at_least=low)
 
 
 TYPES = {  # registered with every training_parser: a recipe names them, add_argument("--hflip", type="probability")
-    "positive_int": _ranged(int, 1),
-    "non_negative_int": _ranged(int, 0),
-    "positive_float": _ranged(float, 0, low_open=True),
-    "non_negative_float": _ranged(float, 0),
-    "probability": _ranged(float, 0, 1),  # both ends mean something (warmup over none or all steps)
-    "fraction_below_one": _ranged(float, 0, 1, high_open=True),  # dropout, smoothing, momentum: 1 leaves nothing
-    "seed": _ranged(int, 0, 2**32, high_open=True),  # what numpy's and torch's generators accept
-    "percentage": _ranged(float, 0, 100, low_open=True, high_open=True),  # a held-out split: neither side empty
+    "positive_int": _ranged(int, at_least=1),
+    "non_negative_int": _ranged(int, at_least=0),
+    "positive_float": _ranged(float, greater_than=0),
+    "non_negative_float": _ranged(float, at_least=0),
+    "probability": _ranged(float, at_least=0, at_most=1),  # both ends mean something (warmup over none or all steps)
+    "fraction_below_one": _ranged(float, at_least=0, below=1),  # dropout, smoothing, momentum: 1 leaves nothing
+    "seed": _ranged(int, at_least=0, below=2**32),  # what numpy's and torch's generators accept
+    "percentage": _ranged(float, greater_than=0, below=100),  # a held-out split: neither side empty
 }
 
 
@@ -172,12 +143,9 @@ def checkpointing_steps(text):
     """'epoch' or a number of steps >= 1."""
     if text == "epoch":
         return text
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of steps nor 'epoch'")
-    if int(text) < 1:
+    if not re.fullmatch(r"[+-]?\d+", text) or int(text) < 1:
         raise argparse.ArgumentTypeError(
-            f"{text} is not a number of steps: pass 1 or more, or 'epoch'; to save no checkpoints, omit "
-            "--checkpointing_steps"
+            f"{text!r} is neither a number of steps (1 or more) nor 'epoch'; to save no checkpoints, omit the option"
         )
     return int(text)
 
@@ -221,7 +189,7 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():
         p.register("type", name, kind)
-    p.checks += [_check_warmup, _check_timeouts]
+    p.checks = [_check_warmup, _check_timeouts]
     t = p.add_argument_group("training (shared by every recipe)").add_argument
     # ~ as the inputs' paths take it: a shell leaves it as it is in --output_dir=~/x
     t("--output_dir", type=os.path.expanduser)
@@ -239,17 +207,18 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--num_train_epochs", type="positive_int")
     t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
-    t(
-        "--resume_from_checkpoint",
-        type=os.path.expanduser,
-        help="'latest' (in --output_dir) or a checkpoint-<step> folder",
-    )
+    t("--resume_from_checkpoint", type=os.path.expanduser, help="'latest' (in --output_dir) or checkpoint-<step>")
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")
     t("--overwrite_output_dir", action="store_true", help="start over where an earlier run is (deletes what it wrote)")
     t("--logging_steps", type="positive_int")
     t("--report_to", type=report_to, default="none", help="an accelerate tracker: tensorboard, wandb, ... or none")
     t("--dataloader_num_workers", type="non_negative_int", help="per process; default from the CPU count")
-    t("--ddp_timeout", type=_ranged(int, 1, 365 * 86400), default=600, help="seconds before a stuck collective fails")
+    t(
+        "--ddp_timeout",
+        type=_ranged(int, at_least=1, at_most=365 * 86400),
+        default=600,
+        help="seconds before a stuck collective fails",
+    )
     t(
         "--hang_timeout", type="non_negative_int",
         help="seconds without a step or evaluation batch after which the stalled process is named and the job ends "

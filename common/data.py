@@ -9,39 +9,31 @@ import os
 import time
 
 import torch
-from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .preemption import Preempted, ignore_stop_signals
-from .runtime import RecipeError, RunFinished, one_line
+from .preemption import ignore_stop_signals
+from .runtime import decide_on_main
 
 
 @contextlib.contextmanager
 def prepare_data_first(accelerator):
-    """The block on the main process first, then each node's local main, then the rest: a download or a
-    `datasets` cache is written once. If it fails on the main process, the others raise its error without running
-    it."""
-    if accelerator.num_processes == 1:
-        yield
-        return
-    outcome = [None]
-    if accelerator.is_main_process:
-        try:
+    """The block on the main process first, then on each node's local main, then on the rest: a download or a
+    `datasets` cache is written once. The others raise the main process's error without running it."""
+    if not accelerator.is_main_process:
+        decide_on_main(accelerator, None)  # waits for the main process's block: its error raises here
+        with accelerator.local_main_process_first():
             yield
-        except BaseException as err:
-            known = isinstance(err, (RecipeError, RunFinished, Preempted))
-            broadcast_object_list(
-                [err if known else RecipeError(f"the main process failed preparing the data: {one_line(err)}")]
-            )
-            raise
-        broadcast_object_list(outcome)
-        with accelerator.local_main_process_first():  # its turn done: each node's local main, then the rest
-            return
-    broadcast_object_list(outcome)  # waits for the main process's turn
-    if outcome[0] is not None:
-        raise outcome[0]
-    with accelerator.local_main_process_first():
+        return
+    try:
         yield
+    except BaseException:
+        decide_on_main(accelerator, _reraise)  # the others raise it too
+    decide_on_main(accelerator, lambda: None)
+    accelerator.wait_for_everyone()  # the barrier local_main_process_first holds the others at
+
+
+def _reraise():
+    raise  # the exception its caller is handling
 
 
 def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_workers=None, collate_fn=None):
@@ -78,8 +70,6 @@ class EpochSampler(Sampler):
     trained (`resume_at`). No `generator` attribute: Accelerate would reseed it."""
 
     def __init__(self, num_samples: int, seed: int):
-        if not isinstance(seed, int):
-            raise TypeError("EpochSampler needs the run's --seed: the order of the data follows it")
         self.num_samples, self.seed, self.epoch, self._resume = num_samples, seed, 0, (0, 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -166,19 +156,18 @@ def fingerprint(dataset, samples: int = 64) -> str:
     base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
     digest = hashlib.sha256(str(len(base)).encode())
     for i in sorted({i * len(base) // samples for i in range(samples)}):
-        item = tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]
-        stack = [item]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, (tuple, list)):
-                stack.extend(reversed(value))
-            elif isinstance(value, dict):
-                stack.extend(value[k] for k in sorted(value, reverse=True))
-            elif isinstance(value, torch.Tensor):
-                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-            else:  # a PIL image, a label, text
-                digest.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+        digest.update(_bytes(tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]))
     return digest.hexdigest()[:16]
+
+
+def _bytes(value) -> bytes:
+    """A sample's contents: tensors, arrays and images by their bytes, dicts in key order, labels and text."""
+    if isinstance(value, dict):
+        return b"".join(_bytes(value[k]) for k in sorted(value))
+    if isinstance(value, (tuple, list)):
+        return b"".join(map(_bytes, value))
+    value = value.numpy(force=True) if isinstance(value, torch.Tensor) else value
+    return value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()
 
 
 def _mix32(x):

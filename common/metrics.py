@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import resource
 import socket
@@ -27,12 +28,13 @@ class TrainLog:
         from accelerate.utils import gather_object
 
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
-        self.hosts = gather_object([socket.gethostname()]) if accelerator.num_processes > 1 else [socket.gethostname()]
-        self._times, self._waited, self._streak = [0, 0.0, 0.0], 0.0, (None, 0)  # steps, seconds, data seconds
-        self.per_rank = torch.zeros(accelerator.num_processes, 3, dtype=torch.float64)  # all logged steps
+        self.hosts = gather_object([socket.gethostname()])
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
-        self._start, self._first = (start.step, start.seen), None  # this run's start; (seconds, samples) at step 1
-        self.train_seconds, self._clock, self._lr, self._seen = 0.0, time.perf_counter(), None, None
+        self._start = self._at = (start.step, start.seen, None)  # this run's start, its last step: (step, seen, lr)
+        self._first = None  # (train_seconds, seen) after the first step
+        self.train_seconds, self.data_seconds, self._waited, self._clock = 0.0, 0.0, 0.0, time.perf_counter()
+        self.per_rank = torch.zeros(accelerator.num_processes, 3, dtype=torch.float64)  # steps, seconds, data s
+        self._streak = (None, 0)  # a rank slow to get its data, and for how many logs in a row
         self._bar = tqdm(
             total=plan.max_train_steps,
             initial=start.step,
@@ -50,71 +52,67 @@ class TrainLog:
         """After each optimizer step: the clock, the bar, and every --logging_steps a log. `lr`: a DeepSpeed
         config's own scheduler's rate (else the plan's); `waited`: this epoch's data wait so far (epoch_batches)."""
         now, waited = time.perf_counter(), waited or 0.0
-        times = self._times
-        times[0], times[1], times[2] = times[0] + 1, times[1] + now - self._clock, times[2] + waited - self._waited
-        self._waited = waited
-        self.train_seconds, self._clock, self._lr, self._seen = self.train_seconds + now - self._clock, now, lr, seen
+        self.train_seconds += now - self._clock
+        self.data_seconds += waited - self._waited
+        self._clock, self._waited, self._at = now, waited, (step, seen, lr)
         self._first = self._first or (self.train_seconds, seen)
         self._bar.update(1)
         if step % self.logging_steps == 0 or step >= self.plan.max_train_steps:
-            self.flush(step)
+            self._flush()
 
-    def flush(self, step: int) -> None:
+    def _flush(self) -> None:
         """The loss since the last log into the history; train_seconds is read after the loss reached the host (a
         device sync), so consecutive logs time the steps between them."""
         if not self._added:
             return
+        step, seen, lr = self._at
         sums, times = self._sums()
         self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if not math.isfinite(self.train_loss):
             raise _diverged(step, f"the training loss became {self.train_loss}")
-        lr = self.plan.lr_at(self._seen) if self._lr is None else self._lr
-        record = {"step": step, "samples_seen": self._seen, "train_loss": self.train_loss, "lr": lr}
-        record.update(self._stragglers(step, times))
+        record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss}
+        record.update(lr=self.plan.lr_at(seen) if lr is None else lr, **self._stragglers(times))
         self.history.append({**record, "train_seconds": round(self.train_seconds, 4)})
         self.accelerator.log(record, step=step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 
     def _sums(self, extra=0.0) -> tuple:
         """(loss x per, items, extra) summed over the micro-batches since the last log and every process, and each
-        process's (steps, step seconds, data seconds) since then, added to per_rank: one all-gather."""
-        local = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
+        process's (steps, step seconds, data seconds) since the last gather: one all-gather."""
+        times = [self._at[0] - self._start[0], self.train_seconds, self.data_seconds]
+        local = torch.tensor([0, 0, extra, *times], dtype=torch.float64, device=self.accelerator.device)
         if self._added:
             loss, items, per = (
                 torch.stack([torch.as_tensor(v, device=local.device) for v in c]).double() for c in zip(*self._added)
             )
             local[0], local[1] = (loss * per).sum(), items.sum()
-        local[2], local[3:] = extra, torch.tensor(self._times, dtype=torch.float64)
         everyone = self.accelerator.gather(local).view(-1, 6).cpu()
-        self.per_rank += everyone[:, 3:]
-        self._times = [0, 0.0, 0.0]
-        return everyone[:, :3].sum(0), everyone[:, 3:]
+        since, self.per_rank = everyone[:, 3:] - self.per_rank, everyone[:, 3:]
+        return everyone[:, :3].sum(0), since
 
-    def _stragglers(self, step: int, times: torch.Tensor) -> dict:
+    def _stragglers(self, times: torch.Tensor) -> dict:
         """Each process's mean step and data wait since the last log; a warning, once, for a rank that waits for its
         data a fifth of a step longer than the median rank three logs in a row: every rank waits for it."""
-        per_step = times[:, 1:] / times[:, :1].clamp(min=1)
-        if len(per_step) < 2:
+        if len(times) < 2:
             return {}
-        rank = int(per_step[:, 1].argmax())
-        median_step, median_data = per_step[:, 0].median().item(), per_step[:, 1].median().item()
-        slow = per_step[rank, 1].item() - median_data > 0.2 * median_step
-        streak = self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow)
-        if streak == 3:
+        per_step = times[:, 1:] / times[:, :1].clamp(min=1)
+        (step_rank, rank), (median_step, median_data) = per_step.argmax(0).tolist(), per_step.median(0).values.tolist()
+        slowest_step, slowest_data = per_step[step_rank, 0].item(), per_step[rank, 1].item()
+        slow = slowest_data - median_data > 0.2 * median_step
+        self._streak = (rank, self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow))
+        if self._streak[1] == 3:
             logger.warning(
-                f"rank {rank} ({self.hosts[rank]}) is a straggler: it waits {per_step[rank, 1]:.3f} s a step for its "
-                f"data where the median rank waits {median_data:.3f} s (a step takes {median_step:.3f} s), and every "
-                "rank waits for it at each gradient all-reduce; give it more loader workers "
-                "(--dataloader_num_workers), use --data_on_device, or check its node's filesystem and CPU load"
+                f"rank {rank} ({self.hosts[rank]}) is a straggler: it waits {slowest_data:.3f} s a step for its data "
+                f"where the median rank waits {median_data:.3f} s (a step takes {median_step:.3f} s), and every rank "
+                "waits for it at each gradient all-reduce; give it more loader workers (--dataloader_num_workers), "
+                "use --data_on_device, or check its node's filesystem and CPU load"
             )
-        self._streak = (rank, streak)
-        slowest = int(per_step[:, 0].argmax())
         return {
-            "step_seconds_slowest_rank": slowest,
-            "step_seconds_slowest": round(per_step[slowest, 0].item(), 4),
+            "step_seconds_slowest_rank": step_rank,
+            "step_seconds_slowest": round(slowest_step, 4),
             "step_seconds_median": round(median_step, 4),
             "data_seconds_slowest_rank": rank,
-            "data_seconds_slowest": round(per_step[rank, 1].item(), 4),
+            "data_seconds_slowest": round(slowest_data, 4),
             "data_seconds_median": round(median_data, 4),
         }
 
@@ -128,7 +126,7 @@ class TrainLog:
 
     def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
         """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
-        self.flush(step)
+        self._flush()
         self._waited = 0.0  # the next epoch's batches count their wait from 0
         self.accelerator.log({**metrics, "epoch": epoch}, step=step)
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
@@ -142,26 +140,23 @@ class TrainLog:
         self._bar.close()
         atexit.unregister(self._bar.close)
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
+        epoch_samples = self.plan.num_samples - self.plan.num_samples % self.plan.round_samples  # less its remainder
         rate = samples / self.train_seconds if steps and self.train_seconds else None
+        per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
         steady = None
         if steps > 1 and self.train_seconds > self._first[0]:
             steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
         summary = {
             "steps": at.step,
-            "epochs": round(at.seen / (self.plan.epoch_rounds * self.plan.round_samples), 2),
+            "epochs": round(at.seen / epoch_samples, 2),
             "samples_seen": at.seen,
             "train_loss": self.train_loss,
             "samples_per_second": rate,
             "steady_samples_per_second": steady,
             "log_history": self.history,
             "per_rank": [
-                {
-                    "rank": r,
-                    "host": host,
-                    "step_seconds": round(s / max(n, 1), 4),
-                    "data_seconds": round(d / max(n, 1), 4),
-                }
-                for r, (host, (n, s, d)) in enumerate(zip(self.hosts, self.per_rank.tolist()))
+                {"rank": r, "host": host, "step_seconds": round(s, 4), "data_seconds": round(d, 4)}
+                for r, (host, (s, d)) in enumerate(zip(self.hosts, per_step.tolist()))
             ],
         }
         if tokens_per_sample:
@@ -229,10 +224,9 @@ def tracker_config(args) -> dict:
 
 def write_results(accelerator, args, plan, **metrics) -> Path:
     """results.json, written atomically by the main process: what every run reports and the recipe's `metrics`
-    (a number that is not finite as null: JSON has no NaN)."""
-    dist = torch.distributed
+    (a number that is not finite as null: JSON has no NaN, json.dumps writes one all the same)."""
     record = {
-        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "world_size": accelerator.num_processes,  # the group that formed: make_accelerator refuses a smaller one
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
@@ -244,17 +238,8 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
         "versions": library_versions(),
         "args": public_args(args),
     }
-    path = Path(args.output_dir) / "results.json"
+    path = Path(args.output_dir) / "results.json"  # the folder OutputDir claimed
     if accelerator.is_main_process:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, _finite(record))
+        write_json(path, json.loads(json.dumps(record, default=str), parse_constant=lambda nan: None))
     accelerator.wait_for_everyone()
     return path
-
-
-def _finite(value):
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value

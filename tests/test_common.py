@@ -1,8 +1,8 @@
 """Unit tests of common/: batch and LR arithmetic, the schedule, checkpoint resolution, and
 augmentation seeded by (seed, epoch, index)."""
 
+import argparse
 import itertools
-import math
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from common import RecipeError
 from common.args import public_args
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import SeededTransform, epoch_batches, make_dataloader
-from common.plan import effective_batch_size, plan_run, plan_training, scale_lr
+from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
 
 
 def test_effective_batch_size():
@@ -42,24 +42,26 @@ def test_scale_lr_rejects_unknown_rule():
         scale_lr(0.1, 256, 128, "cube")
 
 
-def plan(**kw):
-    base = dict(
-        num_samples=1400,
-        per_device_batch_size=32,
-        num_processes=2,
+def plan(num_samples=1400, num_processes=2, **kw):
+    args = dict(
+        per_device_train_batch_size=32,
         gradient_accumulation_steps=1,
         learning_rate=0.1,
         reference_batch_size=128,
         lr_scaling="linear",
         num_train_epochs=3,
+        max_train_steps=None,
+        warmup_steps=None,
+        warmup_ratio=0.0,
+        lr_scheduler_type="constant",
     )
-    return plan_training(**{**base, **kw})
+    return plan_training(argparse.Namespace(**{**args, **kw}), num_samples, num_processes)
 
 
 def test_plan_counts_optimizer_steps_per_process():
     p = plan()
     assert p.steps_per_epoch == 21  # 43 batches dealt to 2 processes, the odd one dropped
-    assert p.max_train_steps == 63 and p.num_epochs == 3
+    assert p.max_train_steps == 63
     assert p.effective_batch_size == 64 and p.learning_rate == pytest.approx(0.05)
     # accumulation: 21 batches per process in steps of 4 -> 5 full steps + 1 at the epoch end
     assert plan(gradient_accumulation_steps=4).steps_per_epoch == 6
@@ -68,7 +70,7 @@ def test_plan_counts_optimizer_steps_per_process():
 
 def test_plan_max_train_steps_and_warmup():
     p = plan(max_train_steps=50, warmup_ratio=0.1)
-    assert p.max_train_steps == 50 and p.num_epochs == math.ceil(50 / 21) and p.warmup_steps == 5
+    assert p.max_train_steps == 50 and p.warmup_steps == 5
     assert plan(max_train_steps=50, warmup_steps=7, warmup_ratio=0.1).warmup_steps == 7
 
 
@@ -84,7 +86,7 @@ def test_plan_refuses_a_batch_larger_than_the_data():
 
 def test_schedule_warms_up_then_decays_to_zero():
     p = plan(max_train_steps=100, warmup_steps=10, lr_scheduler_type="cosine")
-    lrs = [p.lr_at(p.samples_for_steps(step)) for step in range(100)]  # the rate of each step
+    lrs = [p.lr_at(p.walk(Position(), steps=step)[1]) for step in range(100)]  # the rate of each step
     assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate

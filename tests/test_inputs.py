@@ -5,6 +5,7 @@ here too, on real broken files. A few cases are launched as users launch them, t
 path: one `error:` line, exit code 2, no output folder.
 """
 
+import argparse
 import importlib.util
 import json
 import os
@@ -79,8 +80,12 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
     (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
     (["--seed", str(2**32)], "below 4294967296"),
     (["--seed", "abc"], "'abc' is not a whole number"),
-    (["--checkpointing_steps", "0"], "to save no checkpoints, omit --checkpointing_steps"),
-    (["--checkpointing_steps", "often"], "'often' is neither a number of steps nor 'epoch'"),
+    (
+        ["--checkpointing_steps", "0"],
+        "--checkpointing_steps: '0' is neither a number of steps (1 or more) nor 'epoch'; to save no checkpoints, "
+        "omit the option",
+    ),
+    (["--checkpointing_steps", "often"], "'often' is neither a number of steps (1 or more) nor 'epoch'"),
     (
         ["--lr_scheduler_type", "reduce_lr_on_plateau"],
         "--lr_scheduler_type: invalid choice: 'reduce_lr_on_plateau' (choose from 'linear', 'cosine', ",
@@ -323,11 +328,11 @@ def test_the_values_accepted_without_asking_transformers_are_ones_the_installed_
     from common.plan import plan_training
 
     for name in SCHEDULES:
-        plan = plan_training(
-            num_samples=1000, per_device_batch_size=10, num_processes=1, gradient_accumulation_steps=1,
-            learning_rate=0.1, reference_batch_size=10, lr_scaling="none", num_train_epochs=1, warmup_steps=10,
-            lr_scheduler_type=name,
+        args = argparse.Namespace(
+            per_device_train_batch_size=10, gradient_accumulation_steps=1, learning_rate=0.1, reference_batch_size=10,
+            lr_scaling="none", num_train_epochs=1, max_train_steps=None, warmup_steps=10, lr_scheduler_type=name,
         )  # fmt: skip
+        plan = plan_training(args, 1000, 1)
         rates = [plan.lr_at(seen) for seen in range(0, plan.total_samples, 10)]
         assert rates[0] < rates[10] == pytest.approx(0.1) or name == "constant", name  # warmed up to the rate
         assert all(0 <= rate <= 0.1 + 1e-12 for rate in rates), name
