@@ -5,9 +5,9 @@ jsonl, plus chats whose assistant continues the user's count. The tests and `./l
     python scripts/make_tiny_lm.py data/tiny_lm
 """
 
+import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 NUMBERS = "zero one two three four five six seven eight nine".split()
@@ -64,4 +64,6 @@ def write_tiny_lm(root) -> dict:
 
 
 if __name__ == "__main__":
-    print(write_tiny_lm(sys.argv[1] if len(sys.argv) > 1 else "data/tiny_lm")["model"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("root", nargs="?", default="data/tiny_lm", help="output folder")
+    print(write_tiny_lm(parser.parse_args().root)["model"])
