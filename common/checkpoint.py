@@ -438,7 +438,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         )
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
-        if resharded_deepspeed(accelerator, path):
+        if _resharded(accelerator, state):
             _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
         else:
             accelerator.load_state(str(path))
@@ -482,7 +482,7 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
                 ds_to_universal(Namespace(**options, **convert))
     accelerator.wait_for_everyone()
     try:
-        accelerator.load_state(str(view))  # as universal: resharded_deepspeed set the engine's config so
+        accelerator.load_state(str(view))  # as a universal one: see universal_load_if_resharded
         # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step` tensor,
         # which torch's Adam increments in place: with two groups it would count two steps a step. One each.
         for state in getattr(getattr(engine.optimizer, "optimizer", None), "state", {}).values():
@@ -494,15 +494,17 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
             shutil.rmtree(view, ignore_errors=True)
 
 
-def resharded_deepspeed(accelerator, path) -> bool:
-    """Whether `path` is a ZeRO checkpoint of another process count; if so, the DeepSpeed config the engine will be
-    built from loads checkpoints as universal ones (DeepSpeed's documented `checkpoint.load_universal`, read when
-    the engine is built: call this before accelerator.prepare)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or path is None or read_state(path).get("world_size", 1) == accelerator.num_processes:
-        return False
-    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    return True
+def _resharded(accelerator, state: dict) -> bool:
+    """Whether a checkpoint's trainer state is a ZeRO checkpoint of another process count."""
+    return accelerator.state.deepspeed_plugin is not None and state.get("world_size", 1) != accelerator.num_processes
+
+
+def universal_load_if_resharded(accelerator, path) -> None:
+    """Before accelerator.prepare: where `path` is a ZeRO checkpoint of another process count, the DeepSpeed config
+    the engine is built from loads checkpoints as universal ones (DeepSpeed's documented `checkpoint.load_universal`,
+    read only when the engine is built)."""
+    if path is not None and _resharded(accelerator, read_state(path)):
+        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
 
 
 # Final weights ------------------------------------------------------------------------------------

@@ -31,10 +31,10 @@ from .checkpoint import (
     nearest_existing,
     record_written,
     remove_checkpoint,
-    resharded_deepspeed,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
+    universal_load_if_resharded,
 )
 from .metrics import tracker_config, write_results
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
@@ -61,7 +61,7 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         self.resume_from = prepare_output_dir(accelerator, args)
-        resharded_deepspeed(accelerator, self.resume_from)  # before the engine is built from the config
+        universal_load_if_resharded(accelerator, self.resume_from)  # before the engine is built
 
     def load_checkpoint(self, model, optimizer) -> dict:
         return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args)

@@ -113,7 +113,11 @@ class StopOnSignal:
         """The exception that ends the run once its checkpoint is saved (common.exit_codes: exit 75)."""
         when = f"during {during} " if during else ""
         message = f"stopped by {self.signal} {when}after step {step}; saved {checkpoint}"
-        return Preempted(f"{message}. Continue with --resume_from_checkpoint latest (exit code 75)", step, checkpoint)
+        return Preempted(
+            f"{message}. Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})",
+            step,
+            checkpoint,
+        )
 
 
 def write_status(text: str) -> None:

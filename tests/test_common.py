@@ -289,9 +289,9 @@ def test_public_args_masks_credentials():
 # The library uses that have no public API ------------------------------------------------------
 
 
-def test_deepspeed_reads_the_universal_switch_resharded_deepspeed_sets():
-    """common.checkpoint.resharded_deepspeed sets DeepSpeed's `checkpoint.load_universal` in the config the engine
-    is built from. If DeepSpeed stops reading it, a ZeRO resume on another process count would load the wrong
+def test_deepspeed_reads_the_universal_switch_universal_load_if_resharded_sets():
+    """common.checkpoint.universal_load_if_resharded sets DeepSpeed's `checkpoint.load_universal` in the config the
+    engine is built from. If DeepSpeed stops reading it, a ZeRO resume on another process count would load the wrong
     layout: fail here first."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
