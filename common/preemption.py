@@ -24,6 +24,7 @@ STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # launch.sh reads why the recipe stopped
 
 _received: list[int] = []  # signal numbers, in the order they arrived
 _in_loop = False  # a StopOnSignal exists: the loop stops at a step instead
+_ending = False  # common.exit_codes is ending the run: a stop is recorded, not raised inside its handling
 
 
 class Preempted(Exception):
@@ -45,12 +46,28 @@ def install_stop_handlers() -> None:
 
 
 def _record(signum, frame) -> None:
-    if signum == signal.SIGINT and (signal.SIGINT in _received or not _in_loop):
-        signal.default_int_handler(signum, frame)  # Ctrl-C twice, or before training: KeyboardInterrupt now
     _received.append(signum)
-    if not _in_loop:
-        name = signal.Signals(signum).name
-        raise Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
+    if signum == signal.SIGINT and _received.count(signum) > 1:
+        signal.default_int_handler(signum, frame)  # Ctrl-C twice: KeyboardInterrupt, wherever it is
+    if not (_in_loop or _ending):
+        raise stop_before_training()
+
+
+def stop_before_training() -> BaseException | None:
+    """What ends a run a stop signal reached before its training loop (None: no such signal): a first Ctrl-C
+    interrupts, SIGTERM and SIGUSR1 preempt (exit 75: nothing to save, a requeued job starts again). Whatever else
+    failed after it (a collective a peer that stopped first left) is its consequence."""
+    if not _received or _in_loop:
+        return None
+    if _received[0] == signal.SIGINT:
+        return KeyboardInterrupt()
+    name = signal.Signals(_received[0]).name
+    return Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
+
+
+def ending() -> None:
+    global _ending
+    _ending = True
 
 
 def ignore_stop_signals(worker_id=None) -> None:

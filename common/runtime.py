@@ -133,7 +133,7 @@ def decide_on_main(accelerator, fn):
         try:
             outcome = [fn()]
         except BaseException as err:
-            known = isinstance(err, (RecipeError, RunFinished, Preempted))
+            known = isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt))
             broadcast_object_list([err if known else RecipeError(f"the main process failed: {one_line(err)}")])
             raise
     broadcast_object_list(outcome)
@@ -148,30 +148,18 @@ def exit_codes():
     exit 2; RunFinished `done:` and 0; a stop on a signal 75; a second Ctrl-C 130; a stuck collective 124; a bug
     its traceback and 1. launch.sh reads how the run ended from RECIPE_STATUS_FILE."""
     install_stop_handlers()
-    code, status, line = 1, None, None  # a bug: its traceback
-    together = False  # every process ends here at the same point: the process group can be taken down
-    everyone = False  # one process may meet it alone: each prints its line, not the launcher's rank 0 alone
     try:
-        yield
+        try:
+            yield
+        finally:
+            preemption.ending()  # a signal from here on cannot interrupt the handling below
         write_status("finished")
         return
-    except RecipeError as err:
-        code, status, line = 2, "error", f"error: {one_line(err)}"
-        together, everyone = err.same_on_every_rank, not err.same_on_every_rank
-    except RunFinished as done:
-        code, status, line, together = 0, "finished", f"done: {done}", True
-    except Preempted as stop:
-        code, status, line = PREEMPTED_EXIT_CODE, f"preempted {stop.step} {stop.checkpoint}", f"preempted: {stop}"
-        together = stop.checkpoint is not None
-    except KeyboardInterrupt:
-        code, status, line = 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint"
-    except Exception as err:
-        if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
-            code, status, line = HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}"  # a collective did not complete
-        elif os_line := os_error_line(err):
-            code, status, line, everyone = 2, "error", f"error: {os_line}", True
-        else:  # printed now, so the frames holding DataLoader workers (which ignore SIGTERM) go before exit
-            traceback.print_exc()
+    except SystemExit:  # argparse's --help and usage errors
+        raise
+    except BaseException as err:
+        stop = None if isinstance(err, RunFinished) else preemption.stop_before_training()
+        code, status, line, together, everyone = _how_it_ended(stop or err)
     if line and (everyone or os.environ.get("RANK", "0") == "0"):  # the launcher's RANK: one group or not
         tqdm.write(line, file=sys.stderr)  # on a line of its own, below a progress bar
     if status:
@@ -185,6 +173,28 @@ def exit_codes():
     if group and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of several: see exit_without_teardown
         exit_without_teardown(code)
     sys.exit(code)
+
+
+def _how_it_ended(err: BaseException) -> tuple:
+    """(exit code, status for launch.sh, line, together, everyone): `together`, every process ends here at the same
+    point (the process group can be taken down); `everyone`, one process may meet it alone (each prints its line,
+    not the launcher's rank 0 alone). A bug is its traceback and 1, printed now, so the frames holding DataLoader
+    workers (which ignore SIGTERM) go before exit."""
+    if isinstance(err, RecipeError):
+        return 2, "error", f"error: {one_line(err)}", err.same_on_every_rank, not err.same_on_every_rank
+    if isinstance(err, RunFinished):
+        return 0, "finished", f"done: {err}", True, False
+    if isinstance(err, Preempted):
+        status = f"preempted {err.step} {err.checkpoint}"
+        return PREEMPTED_EXIT_CODE, status, f"preempted: {err}", err.checkpoint is not None, False
+    if isinstance(err, KeyboardInterrupt):
+        return 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint", False, False
+    if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
+        return HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}", False, False  # a collective did not complete
+    if os_line := os_error_line(err):
+        return 2, "error", f"error: {os_line}", False, True
+    traceback.print_exception(err)
+    return 1, None, None, False, False
 
 
 def exit_without_teardown(code: int) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,6 +213,33 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
         assert not out.exists(), sorted(p.name for p in out.iterdir())
     else:  # it landed in the loop: a checkpoint of the step it stopped at
         assert f"preempted: stopped by {name} " in stderr and ckpt.resolve_checkpoint(out, "latest") is not None
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_with_the_stop(tiny_lm, tmp_path):
+    """SIGTERM to launch.sh while the main process tokenizes and the other waits for it in a collective: whichever
+    process ends first breaks that collective for the other, which still reports the stop (exit 75, one line), not
+    a "Connection closed by peer" traceback."""
+    big = tmp_path / "big.jsonl"
+    big.write_text(Path(tiny_lm["train"]).read_text() * 300)  # tokenizing takes seconds
+    out = tmp_path / "run"
+    args = lm_args(tiny_lm, out, "--max_train_steps", "1000", data=["--train_file", big])
+    cmd = [REPO / "launch.sh", "lm_finetune", "--num_processes", "2", *args]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(CUDA_VISIBLE_DEVICES=""), stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 180
+        while (log.seek(0) or True) and "tokenizing train" not in log.read():
+            assert proc.poll() is None and time.monotonic() < deadline, "the main process never tokenized"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+        log.seek(0)
+        text = log.read()
+    assert "Traceback" not in text and "Connection closed" not in text, text[-3000:]
+    last = text.rstrip().splitlines()[-1]
+    assert last == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)", text[-3000:]
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {outputs.LOCK_FILE}
 
 
 @pytest.mark.slow
