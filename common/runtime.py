@@ -66,7 +66,13 @@ def one_line(err: BaseException) -> str:
     if "\nOriginal Traceback" in text:  # torch's ExceptionWrapper: "...\n<module>.<Type>: <message>"
         last = text.splitlines()[-1]
         return last.split(": ", 1)[1] if ": " in last else last
-    return text.splitlines()[0].rstrip(".") if text else type(err).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # a heading: what it announces is on the next line
+        first = f"{first} {lines[1]}"
+    return first.rstrip(".")
 
 
 # Where a path that fails may come from, besides the command line, and what fixes each kind of failure.

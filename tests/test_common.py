@@ -366,3 +366,18 @@ def test_an_exit_without_teardown_runs_the_exit_handlers_and_keeps_the_code(tmp_
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "last line" and marker.read_text() == "yes", proc.stderr
+
+
+def test_one_line_of_an_error_is_a_whole_sentence():
+    """An error whose first line only announces (huggingface_hub's validation errors end it with ':') keeps what it
+    announces; any other keeps its first line."""
+    from common.runtime import one_line
+
+    validation = ValueError(
+        "Validation error for field 'hidden_size':\n    TypeError: Field 'hidden_size' expected int"
+    )
+    assert (
+        one_line(validation) == "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int"
+    )
+    assert one_line(OSError("disk is full.\nmore detail")) == "disk is full"
+    assert one_line(KeyError()) == "KeyError"
