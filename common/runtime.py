@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import signal
 import sys
 import traceback
@@ -34,6 +35,7 @@ LOST_PEERS = (
     "a collective operation did not complete within --ddp_timeout: a process stalled, died, or the job was suspended "
     "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
 )
+PEER_GONE = re.compile(r"(gloo|NCCL).*(Connection (closed|reset) by peer|remote process exited)", re.S)
 CPU_FIX = (
     "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
     "(accelerate_configs/cpu.yaml)"
@@ -197,6 +199,9 @@ def _how_it_ended(err: BaseException) -> tuple:
         return 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint", False, False
     if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
         return HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}", False, False  # a collective did not complete
+    if any(PEER_GONE.search(str(e)) for e in causes(err)):  # not the cause: the process that ended first is
+        line = "another process of the job ended while this one waited for it in a collective (its output says why)"
+        return HUNG_EXIT_CODE, None, f"error: {line}", False, False
     if os_line := os_error_line(err):
         return 2, "error", f"error: {os_line}", False, True
     traceback.print_exception(err)

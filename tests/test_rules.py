@@ -216,10 +216,13 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
 
 
 @pytest.mark.slow
-def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_with_the_stop(tiny_lm, tmp_path):
-    """SIGTERM to launch.sh while the main process tokenizes and the other waits for it in a collective: whichever
-    process ends first breaks that collective for the other, which still reports the stop (exit 75, one line), not
-    a "Connection closed by peer" traceback."""
+@pytest.mark.parametrize("whom", ["launch.sh", "rank 1"])
+def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_one_line(tiny_lm, tmp_path, whom):
+    """SIGTERM to launch.sh (every process gets it), or to the other process alone, while the main process tokenizes
+    and the other waits for it in a collective: whichever ends first breaks that collective for the other, which
+    says so in one line; exit 75 (the stop), no "Connection closed by peer" traceback, nothing written."""
+    import psutil
+
     big = tmp_path / "big.jsonl"
     big.write_text(Path(tiny_lm["train"]).read_text() * 300)  # tokenizing takes seconds
     out = tmp_path / "run"
@@ -232,13 +235,24 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_with
         while (log.seek(0) or True) and "tokenizing train" not in log.read():
             assert proc.poll() is None and time.monotonic() < deadline, "the main process never tokenized"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        if whom == "launch.sh":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            (rank1,) = [
+                p for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.environ().get("RANK") == "1" and str(LM) in " ".join(p.cmdline())
+                and "RANK" not in p.parent().environ()
+            ]  # fmt: skip
+            rank1.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 75
         log.seek(0)
         text = log.read()
     assert "Traceback" not in text and "Connection closed" not in text, text[-3000:]
-    last = text.rstrip().splitlines()[-1]
-    assert last == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)", text[-3000:]
+    if whom == "launch.sh":
+        last = text.rstrip().splitlines()[-1]
+        assert last == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)", text[-3000:]
+    else:  # the main process, which the stop did not reach, is not the cause
+        assert "error: another process of the job ended while this one waited for it" in text, text[-3000:]
     assert not out.exists() or {p.name for p in out.iterdir()} <= {outputs.LOCK_FILE}
 
 
