@@ -94,15 +94,14 @@ class EpochSampler(Sampler):
 
 
 def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
-    """The batches of `epoch` from sample `first_sample` of its order on. Set on our sampler inside Accelerate's
-    wrappers: Accelerate passes set_epoch on to the dataset only when the sampler has none."""
-    dataloader.set_epoch(epoch)  # accelerate's loader counts its iterations by it
+    """The batches of `epoch` from sample `first_sample` of its order on. The dataset's epoch is set here:
+    Accelerate passes set_epoch on to our sampler, and then not to the dataset."""
+    dataloader.set_epoch(epoch)  # Accelerate's loader counts its iterations by it, and passes it to our sampler
     sampler = dataloader
     while not isinstance(sampler, EpochSampler):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler -> ours
         sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
         if sampler is None:
             raise TypeError("the training DataLoader needs an EpochSampler (common.make_dataloader(train=True))")
-    sampler.set_epoch(epoch)
     sampler.resume_at(epoch, first_sample)
     if hasattr(dataloader.dataset, "set_epoch"):
         dataloader.dataset.set_epoch(epoch)

@@ -87,11 +87,9 @@ def _image_sets(args):
             ) from err
     train, evals = folders
     if train.classes != evals.classes:  # ImageFolder sorts them: the same folders make the same list
-        where = "; ".join(
-            f"only in {flag}: {', '.join(sorted(set(a.classes) - set(b.classes)))}"
-            for flag, a, b in (("--val_dir", evals, train), ("--train_dir", train, evals))
-            if set(a.classes) - set(b.classes)
-        )
+        in_train, in_val = set(train.classes), set(evals.classes)
+        only = {"--val_dir": in_val - in_train, "--train_dir": in_train - in_val}
+        where = "; ".join(f"only in {flag}: {', '.join(sorted(names))}" for flag, names in only.items() if names)
         raise RecipeError(
             f"{args.train_dir} and {args.val_dir} have different class folders ({where}); give both the same "
             "class sub-folders, so that a label means the same class in each"
