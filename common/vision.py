@@ -334,9 +334,9 @@ def freeze_backbone(model):
         import timm
 
         model = timm.layers.freeze_batch_norm_2d(model)
-    for parent, name, norm in _layers(model, torch.nn.BatchNorm2d):
-        setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
-        getattr(parent, name).load_state_dict(norm.state_dict())
+    for name, norm in _layers(model, torch.nn.BatchNorm2d):
+        model.set_submodule(name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
+        model.get_submodule(name).load_state_dict(norm.state_dict())
     trained = f"{count_parameters(model, True):,} of {total:,} parameters"
     logger.info(f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained}")
     return model
@@ -354,17 +354,16 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
             return timm.layers.convert_sync_batchnorm(model)
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if kind == "group":
-        for parent, name, bn in _layers(model, torch.nn.modules.batchnorm._BatchNorm):
+        for name, bn in _layers(model, torch.nn.modules.batchnorm._BatchNorm):
             norm = torch.nn.GroupNorm(max(g for g in range(1, 33) if bn.num_features % g == 0), bn.num_features)
             # timm's BatchNormAct2d also drops out and activates
-            setattr(parent, name, torch.nn.Sequential(norm, bn.drop, bn.act) if hasattr(bn, "act") else norm)
+            model.set_submodule(name, torch.nn.Sequential(norm, bn.drop, bn.act) if hasattr(bn, "act") else norm)
     return model
 
 
 def _layers(model, kind) -> list:
-    """(parent, name, layer) of every `kind` layer, listed before any is replaced."""
-    children = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    return [(parent, name, child) for parent, name, child in children if isinstance(child, kind)]
+    """(name, layer) of every `kind` layer, listed before any is replaced (with set_submodule)."""
+    return [(name, layer) for name, layer in model.named_modules() if isinstance(layer, kind)]
 
 
 def param_groups(model, args) -> list:
