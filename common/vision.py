@@ -125,6 +125,7 @@ def _check_model_args(parser, args) -> None:
     fails at the first step, after the data is read, in a traceback, and a ResNet on 8 px trains on 1 pixel."""
     name, size, batch = args.model, args.image_size, args.per_device_train_batch_size
     tuned = args.pretrained or args.pretrained_path
+    memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
     for wrong, message in (
         (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
          "file), not both"),
@@ -137,16 +138,12 @@ def _check_model_args(parser, args) -> None:
         (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
          "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
          "--pretrained_path"),
+        (nbytes > memory, f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as "
+         f"float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size "
+         "the model should see (the images are resized to it), such as 224"),  # a typo of a size
     ):  # fmt: skip
         if wrong:
             parser.error(message)
-    memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
-    if nbytes > memory:  # a typo of a size: one batch would not even fit as float32 input
-        parser.error(
-            f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as float32 before the "
-            f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
-            "see (the images are resized to it), such as 224"
-        )
     if name.startswith("timm/"):
         try:
             timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
