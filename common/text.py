@@ -320,7 +320,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     from transformers import default_data_collator
 
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
-    limit = min(n for n in limits if n and n < 1_000_000_000)  # what both the model and the tokenizer accept
+    limit = min((n for n in limits if n and n < 1_000_000_000), default=math.inf)  # what the model and tokenizer take
     block_size = args.block_size or min(limit, 1024)
     if block_size > limit:
         raise RecipeError(

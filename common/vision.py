@@ -359,8 +359,8 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
 
 
 def _layers(model, kind) -> list:
-    """(name, layer) of every `kind` layer, listed before any is replaced (with set_submodule)."""
-    return [(name, layer) for name, layer in model.named_modules() if isinstance(layer, kind)]
+    """(name, layer) of every `kind` layer, each name of a shared one, listed before any is replaced."""
+    return [(name, layer) for name, layer in model.named_modules(remove_duplicate=False) if isinstance(layer, kind)]
 
 
 def param_groups(model, args) -> list:
