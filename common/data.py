@@ -9,7 +9,7 @@ import os
 import time
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from .preemption import ignore_stop_signals
 from .runtime import decide_on_main
@@ -94,15 +94,14 @@ class EpochSampler(Sampler):
 
 
 def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
-    """The batches of `epoch` from sample `first_sample` of its order on. Set on our sampler inside Accelerate's
-    wrappers: Accelerate passes set_epoch on to the dataset only when the sampler has none."""
-    dataloader.set_epoch(epoch)  # accelerate's loader counts its iterations by it
+    """The batches of `epoch` from sample `first_sample` of its order on. The dataset's epoch is set here:
+    Accelerate passes set_epoch on to our sampler, and then not to the dataset."""
+    dataloader.set_epoch(epoch)  # Accelerate's loader counts its iterations by it, and passes it to our sampler
     sampler = dataloader
     while not isinstance(sampler, EpochSampler):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler -> ours
         sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
         if sampler is None:
             raise TypeError("the training DataLoader needs an EpochSampler (common.make_dataloader(train=True))")
-    sampler.set_epoch(epoch)
     sampler.resume_at(epoch, first_sample)
     if hasattr(dataloader.dataset, "set_epoch"):
         dataloader.dataset.set_epoch(epoch)
@@ -186,7 +185,7 @@ def seeded_uniform(seed: int, epoch: int, index: torch.Tensor, draws: int) -> to
     return (bits >> 8).float() / 2**24  # 24 bits: exact in float32
 
 
-class DeviceTensorDataset(Dataset):
+class DeviceTensorDataset(TensorDataset):
     """Tensors on the training device, a batch fetched in one indexing operation (CIFAR-10 is 150 MB as uint8),
     through a DataLoader and `accelerator.prepare` as any dataset. `transform(batch, uniforms)` gets `draws`
     numbers a sample from `seeded_uniform`."""
@@ -194,15 +193,11 @@ class DeviceTensorDataset(Dataset):
     on_device = True  # make_dataloader: no workers, no pinning, batches passed through
 
     def __init__(self, *tensors: torch.Tensor, transform=None, draws: int = 0, seed: int = 0):
-        if len({len(t) for t in tensors}) != 1:
-            raise ValueError("all tensors need the same first dimension")
-        self.tensors, self.transform, self.draws, self.seed, self.epoch = tensors, transform, draws, seed, 0
+        super().__init__(*tensors)  # which checks that they have one length
+        self.transform, self.draws, self.seed, self.epoch = transform, draws, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-
-    def __len__(self):
-        return len(self.tensors[0])
 
     def __getitems__(self, indices):
         index = torch.as_tensor(indices, device=self.tensors[0].device)

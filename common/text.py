@@ -181,7 +181,7 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         except ValueError as err:  # a side would be empty
-            source = f"--dataset_name {dataset_name}" if dataset_name else f"--train_file {train_file}"
+            source = data_sources(dataset_name, train_file)["train"]
             raise RecipeError(
                 f"{source}: {len(raw['train'])} row(s) are too few to hold out {validation_split_percentage}% for "
                 "validation; add rows, pass --validation_file, or change --validation_split_percentage"
@@ -320,7 +320,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     from transformers import default_data_collator
 
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
-    limit = min(n for n in limits if n and n < 1_000_000_000)  # what both the model and the tokenizer accept
+    limit = min((n for n in limits if n and n < 1_000_000_000), default=math.inf)  # what the model and tokenizer take
     block_size = args.block_size or min(limit, 1024)
     if block_size > limit:
         raise RecipeError(
@@ -337,7 +337,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
             num_proc=args.preprocessing_num_workers,
             sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
         )  # fmt: skip
-    workers = 0 if args.dataloader_num_workers is None else args.dataloader_num_workers  # blocks are in memory
+    workers = args.dataloader_num_workers or 0  # the blocks are in memory: no worker by default
     loader = partial(make_dataloader, seed=args.seed, num_workers=workers, collate_fn=default_data_collator)
     train = loader(data["train"], args.per_device_train_batch_size, train=True)
     return train, loader(data["validation"], args.per_device_eval_batch_size, train=False), block_size

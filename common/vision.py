@@ -87,11 +87,9 @@ def _image_sets(args):
             ) from err
     train, evals = folders
     if train.classes != evals.classes:  # ImageFolder sorts them: the same folders make the same list
-        where = "; ".join(
-            f"only in {flag}: {', '.join(sorted(set(a.classes) - set(b.classes)))}"
-            for flag, a, b in (("--val_dir", evals, train), ("--train_dir", train, evals))
-            if set(a.classes) - set(b.classes)
-        )
+        in_train, in_val = set(train.classes), set(evals.classes)
+        only = {"--val_dir": in_val - in_train, "--train_dir": in_train - in_val}
+        where = "; ".join(f"only in {flag}: {', '.join(sorted(names))}" for flag, names in only.items() if names)
         raise RecipeError(
             f"{args.train_dir} and {args.val_dir} have different class folders ({where}); give both the same "
             "class sub-folders, so that a label means the same class in each"
@@ -127,6 +125,7 @@ def _check_model_args(parser, args) -> None:
     fails at the first step, after the data is read, in a traceback, and a ResNet on 8 px trains on 1 pixel."""
     name, size, batch = args.model, args.image_size, args.per_device_train_batch_size
     tuned = args.pretrained or args.pretrained_path
+    memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
     for wrong, message in (
         (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
          "file), not both"),
@@ -139,16 +138,12 @@ def _check_model_args(parser, args) -> None:
         (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
          "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
          "--pretrained_path"),
+        (nbytes > memory, f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as "
+         f"float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size "
+         "the model should see (the images are resized to it), such as 224"),  # a typo of a size
     ):  # fmt: skip
         if wrong:
             parser.error(message)
-    memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
-    if nbytes > memory:  # a typo of a size: one batch would not even fit as float32 input
-        parser.error(
-            f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as float32 before the "
-            f"model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size the model should "
-            "see (the images are resized to it), such as 224"
-        )
     if name.startswith("timm/"):
         try:
             timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
@@ -336,9 +331,9 @@ def freeze_backbone(model):
         import timm
 
         model = timm.layers.freeze_batch_norm_2d(model)
-    for parent, name, norm in _layers(model, torch.nn.BatchNorm2d):
-        setattr(parent, name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
-        getattr(parent, name).load_state_dict(norm.state_dict())
+    for name, norm in _layers(model, torch.nn.BatchNorm2d):
+        model.set_submodule(name, torchvision.ops.FrozenBatchNorm2d(norm.num_features, norm.eps))
+        model.get_submodule(name).load_state_dict(norm.state_dict())
     trained = f"{count_parameters(model, True):,} of {total:,} parameters"
     logger.info(f"--freeze_backbone: training {', '.join(head_names(model))} only, {trained}")
     return model
@@ -356,17 +351,16 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
             return timm.layers.convert_sync_batchnorm(model)
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if kind == "group":
-        for parent, name, bn in _layers(model, torch.nn.modules.batchnorm._BatchNorm):
+        for name, bn in _layers(model, torch.nn.modules.batchnorm._BatchNorm):
             norm = torch.nn.GroupNorm(max(g for g in range(1, 33) if bn.num_features % g == 0), bn.num_features)
             # timm's BatchNormAct2d also drops out and activates
-            setattr(parent, name, torch.nn.Sequential(norm, bn.drop, bn.act) if hasattr(bn, "act") else norm)
+            model.set_submodule(name, torch.nn.Sequential(norm, bn.drop, bn.act) if hasattr(bn, "act") else norm)
     return model
 
 
 def _layers(model, kind) -> list:
-    """(parent, name, layer) of every `kind` layer, listed before any is replaced."""
-    children = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    return [(parent, name, child) for parent, name, child in children if isinstance(child, kind)]
+    """(name, layer) of every `kind` layer, each name of a shared one, listed before any is replaced."""
+    return [(name, layer) for name, layer in model.named_modules(remove_duplicate=False) if isinstance(layer, kind)]
 
 
 def param_groups(model, args) -> list:

@@ -14,7 +14,7 @@ import common
 from common import RecipeError
 from common.args import public_args
 from common.checkpoint import resolve_checkpoint, write_json
-from common.data import SeededTransform, epoch_batches, make_dataloader
+from common.data import EpochSampler, SeededTransform, epoch_batches, make_dataloader
 from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
 
 
@@ -159,6 +159,7 @@ def test_seeded_transform_epoch_reaches_persistent_workers():
     assert loader.persistent_workers
     for epoch in range(3):
         ((from_worker, index),) = list(epoch_batches(loader, epoch))
+        assert index.tolist() == EpochSampler(8, seed=0).order(epoch).tolist()  # the epoch reached our sampler
         expected = torch.stack([ds[int(i)][0] for i in index])  # computed here, in this process
         assert torch.equal(from_worker, expected), epoch
 
@@ -221,8 +222,6 @@ def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first
     short for a round of the second layout."""
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler
-
-    from common.data import EpochSampler
 
     def job_order(layout, sampler):
         world, batch = layout
