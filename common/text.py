@@ -354,11 +354,11 @@ def load_causal_lm(args, **model_kwargs):
     source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
     flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
     try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust)  # first: the tokenizer reads it too
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
         if args.model_name_or_path:
             model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
         else:
-            config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
@@ -372,11 +372,12 @@ def load_causal_lm(args, **model_kwargs):
                 f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or pass "
                 "--attn_implementation sdpa"
             ) from err
-        if config is not None and args.config_overrides:  # the config loaded: its overrides are what failed
+        if tokenizer is not None and args.config_overrides:  # config and tokenizer loaded: the overrides failed
             raise _overrides_error(config, args, err) from err
-        if tokenizer is None and args.tokenizer_name:
+        part = "config" if config is None else "tokenizer" if tokenizer is None else "model"
+        if part == "tokenizer" and args.tokenizer_name:
             flag, source = "--tokenizer_name", args.tokenizer_name
-        raise _load_error(flag, source, err, tokenizer=tokenizer is None) from err
+        raise _load_error(flag, source, err, part) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     vocab = getattr(model.config, "vocab_size", None)
@@ -394,8 +395,8 @@ def load_causal_lm(args, **model_kwargs):
     return model, tokenizer
 
 
-def _load_error(flag: str, name: str, err: BaseException, tokenizer=False) -> RecipeError:
-    """One line for what loading the tokenizer or model raised, with the fix for its cause."""
+def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeError:
+    """One line for what loading the model's `part` (config, tokenizer, model) raised, with the fix for its cause."""
     from safetensors import SafetensorError
 
     text, folder = one_line(err), Path(name).expanduser()
@@ -406,7 +407,9 @@ def _load_error(flag: str, name: str, err: BaseException, tokenizer=False) -> Re
         why = f"no config.json in the folder; {fix}"  # transformers says it lacks a model_type
     elif "trust_remote_code" in str(err):
         why = "the model runs code of its own repository; pass --trust_remote_code if you trust that code"
-    elif tokenizer and not isinstance(err, OSError):
+    elif part == "config" and not isinstance(err, OSError):
+        why = f"its config.json is not valid ({type(err).__name__}: {text}); correct it, or {fix}"
+    elif part == "tokenizer" and not isinstance(err, OSError):
         why = f"its tokenizer cannot be loaded ({type(err).__name__}: {text}); pass one whose tokenizer files load"
     elif isinstance(err, SafetensorError):  # it does not name the file
         why = f"its safetensors weights are damaged ({text}); download or save the model again"

@@ -578,6 +578,9 @@ def broken_model(tiny_lm, tmp_path):
             (folder / "config.json").unlink()
         elif how == "bad_config":
             (folder / "config.json").write_text("{not json")
+        elif how == "invalid_config":  # JSON, with a field of the wrong type: the tokenizer reads it too
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "x"}))
         elif how == "no_weights":
             weights.unlink()
         elif how == "bad_tokenizer":
@@ -594,6 +597,11 @@ def broken_model(tiny_lm, tmp_path):
         ("garbage", "its safetensors weights are damaged"),
         ("no_config", "no config.json in the folder; pass the folder that save_pretrained wrote"),
         ("bad_config", "config.json' is not a valid JSON file; pass the folder that save_pretrained wrote"),
+        (
+            "invalid_config",
+            "its config.json is not valid (StrictDataclassFieldValidationError: Validation error for "
+            "field 'hidden_size': TypeError: Field 'hidden_size' expected int",
+        ),
         ("no_weights", "OSError: Error no file named model.safetensors"),
         ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
     ],
