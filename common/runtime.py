@@ -141,6 +141,8 @@ def decide_on_main(accelerator, fn):
         try:
             outcome = [fn()]
         except BaseException as err:
+            if isinstance(err, RecipeError):
+                err.same_on_every_rank = True  # every process raises it: the main process's line says it once
             known = isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt))
             broadcast_object_list([err if known else RecipeError(f"the main process failed: {one_line(err)}")])
             raise
@@ -169,7 +171,8 @@ def exit_codes():
         stop = None if isinstance(err, RunFinished) else preemption.stop_before_training()
         code, status, line, together, everyone = _how_it_ended(stop or err)
     if line and (everyone or os.environ.get("RANK", "0") == "0"):  # the launcher's RANK: one group or not
-        tqdm.write(line, file=sys.stderr)  # on a line of its own, below a progress bar
+        # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
+        tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
     if status:
         write_status(status)  # launch.sh's rank 0 alone writes it
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
@@ -201,7 +204,7 @@ def _how_it_ended(err: BaseException) -> tuple:
         return HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}", False, False  # a collective did not complete
     if any(PEER_GONE.search(str(e)) for e in causes(err)):  # not the cause: the process that ended first is
         line = "another process of the job ended while this one waited for it in a collective (its output says why)"
-        return HUNG_EXIT_CODE, None, f"error: {line}", False, False
+        return HUNG_EXIT_CODE, None, f"stopped: {line}", False, False
     if os_line := os_error_line(err):
         return 2, "error", f"error: {os_line}", False, True
     traceback.print_exception(err)

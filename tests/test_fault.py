@@ -145,6 +145,32 @@ def test_a_corrupt_image_is_named(small_images, tmp_path):
     assert "remove or replace the file" in line
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("met_by", ["every process", "one process"])
+def test_a_corrupt_image_in_two_processes_is_one_line_of_its_own(digits, tmp_path, met_by):
+    """A file every process reads (the data fingerprint's samples) is one line, not one per process; a file one
+    process meets in training, while the other draws the progress bar, is a line of its own, and the other process,
+    whose collective it left, adds no error line."""
+    import torchvision
+
+    root = tmp_path / "images"
+    for split, count in (("train", 100), ("val", 4)):
+        for label in ("0", "1"):
+            shutil.copytree(digits[split] / label, root / split / label, ignore=lambda d, names: sorted(names)[count:])
+    fingerprinted = {i * 200 // 64 for i in range(64)}  # common.data.fingerprint's samples of 200
+    index = 0 if met_by == "every process" else min(set(range(200)) - fingerprinted)
+    bad = Path(torchvision.datasets.ImageFolder(root / "train").samples[index][0])
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really an image" * 10)
+    out = tmp_path / "run"
+    args = cifar(root, out, "--dataloader_num_workers", "0", "--num_train_epochs", "1")[2:]  # no python, no recipe
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "2", *args], env=user_env(CUDA_VISIBLE_DEVICES=""),
+               check=False)  # fmt: skip
+    text = proc.stderr.replace("\r", "\n")
+    lines = error_lines(text)
+    assert proc.returncode == 2 and len(lines) == 1 and f"{bad}: unreadable image (" in lines[0], text[-3000:]
+    assert "Traceback" not in text and not out.exists(), text[-3000:]
+
+
 def test_an_image_folder_without_images_is_refused(small_images, tmp_path):
     for image in (small_images / "train").rglob("*.png"):
         image.unlink()

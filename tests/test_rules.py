@@ -252,7 +252,7 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_o
         last = text.rstrip().splitlines()[-1]
         assert last == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)", text[-3000:]
     else:  # the main process, which the stop did not reach, is not the cause
-        assert "error: another process of the job ended while this one waited for it" in text, text[-3000:]
+        assert "stopped: another process of the job ended while this one waited for it" in text, text[-3000:]
     assert not out.exists() or {p.name for p in out.iterdir()} <= {outputs.LOCK_FILE}
 
 
