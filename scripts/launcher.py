@@ -14,6 +14,7 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120).
 the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
+import difflib
 import logging
 import os
 import re
@@ -28,9 +29,12 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
+from importlib.metadata import version
 from pathlib import Path
 
-import psutil  # accelerate's dependency
+import psutil  # accelerate's dependencies, as packaging
+import yaml
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -109,12 +113,6 @@ rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm t
 def read_config(path: Path) -> tuple[int, int, str, bool]:
     """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML; a key accelerate does not
     read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
-    import difflib
-    from importlib.metadata import version
-
-    import yaml
-    from packaging.version import Version
-
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
