@@ -32,7 +32,7 @@ from contextlib import suppress
 from importlib.metadata import version
 from pathlib import Path
 
-import psutil  # accelerate's dependencies, as packaging
+import psutil  # these three are accelerate's dependencies, and import no torch
 import yaml
 from packaging.version import Version
 
