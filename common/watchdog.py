@@ -1,14 +1,9 @@
 """A stalled process named, not waited on: after --hang_timeout seconds without progress (StopOnSignal.requested),
 every process that can still run writes its stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints one
-line naming the ranks that stalled and those waiting for them, and the job ends with exit 124.
+line naming the ranks that stalled and those waiting for them, and the job ends with exit 124. The ranks meet in the
+output folder, which every node sees: no collective is added to a step. Phases slow by nature (saves, loads, the
+first step) get as long as the collectives around them can wait (--ddp_timeout), less the time to report."""
 
-The ranks meet in the output folder, which every node sees: no collective is added to a step. Phases slow by nature
-(saves, loads, the first step) get as long as the collectives around them can wait (--ddp_timeout), less the time to
-report, so a stall there is still named."""
-
-from __future__ import annotations
-
-import contextlib
 import faulthandler
 import json
 import os
@@ -18,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import suppress
 from pathlib import Path
 
 from accelerate.utils import gather_object
@@ -48,11 +44,8 @@ def phase_of(frames) -> tuple[str, bool]:
     places = ("distributed", "accelerate/utils/operations", "common/preemption")
     waiting = any(WAITS.search(f.name) and any(p in f.filename for p in places) for f in frames)
     waiting = waiting or any(name in ("backward", "_engine_run_backward") for name in names[-4:])
-    found = [phase for keys, phase in PHASES if any(name in keys for name in names)]
-    if not found:
-        return "training step", waiting
-    loading = " (data loading)" if "data loading" in found[1:] else ""
-    return found[0] + loading, waiting
+    found = [phase for keys, phase in PHASES if any(name in keys for name in names)] or ["training step"]
+    return found[0] + (" (data loading)" if "data loading" in found[1:] else ""), waiting
 
 
 class Watchdog:
@@ -69,24 +62,24 @@ class Watchdog:
         self.step = self.step if step is None else step
 
     def _watch(self) -> None:
+        """Until the main thread stalls; then this rank's report, the line, and the exit."""
         while True:
             time.sleep(min(5.0, self.timeout / 4))
             idle = time.monotonic() - self.last
             phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
             if idle >= (self.slow_timeout if slow else self.timeout):
-                limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
-                return self._report(idle, phase, waiting, limit)
-
-    def _report(self, idle: float, phase: str, waiting: bool, limit: str) -> None:
+                break
+        limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
         self.folder.mkdir(parents=True, exist_ok=True)
         host, pid = self.ranks[self.rank]
         mine = {"rank": self.rank, "host": host, "pid": pid, "step": self.step, "phase": phase, "waiting": waiting}
-        with open(self.folder / f".rank-{self.rank}.txt", "w") as f:
+        part = self.folder / f".rank-{self.rank}.txt"  # renamed once whole: a half-written report is not read
+        with open(part, "w") as f:
             f.write(json.dumps(mine) + "\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-        os.replace(self.folder / f".rank-{self.rank}.txt", self.folder / f"rank-{self.rank}.txt")
+        part.replace(self.folder / f"rank-{self.rank}.txt")
         _wait(lambda: len(self._reports()) == self.world)
         found, said = self._reports(), self.folder / "reported"
         reporter = str(self.ranks[min(found)][1])  # its pid: an earlier hang's file says another
@@ -95,7 +88,7 @@ class Watchdog:
             said.write_text(reporter)
             for rank in set(range(self.world)) - set(found):  # frozen or dead here: it would hold the job up
                 if self.ranks[rank][0] == host:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         os.kill(self.ranks[rank][1], 9)
         else:  # not before it is said: this exit would break the collective the reporter waits in, and end it first
             _wait(lambda: said.is_file() and said.read_text() == reporter)
@@ -103,31 +96,27 @@ class Watchdog:
         os._exit(HUNG_EXIT_CODE)
 
     def _reports(self) -> dict:
+        """This hang's reports by rank: an earlier hang's (a resumed run's) names another host or pid."""
         found = {}
         for path in self.folder.glob("rank-*.txt"):
-            try:
-                with open(path) as f:
-                    report = json.loads(f.readline())
-                if list(self.ranks[report["rank"]]) == [report["host"], report["pid"]]:  # not an earlier hang's
+            with suppress(OSError, ValueError, LookupError):
+                report = json.loads(path.read_text().partition("\n")[0])
+                if list(self.ranks[report["rank"]]) == [report["host"], report["pid"]]:
                     found[report["rank"]] = report
-            except (OSError, ValueError, KeyError):
-                continue
         return found
 
     def line(self, found: dict, idle: float, limit: str) -> str:
         """The one line: who stalled (no report, or one not waiting in a collective), who waits for them."""
-        waiting = [r for r in range(self.world) if r in found and found[r]["waiting"]]
+        waiting = [rank for rank in sorted(found) if found[rank]["waiting"]]
         said = []
         for rank in (r for r in range(self.world) if r not in waiting):
-            host, pid = self.ranks[rank]
             how = "without answering (frozen, or dead)"
             if rank in found:
                 how = f"after step {found[rank]['step']} in {found[rank]['phase']}"
-            said.append(f"rank {rank} ({host}, pid {pid}) stalled {how}")
+            said.append(f"rank {rank} ({self.ranks[rank][0]}, pid {self.ranks[rank][1]}) stalled {how}")
         if said and waiting:
-            them = "it" if len(said) == 1 else "them"
             ranks = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
-            said.append(f"{ranks} for {them} in {found[waiting[0]]['phase']}")
+            said.append(f"{ranks} for {'it' if len(said) == 1 else 'them'} in {found[waiting[0]]['phase']}")
         who = "; ".join(said) or "every rank waits in a collective: one of them skipped or added one"
         return (
             f"no progress for {idle:.0f} s ({limit}): {who}; the stacks of the ranks that could answer are in "

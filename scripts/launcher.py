@@ -14,8 +14,7 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120).
 the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
-from __future__ import annotations
-
+import difflib
 import logging
 import os
 import re
@@ -30,7 +29,12 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
+from importlib.metadata import version
 from pathlib import Path
+
+import psutil  # these three are accelerate's dependencies, and import no torch
+import yaml
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -39,9 +43,8 @@ from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no tor
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 CODE_FILE = os.environ.pop("LAUNCH_SH_CODE", "")  # where launch.sh reads this process's exit code
-stops: list[int] = []  # the stop signals received, in order
-started = False  # the launch thread runs: training processes may exist
-status_file = ""
+stops: list[str] = []  # the stop signals received, in order, by name
+status_file = ""  # where rank 0 says how the run ended; once set, training processes may exist
 
 
 def say(text: str) -> None:
@@ -53,26 +56,15 @@ def die(text: str):
     sys.exit(2)
 
 
-def children() -> list[int]:
-    """The live processes whose parent is this one (Linux's /proc; elsewhere none)."""
-    found = []
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        with suppress(OSError, ValueError):  # not a process, or gone meanwhile
-            state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            if ppid == str(os.getpid()) and state != "Z":
-                found.append(int(entry.name))
-    return found
-
-
-def kill(pids, sig: int) -> None:
-    for pid in pids:
-        with suppress(OSError):  # gone meanwhile
-            os.kill(pid, sig)
+def kill(processes, sig: int) -> None:
+    for process in processes:
+        with suppress(psutil.Error):  # gone meanwhile
+            process.send_signal(sig)
 
 
 def finish(code: int):
     """Exit now: no status file, no child left (a stray is killed), no second of tearing torch down."""
-    kill(children(), signal.SIGKILL)
+    kill(psutil.Process().children(), signal.SIGKILL)
     if status_file:
         Path(status_file).unlink(missing_ok=True)
     if CODE_FILE:  # launch.sh reads it: its `wait` can lose our status
@@ -82,22 +74,20 @@ def finish(code: int):
     os._exit(code)
 
 
-def by(sig: int | None) -> str:
-    return "a signal" if sig is None else "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
-
-
-def stopped_before(what: str, sig: int | None) -> int:
+def stopped_before(what: str, stop: str) -> int:
     """Nothing was saved: Ctrl-C is the user's 130; any other stop (preemption, Slurm's time limit) 75, like a stop
     at a checkpoint, so that a requeued job starts again."""
-    code = 128 + sig if sig == signal.SIGINT else 75
-    say(f"stopped by {by(sig)} before {what}; nothing was saved (exit {code})")
+    code = 130 if stop == "Ctrl-C" else 75
+    say(f"stopped by {stop} before {what}; nothing was saved (exit {code})")
     return code
 
 
 def on_stop(signum, frame) -> None:
-    stops.append(signum)
-    if not started:  # nothing to save (a helper such as `doctor --report` ends too)
-        finish(stopped_before("the processes started", signum))
+    stops.append("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+    if not status_file:  # nothing to save (a helper such as `doctor --report` ends too)
+        finish(stopped_before("the processes started", stops[-1]))
+    if len(stops) == 2:  # a second signal does not cut the save short
+        say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={os.environ[SHUTDOWN]} s)")
 
 
 def env(*names: str, default: str = "") -> str:
@@ -123,39 +113,33 @@ rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm t
 def read_config(path: Path) -> tuple[int, int, str, bool]:
     """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML; a key accelerate does not
     read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
-    import difflib
-    from importlib.metadata import version
-
-    import yaml
-    from packaging.version import Version
-
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         mark, reason = getattr(err, "problem_mark", None), getattr(err, "problem", None) or err
-        raise ValueError(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
+        die(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
+        die(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
     for key in sorted(set(config) - set(CONFIG_KEYS)):
         since, installed = RETIRED_KEYS.get(key), version("accelerate")
         if since and Version(installed) < Version(since):
             continue  # the accelerate installed reads it
         if since:
-            raise ValueError(f"{path}: {key} is read by accelerate < {since} only (installed: {installed}); delete it")
+            die(f"{path}: {key} is read by accelerate < {since} only (installed: {installed}); delete it")
         close = [f" (did you mean {match}?)" for match in difflib.get_close_matches(key, CONFIG_KEYS, n=1)]
-        raise ValueError(f"{path}: {key} is not a key accelerate reads{''.join(close)}")
+        die(f"{path}: {key} is not a key accelerate reads{''.join(close)}")
     deepspeed_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if deepspeed_file and not Path(deepspeed_file).is_file():
-        raise ValueError(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")
+        die(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")
     machines, processes = config.get("num_machines", 1), config.get("num_processes", 1)
     kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
     for key, value in (("num_machines", machines), ("num_processes", processes)):
         if type(value) is not int or value < 1:
-            raise ValueError(f"{path}: {key} must be a whole number from 1, got {value!r}")
+            die(f"{path}: {key} must be a whole number from 1, got {value!r}")
     if not isinstance(use_cpu, bool):
-        raise ValueError(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
+        die(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
     if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
-        raise ValueError(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
+        die(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
     return machines, processes, kind, use_cpu
 
 
@@ -202,15 +186,13 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    if argv[0].startswith("-"):
-        die("the first argument is the recipe name (see --help)")
     if argv[0] == "selftest":  # it launches the recipes through launch.sh itself
         os.execv(sys.executable, [sys.executable, str(ROOT / "scripts/selftest.py"), *argv[1:]])
+    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
     recipe = argv[0].removeprefix("recipes/").removesuffix(".py")
+    if recipe not in (*recipes, "doctor"):  # also a first argument that is an option
+        die(f"unknown recipe {recipe!r} (available: {' '.join(recipes)}, doctor)")
     script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
-    if not (recipe == "doctor" or re.fullmatch(r"\w[\w-]*", recipe, re.A) and script.is_file()):
-        names = " ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
-        die(f"unknown recipe {recipe!r} (available: {names}, doctor)")
     ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
     for word in words:
         name, eq, value = word.partition("=")
@@ -228,17 +210,17 @@ def main(argv: list[str]) -> int:
     max_restarts = number("--max_restarts", ours.get("--max_restarts"), 0, "a number of restarts (0 or more)")
     port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
     rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
-    grace = number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120
+    os.environ[SHUTDOWN] = str(number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120)
     number("OMP_NUM_THREADS", env("OMP_NUM_THREADS"), 1, "a positive number of threads")  # accelerate reads it too
     precision = ours.get("--mixed_precision")
     if precision not in (None, "no", "bf16", "fp16"):
         die(f"--mixed_precision must be no, bf16 or fp16, got {precision!r}")
     if env("MASTER_ADDR") and not re.fullmatch(r"[\]\[A-Za-z0-9._:%-]+", env("MASTER_ADDR")):
         die(f"MASTER_ADDR must be a host name or an IP address, got {env('MASTER_ADDR')!r}")
+    configs = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
     config = ours.get("--config", "").removeprefix("accelerate_configs/").removesuffix(".yaml")
-    if "--config" in ours and not (re.fullmatch(r"[\w.-]+", config, re.A) and (CONFIGS / f"{config}.yaml").is_file()):
-        names = " ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
-        die(f"unknown config {ours['--config']!r} (available: {names})")
+    if "--config" in ours and config not in configs:
+        die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)})")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
     nodes, rank = 1, 0  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
@@ -250,10 +232,7 @@ def main(argv: list[str]) -> int:
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
         num_processes = num_processes or (gpus if config == "2gpu" else None)
-    try:
-        machines, processes, kind, use_cpu = read_config(CONFIGS / f"{config}.yaml")
-    except ValueError as err:
-        die(str(err))
+    machines, processes, kind, use_cpu = read_config(CONFIGS / f"{config}.yaml")
     per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", f"{CONFIGS}/{config}.yaml"]
     variables = {}  # environment variables of the command
@@ -264,13 +243,9 @@ def main(argv: list[str]) -> int:
         precision = precision or "no"  # the configs' bf16 is for GPUs, unless asked for
         what = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}[kind], "fp32" if precision == "no" else precision
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
-    elif per_node > gpus == 0:
-        die(f"config {config!r} needs {per_node} GPU(s) on this node but none is visible; use --config cpu")
     elif per_node > gpus:
-        die(
-            f"{per_node} processes requested on this node but only {gpus} GPU(s) are visible; pass --num_processes "
-            f"{gpus} or a config for {gpus} GPU(s)"
-        )
+        fix = f"pass --num_processes {gpus} or a config for {gpus} GPU(s)" if gpus else "use --config cpu"
+        die(f"{per_node} processes requested on this node but only {gpus} GPU(s) are visible; {fix}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
@@ -286,8 +261,6 @@ def main(argv: list[str]) -> int:
         rank = number("SLURM_NODEID", env("SLURM_NODEID", "SLURM_PROCID", default="?"), 0, "a node's rank", nodes - 1)
         port = port or 29500
         head = env("MASTER_ADDR") or head_node(env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
-        if not head:
-            die("no head node: SLURM_JOB_NODELIST is empty; set MASTER_ADDR")
         # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart
         cmd += ["--num_processes", str(per_node * nodes), "--num_machines", str(nodes), "--machine_rank", str(rank)]
         cmd += ["--main_process_ip", head, "--main_process_port", str(port), "--rdzv_backend", "c10d"]
@@ -322,14 +295,14 @@ def main(argv: list[str]) -> int:
             return report.returncode
     if nodes > 1 and rank > 0:
         wait_for_head(head, port, rdzv_timeout, rank)
-    return run(cmd[2:], grace)
+    return run(cmd[2:])
 
 
-def run(launch_args: list[str], grace: int) -> int:
+def run(launch_args: list[str]) -> int:
     """`accelerate launch` in a worker thread, so that the stop signals stay ours (torch's elastic agent sets its
     handlers only in the main thread): the first sends each training process (our children, in sessions of their
     own) one SIGTERM, to save a checkpoint; later ones wait. Rank 0 says how it ended in RECIPE_STATUS_FILE."""
-    global started, status_file
+    global status_file
     import accelerate.commands.launch as accelerate_launch
 
     from common.runtime import die_with_parent
@@ -344,46 +317,43 @@ def run(launch_args: list[str], grace: int) -> int:
     )
     fd, status_file = tempfile.mkstemp(prefix="launch-status.")
     os.close(fd)
-    os.environ.update(RECIPE_STATUS_FILE=status_file, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
-    started = True
+    os.environ["RECIPE_STATUS_FILE"] = status_file
+    grace = int(os.environ[SHUTDOWN])
     launch = ThreadPoolExecutor(1).submit(accelerate_launch.launch_command, args)  # raises in the main thread
-    present, killed, deadline, said = set(), set(), 0.0, False
+    present, killed, deadline = set(), set(), 0.0
     while not launch.done():
         wait([launch], timeout=0.1)
         if not stops:
             continue
-        if len(stops) > 1 and not said:  # a second signal does not cut the save short
-            say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={grace} s)")
-            said = True
-        alive = set(children())
+        alive = set(psutil.Process().children())  # torch's agent starts the processes in sessions of their own
         if not deadline:  # SIGTERM to those running: they finish their step, save a checkpoint and exit 75
             deadline, present = time.monotonic() + grace, alive
             kill(present, signal.SIGTERM)
         # SIGKILL to one started since, which has nothing to save (a restart under --max_restarts, each ended so in a
         # fraction of a second), and to those still running `grace` seconds on
         late = time.monotonic() > deadline
-        for pid in alive - killed - (set() if late else present):
-            if pid in present:
-                say(f"process {pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it")
-            kill([pid], signal.SIGKILL)
-            killed.add(pid)
+        for process in alive - killed - (set() if late else present):
+            if process in present:
+                say(f"process {process.pid} had not exited {grace} s after SIGTERM ({SHUTDOWN}): killed it")
+            kill([process], signal.SIGKILL)
+            killed.add(process)
         if not alive and (late or not present):  # none to stop: a rendezvous waiting for nodes that will not come
             break
     return ending(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
 
 
-def ending(err: BaseException | None, stop: int | None, args) -> int:
+def ending(err: BaseException | None, stop: str | None, args) -> int:
     """launch.sh's exit code, and the one line that says why where the processes could not."""
-    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     status, _, saved = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]  # preempted STEP PATH
-    if status == "preempted" and saved != "None":
-        say(f"stopped by {by(stop)} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
+    if status == "preempted" and saved != "None":  # also by a signal sent to the processes only
+        by = stop or "a signal"
+        say(f"stopped by {by} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
         return 75
     if stop and status == "finished":  # the stop came as the processes exited
-        say(f"the run had finished when {by(stop)} came; its model and results.json are complete (exit 0)")
+        say(f"the run had finished when {stop} came; its model and results.json are complete (exit 0)")
         return 0
     if stop and status not in ("error", "interrupted"):  # before training, or they died of the SIGTERM starting
         return stopped_before("training", stop)
@@ -400,8 +370,7 @@ def ending(err: BaseException | None, stop: int | None, args) -> int:
             f"launch.sh started on every node of the job and that each reaches {args.main_process_ip}:"
             f"{args.main_process_port} (see ./launch.sh doctor)"
         )
-    in_use = re.compile("utilizing it|EADDRINUSE|address already in use", re.I)  # accelerate's check, the store's bind
-    if isinstance(err, (ConnectionError, DistNetworkError)) and in_use.search(str(err)):
+    if isinstance(err, ConnectionError) and "utilizing it" in str(err):  # accelerate's check of the head's port
         die(
             f"port {args.main_process_port} on this node is in use by another process; set MASTER_PORT to a free "
             "port (the same on every node)"

@@ -174,7 +174,7 @@ SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,
 
 # (arguments, environment, the error line's text). Each must stop before anything starts.
 INVALID = [
-    (["--config", "cpu"], {}, "the first argument is the recipe name (see --help)"),
+    (["--config", "cpu"], {}, "unknown recipe '--config' (available: cifar lm_finetune zero, doctor)"),
     (["imagenet"], {}, "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor)"),
     (["../recipes/cifar"], {}, "unknown recipe '../recipes/cifar'"),
     (["cifar", "--num_processes"], {}, "--num_processes needs a value (see ./launch.sh --help)"),
@@ -217,7 +217,7 @@ INVALID = [
     (
         ["cifar", "--config", "4gpu"],
         {},
-        "config '4gpu' needs 4 GPU(s) on this node but none is visible; use --config cpu",
+        "4 processes requested on this node but only 0 GPU(s) are visible; use --config cpu",
     ),
     (["cifar"], {"MASTER_PORT": "0"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '0'"),
     (["cifar"], {"MASTER_PORT": "65536"}, "MASTER_PORT must be a TCP port number from 1 to 65535, got '65536'"),
