@@ -14,7 +14,7 @@ fails on all of them with one line (`_together`): none is left waiting in a coll
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import hashlib
 import io
 import json
@@ -92,7 +92,7 @@ def _all_gather(accelerator, obj) -> list:
     return gather_object([obj]) if accelerator is not None and accelerator.num_processes > 1 else [obj]
 
 
-def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path | None = None, main_only=False):
+def _together(accelerator, what: str, output_dir: Path, needed, fn, tmp: Path, main_only=False):
     """`fn` on every process (or the main one), then agreed: all return every process's result, or all raise. A
     failure to write is one line (a full disk: the space `needed()` and the space free); any other exception is
     re-raised where it happened. `tmp`, a half-written folder, is removed on failure."""
@@ -101,20 +101,20 @@ def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path
         try:
             result = fn()
         except Exception as err:
-            failure = _write_failure(err) or ("bug", one_line(err))
-            error = err if failure[0] == "bug" else None  # kept to re-raise; a failed write's frames hold its file
+            failure = _write_failure(err) or ("other", one_line(err))
+            error = err if failure[0] == "other" else None  # kept to re-raise; a failed write's frames hold its file
     everyone = _all_gather(accelerator, (failure, result))
     failures = [(rank, f) for rank, (f, _) in enumerate(everyone) if f]
     if not failures:
         return [r for _, r in everyone]
-    if accelerator.is_main_process and tmp is not None:
+    if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
     rank, (kind, text) = failures[0]
-    if kind == "recipe":
-        raise RecipeError(text)
-    free = _free_bytes(output_dir)
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(nearest_existing(output_dir)).free
     if any(k == "space" for _, (k, _) in failures) or (kind == "io" and free is not None and free < needed()):
         have = f", {_human(free)} free" if free is not None else ""
         raise RecipeError(
@@ -126,18 +126,14 @@ def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path
 
 
 def _write_failure(err: BaseException) -> tuple | None:
-    """("space" | "io" | "recipe", text) for an error writing files, None for any other. torch.save reports a
-    full disk without an errno ("unexpected pos ..."): the free space decides."""
-    if isinstance(err, RecipeError):
-        return "recipe", str(err)
+    """("space" | "io", one line) for an error writing files, None for any other. torch.save reports a full disk
+    without an errno ("unexpected pos ..."): the free space decides."""
     chain = causes(err)
-    text = " ".join(str(e) for e in chain)
-    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
-        r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
-    ):
+    text = " ".join([type(err).__name__, *map(str, chain)])
+    if re.search(r"No space left|[Qq]uota exceeded|(os error|Errno) (28|122)\b", text):  # ENOSPC, EDQUOT
         return "space", one_line(err)
     if any(isinstance(e, OSError) for e in chain) or re.search(
-        r"SafetensorError|PytorchStreamWriter|inline_container|iostream|file write failed", type(err).__name__ + text
+        r"SafetensorError|PytorchStreamWriter|inline_container|iostream|file write failed", text
     ):
         return "io", one_line(err)
     return None
@@ -149,12 +145,6 @@ def nearest_existing(path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def _free_bytes(folder: Path) -> int | None:
-    with contextlib.suppress(OSError):
-        return shutil.disk_usage(nearest_existing(folder)).free
-    return None
 
 
 def _human(n: int) -> str:
@@ -264,10 +254,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
         tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         return 3 * sum(getattr(t, "ds_numel", t.numel()) * t.element_size() for t in tensors)
 
-    def together(fn, main_only=False):
-        what = f"checkpoint {final}"
-        return _together(accelerator, what, output_dir, needed, fn, tmp=tmp, main_only=main_only)
-
+    together = functools.partial(_together, accelerator, f"checkpoint {final}", output_dir, needed, tmp=tmp)
     together(lambda: accelerator.save_state(str(tmp)))
     (files,) = [f for f in together(lambda: publish(tmp), main_only=True) if f is not None]
     shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
@@ -338,7 +325,7 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
     """--resume_from_checkpoint: `latest`, the intact checkpoint written last (None when there is none yet: a
     requeued job can always pass it), once the saves a crash cut short are finished; or a path, refused when
-    damaged (prepare_output_dir refused it already if it has no marker). Every process calls it."""
+    damaged (OutputDir refused it already if it has no marker). Every process calls it."""
     if not spec:
         return None
     if spec != "latest":
@@ -515,6 +502,7 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     process): save_pretrained where the model has it, else model.safetensors, through a temporary folder. The names
     go in .model-files.json: the next save and --overwrite_output_dir remove exactly these."""
     output_dir = Path(output_dir)
+    tmp = output_dir / ".tmp-model"
     # accelerate launch --dynamo_backend compiles the model it prepares: the names it gathers start with _orig_mod.
     # (ZeRO-3 gathers the weights on the main process alone: None elsewhere)
     state_dict = {re.sub(r"^(_orig_mod[.])+", "", k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
@@ -523,37 +511,32 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     def write():
         if not state_dict:
             raise RecipeError("the gathered state dict is empty; under ZeRO-3 set zero3_save_16bit_model: true")
-        _write_model(unwrapped, state_dict, output_dir, tokenizer)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        earlier = model_files(output_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
+        if hasattr(unwrapped, "save_pretrained"):
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        else:
+            tmp.mkdir()
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
+        publish(tmp)
+        names = sorted(f.name for f in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, output_dir / name)
+        tmp.rmdir()
+        write_json(output_dir / MODEL_FILES, {"files": names})
+        for stale in set(earlier) - set(names):
+            if (output_dir / stale).is_dir():
+                shutil.rmtree(output_dir / stale)
+            else:
+                (output_dir / stale).unlink(missing_ok=True)
+        logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
     needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
-    tmp = output_dir / ".tmp-model"
-    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp=tmp, main_only=True)
+    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
     return output_dir
-
-
-def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    earlier, tmp = model_files(output_dir), output_dir / ".tmp-model"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
-    if hasattr(unwrapped, "save_pretrained"):
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    else:
-        tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
-    publish(tmp)
-    names = sorted(f.name for f in tmp.iterdir())
-    for name in names:
-        os.replace(tmp / name, output_dir / name)
-    tmp.rmdir()
-    write_json(output_dir / MODEL_FILES, {"files": names})
-    for stale in set(earlier) - set(names):
-        if (output_dir / stale).is_dir():
-            shutil.rmtree(output_dir / stale)
-        else:
-            (output_dir / stale).unlink(missing_ok=True)
-    logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
 
 def record_written(output_dir, *names) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -39,11 +40,6 @@ from .checkpoint import (
 from .metrics import tracker_config, write_results
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
 
-try:
-    import fcntl
-except ImportError:  # Windows: no fcntl locks; runs go unguarded, with a warning
-    fcntl = None
-
 LOCK_FILE = ".run.lock"
 # Files a final save writes: where one is there and no run of ours recorded writing it, the folder holds a model
 # of someone else's (save_pretrained's names, ours, peft's).
@@ -55,12 +51,35 @@ TMP_FILES = (".tmp-model", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")  # of 
 
 
 class OutputDir:
-    """--output_dir, claimed for this run, and what the run writes there. `resume_from`: the checkpoint this run
-    continues, or None."""
+    """--output_dir, claimed for this run before any work there, and what the run writes there. An earlier run there
+    is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run raises
+    RunFinished (a requeued job ends, exit 0); a restart under --max_restarts resumes `latest`. Every process proves
+    it can write there now, not hours in. `resume_from`: the checkpoint this run continues, or None."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
-        self.resume_from = prepare_output_dir(accelerator, args)
+        output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
+        for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
+            if (
+                name not in ("output_dir", "resume_from_checkpoint")
+                and isinstance(value, str)
+                and Path(value).is_dir()
+            ):
+                if output_dir.resolve().is_relative_to(Path(value).resolve()):
+                    where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
+                    raise RecipeError(
+                        f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes "
+                        "there would become part of its input, or replace it; pass an --output_dir outside it"
+                    )
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if not spec and restarts > 0:
+            logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
+            spec, overwrite = "latest", False  # the first attempt started over already
+        _check_writable(output_dir)
+        decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
+        self.resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
+        decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
+        accelerator.init_trackers(args.recipe, config=tracker_config(args))
         universal_load_if_resharded(accelerator, self.resume_from)  # before the engine is built
 
     def load_checkpoint(self, model, optimizer) -> dict:
@@ -79,32 +98,6 @@ class OutputDir:
         """Files or folders the run wrote beside its weights: the next save or --overwrite_output_dir removes them."""
         if self.accelerator.is_main_process:
             record_written(self.args.output_dir, *names)
-
-
-def prepare_output_dir(accelerator, args) -> Path | None:
-    """Claim --output_dir before any work there; return the checkpoint to resume from, or None. An earlier run
-    there is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run
-    raises RunFinished (a requeued job ends, exit 0); a restart under --max_restarts resumes `latest`. Every process
-    proves it can write there now, not hours in."""
-    output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
-    for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
-        if name not in ("output_dir", "resume_from_checkpoint") and isinstance(value, str) and Path(value).is_dir():
-            if output_dir.resolve().is_relative_to(Path(value).resolve()):
-                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
-                raise RecipeError(
-                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
-                    "would become part of its input, or replace it; pass an --output_dir outside it"
-                )
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not spec and restarts > 0:
-        logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
-        spec, overwrite = "latest", False  # the first attempt started over already
-    decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
-    _check_writable(output_dir)
-    resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
-    decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
-    accelerator.init_trackers(args.recipe, config=tracker_config(args))
-    return resume_from
 
 
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
@@ -206,21 +199,18 @@ def _start_over(output_dir: Path) -> None:
 
 def _check_writable(output_dir: Path) -> None:
     """Every process creates a nameless file (O_TMPFILE: a process stopped here leaves nothing) in output_dir, or the
-    nearest folder above it it sees (NFS may show another node's new folder seconds late); all agree."""
+    nearest folder above it it sees (a first run creates it; NFS may show another node's new folder seconds late);
+    all agree."""
     problem = None
     try:
         tempfile.TemporaryFile(dir=nearest_existing(output_dir)).close()
     except OSError as err:
         problem = one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
-        raise RecipeError(_unwritable(output_dir, problem or f"another process: {problems[0]}"))
-
-
-def _unwritable(output_dir: Path, detail: str) -> str:
-    return (
-        f"cannot write to --output_dir {output_dir} ({detail}); pass a folder this job can write to, on a filesystem "
-        "every node sees"
-    )
+        raise RecipeError(
+            f"cannot write to --output_dir {output_dir} ({problem or f'another process: {problems[0]}'}); pass a "
+            "folder this job can write to, on a filesystem every node sees"
+        )
 
 
 class _RunLock:
@@ -239,20 +229,15 @@ class _RunLock:
     def acquire(self) -> None:
         """Locked, or refused naming the run that holds it; unguarded, with a warning, where the filesystem has no
         locks. On failure the caller releases it."""
-        if self.key in _RunLock.held:  # this process holds it already (a second prepare_output_dir)
+        if self.key in _RunLock.held:  # this process holds it already (a second OutputDir)
             return
         if not _RunLock.held:
             atexit.register(_RunLock.release_all)
         _RunLock.held[self.key] = self
         for _ in range(50):  # the file was removed between our open and our lock (its holder ended): again
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # _check_writable found it can
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RecipeError(_unwritable(self.path.parent, one_line(err))) from err
-            try:
-                if fcntl is None:
-                    raise OSError(errno.ENOSYS, "no fcntl on this platform")
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self.path.exists() and os.stat(self.path)[1:3] == os.fstat(fd)[1:3]:  # (inode, device)
                     self.fd = fd
