@@ -271,7 +271,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (_finish_interrupted_saves)."""
+    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (`latest` installs it)."""
     if final.exists():
         shutil.rmtree(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
@@ -302,10 +302,8 @@ def _saved_at(path: Path) -> float:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
-    return sorted(
-        (p for p in found if (p / STATE_FILE).is_file()),
-        key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))),
-    )
+    found = [p for p in found if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))))
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
@@ -328,6 +326,7 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
     damaged (OutputDir refused it already if it has no marker). Every process calls it."""
     if not spec:
         return None
+    output_dir = Path(output_dir)
     if spec != "latest":
         path = Path(spec)
         if damage := checkpoint_damage(path, accelerator):
@@ -337,34 +336,28 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
             )
         return path
 
-    def candidates():
-        _finish_interrupted_saves(Path(output_dir))
-        for path in sorted(Path(output_dir).glob("checkpoint-*")):
+    def candidates():  # a save a crash cut short is completed if its marker is there and every file matches it
+        for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
+            final = output_dir / tmp.name.removeprefix(".tmp-")
+            if checkpoint_damage(tmp) is None:
+                _install(tmp, final)
+                logger.warning(f"completed the interrupted save of {final}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                logger.warning(f"deleted {tmp}, a save that did not complete")
+        for path in sorted(output_dir.glob("checkpoint-*")):
             if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
                 logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
         return complete_checkpoints(output_dir)[::-1]
 
-    damaged = 0
-    for path in decide_on_main(accelerator, candidates):
+    newest_first = decide_on_main(accelerator, candidates)
+    for path in newest_first:
         if not (damage := checkpoint_damage(path, accelerator)):
             return path
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
-        damaged += 1
-    what = f"no intact checkpoint ({damaged} damaged)" if damaged else "no checkpoint yet"
+    what = f"no intact checkpoint ({len(newest_first)} damaged)" if newest_first else "no checkpoint yet"
     logger.warning(f"--resume_from_checkpoint latest: {what} in {output_dir}, starting at step 0")
     return None
-
-
-def _finish_interrupted_saves(output_dir: Path) -> None:
-    """A .tmp-checkpoint-<step> a crash left: renamed into place if complete and intact, else deleted."""
-    for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
-        final = output_dir / tmp.name.removeprefix(".tmp-")
-        if checkpoint_damage(tmp) is None:  # its marker, written last, is there and every file matches it
-            _install(tmp, final)
-            logger.warning(f"completed the interrupted save of {final}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            logger.warning(f"deleted {tmp}, a save that did not complete")
 
 
 def model_signature(model) -> dict:
@@ -537,11 +530,6 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
     _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
     return output_dir
-
-
-def record_written(output_dir, *names) -> None:
-    """Files a run wrote beside its weights (zero.py's fp32/), recorded as save_model's are."""
-    write_json(Path(output_dir) / MODEL_FILES, {"files": sorted({*model_files(Path(output_dir)), *names})})
 
 
 def model_files(output_dir: Path) -> list:

@@ -30,12 +30,12 @@ from .checkpoint import (
     load_checkpoint,
     model_files,
     nearest_existing,
-    record_written,
     remove_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
     universal_load_if_resharded,
+    write_json,
 )
 from .metrics import tracker_config, write_results
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
@@ -95,9 +95,11 @@ class OutputDir:
         return write_results(self.accelerator, self.args, plan, **metrics)
 
     def record_written(self, *names) -> None:
-        """Files or folders the run wrote beside its weights: the next save or --overwrite_output_dir removes them."""
+        """Files or folders the run wrote beside its weights (zero.py's fp32/), recorded with save_model's: the next
+        save or --overwrite_output_dir removes them."""
         if self.accelerator.is_main_process:
-            record_written(self.args.output_dir, *names)
+            output_dir = Path(self.args.output_dir)
+            write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
 
 
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:

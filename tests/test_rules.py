@@ -60,11 +60,13 @@ def test_a_folder_holding_a_model_no_run_wrote_is_never_written_over(acc, tiny_l
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     """zero.py's fp32/ export is recorded with the weights: --overwrite_output_dir removes it, not a user's folder."""
     out = tmp_path / "run"
-    ckpt.save_model(*acc, out)
+    run = outputs.OutputDir(acc[0], options(out))
+    run.save_model(acc[1])
     (out / "fp32").mkdir()
     (out / "fp32" / "model.safetensors").write_bytes(b"weights")
-    ckpt.record_written(out, "fp32")
+    run.record_written("fp32")
     (out / "mine").mkdir()
+    outputs._RunLock.release_all()  # the run ended
     outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
 
