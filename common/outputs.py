@@ -25,7 +25,6 @@ from .checkpoint import (
     MODEL_FILES,
     RESULTS_FILE,
     STATE_FILE,
-    TMP_CHECKPOINT_RE,
     complete_checkpoints,
     load_checkpoint,
     model_files,
@@ -60,17 +59,14 @@ class OutputDir:
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
         for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
-            if (
-                name not in ("output_dir", "resume_from_checkpoint")
-                and isinstance(value, str)
-                and Path(value).is_dir()
-            ):
-                if output_dir.resolve().is_relative_to(Path(value).resolve()):
-                    where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
-                    raise RecipeError(
-                        f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes "
-                        "there would become part of its input, or replace it; pass an --output_dir outside it"
-                    )
+            if name in ("output_dir", "resume_from_checkpoint") or not isinstance(value, str):
+                continue
+            if Path(value).is_dir() and output_dir.resolve().is_relative_to(Path(value).resolve()):
+                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
+                raise RecipeError(
+                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
+                    "would become part of its input, or replace it; pass an --output_dir outside it"
+                )
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if not spec and restarts > 0:
             logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
@@ -157,7 +153,7 @@ def _run_outputs(output_dir: Path) -> list:
     found = [
         p
         for p in output_dir.iterdir()
-        if p.name in names or (p.is_dir() and (CHECKPOINT_RE.fullmatch(p.name) or TMP_CHECKPOINT_RE.fullmatch(p.name)))
+        if p.name in names or (p.is_dir() and CHECKPOINT_RE.fullmatch(p.name.removeprefix(".tmp-")))
     ]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
