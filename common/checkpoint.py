@@ -14,7 +14,7 @@ fails on all of them with one line (`_together`): none is left waiting in a coll
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import hashlib
 import io
 import json
@@ -32,8 +32,7 @@ from safetensors.torch import save_file
 from .args import public_args
 from .runtime import RecipeError, causes, decide_on_main, library_versions, logger, one_line
 
-CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
-TMP_CHECKPOINT_RE = re.compile(r"\.tmp-checkpoint-(\d+)")
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # with ".tmp-" before it, a save in progress
 STATE_FILE, RESULTS_FILE, MODEL_FILES = "trainer_state.json", "results.json", ".model-files.json"
 HASH = "sha256"  # over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions
 
@@ -92,7 +91,7 @@ def _all_gather(accelerator, obj) -> list:
     return gather_object([obj]) if accelerator is not None and accelerator.num_processes > 1 else [obj]
 
 
-def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path | None = None, main_only=False):
+def _together(accelerator, what: str, output_dir: Path, needed, fn, tmp: Path, main_only=False):
     """`fn` on every process (or the main one), then agreed: all return every process's result, or all raise. A
     failure to write is one line (a full disk: the space `needed()` and the space free); any other exception is
     re-raised where it happened. `tmp`, a half-written folder, is removed on failure."""
@@ -101,20 +100,20 @@ def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path
         try:
             result = fn()
         except Exception as err:
-            failure = _write_failure(err) or ("bug", one_line(err))
-            error = err if failure[0] == "bug" else None  # kept to re-raise; a failed write's frames hold its file
+            failure = _write_failure(err) or ("other", one_line(err))
+            error = err if failure[0] == "other" else None  # kept to re-raise; a failed write's frames hold its file
     everyone = _all_gather(accelerator, (failure, result))
     failures = [(rank, f) for rank, (f, _) in enumerate(everyone) if f]
     if not failures:
         return [r for _, r in everyone]
-    if accelerator.is_main_process and tmp is not None:
+    if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
     rank, (kind, text) = failures[0]
-    if kind == "recipe":
-        raise RecipeError(text)
-    free = _free_bytes(output_dir)
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(nearest_existing(output_dir)).free
     if any(k == "space" for _, (k, _) in failures) or (kind == "io" and free is not None and free < needed()):
         have = f", {_human(free)} free" if free is not None else ""
         raise RecipeError(
@@ -126,18 +125,14 @@ def _together(accelerator, what: str, output_dir: Path, needed, fn, *, tmp: Path
 
 
 def _write_failure(err: BaseException) -> tuple | None:
-    """("space" | "io" | "recipe", text) for an error writing files, None for any other. torch.save reports a
-    full disk without an errno ("unexpected pos ..."): the free space decides."""
-    if isinstance(err, RecipeError):
-        return "recipe", str(err)
+    """("space" | "io", one line) for an error writing files, None for any other. torch.save reports a full disk
+    without an errno ("unexpected pos ..."): the free space decides."""
     chain = causes(err)
-    text = " ".join(str(e) for e in chain)
-    if any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or re.search(
-        r"No space left|os error 28|[Qq]uota exceeded|os error 122", text
-    ):
+    text = " ".join([type(err).__name__, *map(str, chain)])
+    if re.search(r"No space left|[Qq]uota exceeded|(os error|Errno) (28|122)\b", text):  # ENOSPC, EDQUOT
         return "space", one_line(err)
     if any(isinstance(e, OSError) for e in chain) or re.search(
-        r"SafetensorError|PytorchStreamWriter|inline_container|iostream|file write failed", type(err).__name__ + text
+        r"SafetensorError|PytorchStreamWriter|inline_container|iostream|file write failed", text
     ):
         return "io", one_line(err)
     return None
@@ -149,12 +144,6 @@ def nearest_existing(path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def _free_bytes(folder: Path) -> int | None:
-    with contextlib.suppress(OSError):
-        return shutil.disk_usage(nearest_existing(folder)).free
-    return None
 
 
 def _human(n: int) -> str:
@@ -264,10 +253,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
         tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         return 3 * sum(getattr(t, "ds_numel", t.numel()) * t.element_size() for t in tensors)
 
-    def together(fn, main_only=False):
-        what = f"checkpoint {final}"
-        return _together(accelerator, what, output_dir, needed, fn, tmp=tmp, main_only=main_only)
-
+    together = functools.partial(_together, accelerator, f"checkpoint {final}", output_dir, needed, tmp=tmp)
     together(lambda: accelerator.save_state(str(tmp)))
     (files,) = [f for f in together(lambda: publish(tmp), main_only=True) if f is not None]
     shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
@@ -284,7 +270,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (_finish_interrupted_saves)."""
+    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (`latest` installs it)."""
     if final.exists():
         shutil.rmtree(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
@@ -315,10 +301,8 @@ def _saved_at(path: Path) -> float:
 def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
-    return sorted(
-        (p for p in found if (p / STATE_FILE).is_file()),
-        key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))),
-    )
+    found = [p for p in found if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))))
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
@@ -338,9 +322,10 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
 def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path | None:
     """--resume_from_checkpoint: `latest`, the intact checkpoint written last (None when there is none yet: a
     requeued job can always pass it), once the saves a crash cut short are finished; or a path, refused when
-    damaged (prepare_output_dir refused it already if it has no marker). Every process calls it."""
+    damaged (OutputDir refused it already if it has no marker). Every process calls it."""
     if not spec:
         return None
+    output_dir = Path(output_dir)
     if spec != "latest":
         path = Path(spec)
         if damage := checkpoint_damage(path, accelerator):
@@ -350,34 +335,30 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
             )
         return path
 
-    def candidates():
-        _finish_interrupted_saves(Path(output_dir))
-        for path in sorted(Path(output_dir).glob("checkpoint-*")):
+    def candidates():  # a save a crash cut short is completed if its marker is there and every file matches it
+        for tmp in sorted(output_dir.glob(".tmp-checkpoint-*")):
+            final = output_dir / tmp.name.removeprefix(".tmp-")
+            if not CHECKPOINT_RE.fullmatch(final.name):
+                continue
+            if checkpoint_damage(tmp) is None:
+                _install(tmp, final)
+                logger.warning(f"completed the interrupted save of {final}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                logger.warning(f"deleted {tmp}, a save that did not complete")
+        for path in sorted(output_dir.glob("checkpoint-*")):
             if CHECKPOINT_RE.fullmatch(path.name) and not (path / STATE_FILE).is_file():
                 logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
         return complete_checkpoints(output_dir)[::-1]
 
-    damaged = 0
-    for path in decide_on_main(accelerator, candidates):
+    newest_first = decide_on_main(accelerator, candidates)
+    for path in newest_first:
         if not (damage := checkpoint_damage(path, accelerator)):
             return path
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
-        damaged += 1
-    what = f"no intact checkpoint ({damaged} damaged)" if damaged else "no checkpoint yet"
+    what = f"no intact checkpoint ({len(newest_first)} damaged)" if newest_first else "no checkpoint yet"
     logger.warning(f"--resume_from_checkpoint latest: {what} in {output_dir}, starting at step 0")
     return None
-
-
-def _finish_interrupted_saves(output_dir: Path) -> None:
-    """A .tmp-checkpoint-<step> a crash left: renamed into place if complete and intact, else deleted."""
-    for tmp in sorted(p for p in output_dir.glob(".tmp-checkpoint-*") if TMP_CHECKPOINT_RE.fullmatch(p.name)):
-        final = output_dir / tmp.name.removeprefix(".tmp-")
-        if checkpoint_damage(tmp) is None:  # its marker, written last, is there and every file matches it
-            _install(tmp, final)
-            logger.warning(f"completed the interrupted save of {final}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            logger.warning(f"deleted {tmp}, a save that did not complete")
 
 
 def model_signature(model) -> dict:
@@ -515,6 +496,7 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     process): save_pretrained where the model has it, else model.safetensors, through a temporary folder. The names
     go in .model-files.json: the next save and --overwrite_output_dir remove exactly these."""
     output_dir = Path(output_dir)
+    tmp = output_dir / ".tmp-model"
     # accelerate launch --dynamo_backend compiles the model it prepares: the names it gathers start with _orig_mod.
     # (ZeRO-3 gathers the weights on the main process alone: None elsewhere)
     state_dict = {re.sub(r"^(_orig_mod[.])+", "", k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
@@ -523,42 +505,32 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     def write():
         if not state_dict:
             raise RecipeError("the gathered state dict is empty; under ZeRO-3 set zero3_save_16bit_model: true")
-        _write_model(unwrapped, state_dict, output_dir, tokenizer)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        earlier = model_files(output_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
+        if hasattr(unwrapped, "save_pretrained"):
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        else:
+            tmp.mkdir()
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
+        publish(tmp)
+        names = sorted(f.name for f in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, output_dir / name)
+        tmp.rmdir()
+        write_json(output_dir / MODEL_FILES, {"files": names})
+        for stale in set(earlier) - set(names):
+            if (output_dir / stale).is_dir():
+                shutil.rmtree(output_dir / stale)
+            else:
+                (output_dir / stale).unlink(missing_ok=True)
+        logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
     needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
-    tmp = output_dir / ".tmp-model"
-    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp=tmp, main_only=True)
+    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
     return output_dir
-
-
-def _write_model(unwrapped, state_dict: dict, output_dir: Path, tokenizer) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    earlier, tmp = model_files(output_dir), output_dir / ".tmp-model"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
-    if hasattr(unwrapped, "save_pretrained"):
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    else:
-        tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
-    publish(tmp)
-    names = sorted(f.name for f in tmp.iterdir())
-    for name in names:
-        os.replace(tmp / name, output_dir / name)
-    tmp.rmdir()
-    write_json(output_dir / MODEL_FILES, {"files": names})
-    for stale in set(earlier) - set(names):
-        if (output_dir / stale).is_dir():
-            shutil.rmtree(output_dir / stale)
-        else:
-            (output_dir / stale).unlink(missing_ok=True)
-    logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
-
-
-def record_written(output_dir, *names) -> None:
-    """Files a run wrote beside its weights (zero.py's fp32/), recorded as save_model's are."""
-    write_json(Path(output_dir) / MODEL_FILES, {"files": sorted({*model_files(Path(output_dir)), *names})})
 
 
 def model_files(output_dir: Path) -> list:

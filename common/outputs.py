@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -24,25 +25,19 @@ from .checkpoint import (
     MODEL_FILES,
     RESULTS_FILE,
     STATE_FILE,
-    TMP_CHECKPOINT_RE,
     complete_checkpoints,
     load_checkpoint,
     model_files,
     nearest_existing,
-    record_written,
     remove_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
     universal_load_if_resharded,
+    write_json,
 )
 from .metrics import tracker_config, write_results
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
-
-try:
-    import fcntl
-except ImportError:  # Windows: no fcntl locks; runs go unguarded, with a warning
-    fcntl = None
 
 LOCK_FILE = ".run.lock"
 # Files a final save writes: where one is there and no run of ours recorded writing it, the folder holds a model
@@ -55,12 +50,32 @@ TMP_FILES = (".tmp-model", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")  # of 
 
 
 class OutputDir:
-    """--output_dir, claimed for this run, and what the run writes there. `resume_from`: the checkpoint this run
-    continues, or None."""
+    """--output_dir, claimed for this run before any work there, and what the run writes there. An earlier run there
+    is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run raises
+    RunFinished (a requeued job ends, exit 0); a restart under --max_restarts resumes `latest`. Every process proves
+    it can write there now, not hours in. `resume_from`: the checkpoint this run continues, or None."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
-        self.resume_from = prepare_output_dir(accelerator, args)
+        output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
+        for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
+            if name in ("output_dir", "resume_from_checkpoint") or not isinstance(value, str):
+                continue
+            if Path(value).is_dir() and output_dir.resolve().is_relative_to(Path(value).resolve()):
+                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
+                raise RecipeError(
+                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
+                    "would become part of its input, or replace it; pass an --output_dir outside it"
+                )
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if not spec and restarts > 0:
+            logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
+            spec, overwrite = "latest", False  # the first attempt started over already
+        _check_writable(output_dir)
+        decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
+        self.resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
+        decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
+        accelerator.init_trackers(args.recipe, config=tracker_config(args))
         universal_load_if_resharded(accelerator, self.resume_from)  # before the engine is built
 
     def load_checkpoint(self, model, optimizer) -> dict:
@@ -76,35 +91,11 @@ class OutputDir:
         return write_results(self.accelerator, self.args, plan, **metrics)
 
     def record_written(self, *names) -> None:
-        """Files or folders the run wrote beside its weights: the next save or --overwrite_output_dir removes them."""
+        """Files or folders the run wrote beside its weights (zero.py's fp32/), recorded with save_model's: the next
+        save or --overwrite_output_dir removes them."""
         if self.accelerator.is_main_process:
-            record_written(self.args.output_dir, *names)
-
-
-def prepare_output_dir(accelerator, args) -> Path | None:
-    """Claim --output_dir before any work there; return the checkpoint to resume from, or None. An earlier run
-    there is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run
-    raises RunFinished (a requeued job ends, exit 0); a restart under --max_restarts resumes `latest`. Every process
-    proves it can write there now, not hours in."""
-    output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
-    for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
-        if name not in ("output_dir", "resume_from_checkpoint") and isinstance(value, str) and Path(value).is_dir():
-            if output_dir.resolve().is_relative_to(Path(value).resolve()):
-                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
-                raise RecipeError(
-                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
-                    "would become part of its input, or replace it; pass an --output_dir outside it"
-                )
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not spec and restarts > 0:
-        logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
-        spec, overwrite = "latest", False  # the first attempt started over already
-    decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
-    _check_writable(output_dir)
-    resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
-    decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
-    accelerator.init_trackers(args.recipe, config=tracker_config(args))
-    return resume_from
+            output_dir = Path(self.args.output_dir)
+            write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
 
 
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
@@ -162,7 +153,7 @@ def _run_outputs(output_dir: Path) -> list:
     found = [
         p
         for p in output_dir.iterdir()
-        if p.name in names or (p.is_dir() and (CHECKPOINT_RE.fullmatch(p.name) or TMP_CHECKPOINT_RE.fullmatch(p.name)))
+        if p.name in names or (p.is_dir() and CHECKPOINT_RE.fullmatch(p.name.removeprefix(".tmp-")))
     ]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
@@ -206,21 +197,18 @@ def _start_over(output_dir: Path) -> None:
 
 def _check_writable(output_dir: Path) -> None:
     """Every process creates a nameless file (O_TMPFILE: a process stopped here leaves nothing) in output_dir, or the
-    nearest folder above it it sees (NFS may show another node's new folder seconds late); all agree."""
+    nearest folder above it it sees (a first run creates it; NFS may show another node's new folder seconds late);
+    all agree."""
     problem = None
     try:
         tempfile.TemporaryFile(dir=nearest_existing(output_dir)).close()
     except OSError as err:
         problem = one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
-        raise RecipeError(_unwritable(output_dir, problem or f"another process: {problems[0]}"))
-
-
-def _unwritable(output_dir: Path, detail: str) -> str:
-    return (
-        f"cannot write to --output_dir {output_dir} ({detail}); pass a folder this job can write to, on a filesystem "
-        "every node sees"
-    )
+        raise RecipeError(
+            f"cannot write to --output_dir {output_dir} ({problem or f'another process: {problems[0]}'}); pass a "
+            "folder this job can write to, on a filesystem every node sees"
+        )
 
 
 class _RunLock:
@@ -239,20 +227,15 @@ class _RunLock:
     def acquire(self) -> None:
         """Locked, or refused naming the run that holds it; unguarded, with a warning, where the filesystem has no
         locks. On failure the caller releases it."""
-        if self.key in _RunLock.held:  # this process holds it already (a second prepare_output_dir)
+        if self.key in _RunLock.held:  # this process holds it already (a second OutputDir)
             return
         if not _RunLock.held:
             atexit.register(_RunLock.release_all)
         _RunLock.held[self.key] = self
         for _ in range(50):  # the file was removed between our open and our lock (its holder ended): again
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # _check_writable found it can
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RecipeError(_unwritable(self.path.parent, one_line(err))) from err
-            try:
-                if fcntl is None:
-                    raise OSError(errno.ENOSYS, "no fcntl on this platform")
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self.path.exists() and os.stat(self.path)[1:3] == os.fstat(fd)[1:3]:  # (inode, device)
                     self.fd = fd

@@ -178,7 +178,7 @@ def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest
             with pytest.raises(Crash):
                 save(acc, out, 6, limit=1)
         # The next run (a requeue, --max_restarts) resumes with `latest`.
-        found = outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        found = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from
         outputs._RunLock.release_all()
         assert found is not None and ckpt.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
         assert found.name in ("checkpoint-6", "checkpoint-4"), found
@@ -213,13 +213,13 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     with pytest.raises(
         RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"
     ):
-        outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+        outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert snapshot(out) == before and not (out / outputs.LOCK_FILE).exists()
 
     # The entry point turns it into one `done:` line and exit 0 (a requeued job that had finished).
     with pytest.raises(SystemExit) as exit_:
         with exit_codes():
-            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+            outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest"))
     assert exit_.value.code == 0
     assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
         f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
@@ -229,12 +229,12 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
 
     # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
     save(acc, out, 6)
-    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-6"
+    assert outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from == out / "checkpoint-6"
     outputs._RunLock.release_all()
     # Resumed by path from an earlier step, the run saved checkpoint-3, then was stopped: `latest` continues that
     # trajectory, not the finished one nor the one at step 6.
     save(acc, out, 3)
-    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-3"
+    assert outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from == out / "checkpoint-3"
 
 
 def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):
@@ -267,10 +267,10 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     before = snapshot(out)
     for spec in ("latest", str(out / "checkpoint-4")):
         with pytest.raises(RecipeError, match="pass one of them"):
-            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint=spec, overwrite_output_dir=True))
+            outputs.OutputDir(acc[0], options(out, resume_from_checkpoint=spec, overwrite_output_dir=True))
         assert snapshot(out) == before
 
-    assert outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True)) is None
+    assert outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True)).resume_from is None
     assert {k: v for k, v in snapshot(out).items() if k != outputs.LOCK_FILE} == users
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [
@@ -306,23 +306,23 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
         "checkpoint; pass --overwrite_output_dir to start over there from it, or "
         "another --output_dir",
     ):
-        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
+        outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
     assert snapshot(tmp_path) == before
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
     with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
-        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second)))
+        outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second)))
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
     assert (
-        outputs.prepare_output_dir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4")))
+        outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4"))).resume_from
         == second / "checkpoint-4"
     )
     outputs._RunLock.release_all()
     assert snapshot(tmp_path) == before
     # Started over from the other folder's checkpoint: this folder's run is gone, the other one untouched.
     assert (
-        outputs.prepare_output_dir(
+        outputs.OutputDir(
             acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2"), overwrite_output_dir=True)
-        )
+        ).resume_from
         == first / "checkpoint-2"
     )
     assert sorted(p.name for p in second.iterdir()) == [outputs.LOCK_FILE]
@@ -337,7 +337,7 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
     (out / outputs.LOCK_FILE).write_text("pid 1 on a node that was rebooted\n")
     before = snapshot(out)
     with pytest.raises(RecipeError, match="already holds a run"):
-        outputs.prepare_output_dir(acc[0], options(out))
+        outputs.OutputDir(acc[0], options(out))
     outputs._RunLock.release_all()
     assert snapshot(out) == before
 
@@ -359,13 +359,13 @@ def test_a_refused_run_leaves_a_lock_file_as_it_found_it(acc, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RecipeError, match=r"is in use by another run \(pid 1 on a node that was rebooted\); wait"):
-            outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+            outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest"))
         assert snapshot(out) == before
     finally:
         holder.kill()
         holder.wait()
     # The holder died: its lock with it.
-    assert outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest")) == out / "checkpoint-2"
+    assert outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from == out / "checkpoint-2"
     lock_text = (out / outputs.LOCK_FILE).read_text()
     assert lock_text.startswith(f"pid {os.getpid()} on {socket.gethostname()}, started ")
     outputs._RunLock.release_all()
@@ -378,7 +378,7 @@ def test_a_filesystem_without_locks_is_used_with_one_warning(acc, tmp_path, monk
 
     monkeypatch.setattr(outputs.fcntl, "lockf", refuse)
     with caplog.at_level(logging.WARNING, logger="recipes"):
-        assert outputs.prepare_output_dir(acc[0], options(tmp_path / "run")) is None
+        assert outputs.OutputDir(acc[0], options(tmp_path / "run")).resume_from is None
     assert caplog.text.count("cannot lock --output_dir") == 1 and "would not be stopped" in caplog.text
     assert not (tmp_path / "run" / outputs.LOCK_FILE).exists()
 
@@ -421,7 +421,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
             first.kill()  # like the OOM killer: no exit handler runs
             first.wait()
     assert (out / outputs.LOCK_FILE).exists()  # the file stays; the lock died with the process
-    resumed = outputs.prepare_output_dir(acc[0], options(out, resume_from_checkpoint="latest"))
+    resumed = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from
     assert resumed is not None and resumed.name.startswith("checkpoint-")
     assert (out / outputs.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
 
@@ -472,7 +472,7 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_every_checkpoint(acc
 
     # Two checkpoints fit, a third and the final weights do not.
     out = small_disk(int(2.2 * size)) / "run"
-    outputs.prepare_output_dir(acc[0], options(out))
+    outputs.OutputDir(acc[0], options(out))
     save(acc, out, 2)
     save(acc, out, 4)
     before = snapshot(out)

@@ -54,19 +54,21 @@ def test_a_folder_holding_a_model_no_run_wrote_is_never_written_over(acc, tiny_l
     with pytest.raises(
         RecipeError, match=r"holds a model that no run of these recipes wrote \(model.safetensors, config"
     ):
-        outputs.prepare_output_dir(acc[0], options(model, **flags))
+        outputs.OutputDir(acc[0], options(model, **flags))
     assert snapshot(model) == before
 
 
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     """zero.py's fp32/ export is recorded with the weights: --overwrite_output_dir removes it, not a user's folder."""
     out = tmp_path / "run"
-    ckpt.save_model(*acc, out)
+    run = outputs.OutputDir(acc[0], options(out))
+    run.save_model(acc[1])
     (out / "fp32").mkdir()
     (out / "fp32" / "model.safetensors").write_bytes(b"weights")
-    ckpt.record_written(out, "fp32")
+    run.record_written("fp32")
     (out / "mine").mkdir()
-    outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True))
+    outputs._RunLock.release_all()  # the run ended
+    outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
 
 
@@ -82,7 +84,7 @@ def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path
     ckpt.write_checkpoint(acc[0], out, 6, {"args": {}}, total_limit=1, model=acc[1])  # rotates 2 and 4 out
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-6", "checkpoint-999"]
     assert [p.name for p in (out / "checkpoint-2").iterdir()] == ["my_eval.txt"]
-    outputs.prepare_output_dir(acc[0], options(out, overwrite_output_dir=True))
+    outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "checkpoint-2", "checkpoint-999"]
     assert (out / "checkpoint-2" / "my_eval.txt").read_text() == (out / "checkpoint-999" / "notes.txt").read_text()
 
@@ -93,7 +95,7 @@ def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
     with pytest.raises(
         RecipeError, match=r"--output_dir .*/train/out lies inside --train_dir .*, which the run reads"
     ):
-        outputs.prepare_output_dir(acc[0], options(tmp_path / "train" / "out", train_dir=str(tmp_path / "train")))
+        outputs.OutputDir(acc[0], options(tmp_path / "train" / "out", train_dir=str(tmp_path / "train")))
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["cat"]
 
 
