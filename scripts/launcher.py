@@ -273,7 +273,7 @@ def main(argv: list[str]) -> int:
         # One CPU process needs no group: without --cpu accelerate would wrap the model in a DistributedDataParallel
         # of one process (benchmarks/). --max_restarts needs torchrun's agent; the doctor times a group's all-reduce.
         cmd += ["--cpu"] if use_cpu and per_node == 1 and max_restarts is None and recipe != "doctor" else []
-    if max_restarts is not None:  # restarted processes resume from the newest checkpoint (common.prepare_output_dir)
+    if max_restarts is not None:  # restarted processes resume from the newest checkpoint (common.OutputDir)
         # Each attempt its own store: the one torch's rendezvous shares with the processes keeps a dead attempt's
         # addresses, and a restart would hang on them (pytorch#135712); static rendezvous always shares it, so c10d,
         # on one node too, at MASTER_PORT (torchrun's PET_ variable: accelerate sets no endpoint on one node).
@@ -359,6 +359,9 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
         return stopped_before("training", stop)
     if isinstance(err, ChildFailedError):
         rank, failure = first_failure(err.failures)
+        if failure.exitcode == 75 and rank != 0:  # a stop that reached it alone: rank 0 said nothing of it
+            say(f"process rank {rank} (pid {failure.pid}) was stopped by a signal before training; nothing was saved "
+                "(exit 75)")  # fmt: skip
         return exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")
     if isinstance(err, subprocess.CalledProcessError):  # accelerate's launcher of one process without a group
         return exit_code(err.returncode, "the process")
@@ -382,10 +385,11 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
 
 def first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the process that failed first. torch stamps whole seconds, and a process whose peer left
-    often fails in the same one: then the one that said why (2: a user mistake, 75: stopped at a checkpoint) is the
-    cause, then one that exited rather than was killed."""
+    often fails in the same one: then the one that said why (2: a user mistake, 75: stopped) is the cause, then one
+    that did not lose its peer (124), then one that exited rather than was killed."""
     by_rank = sorted(failures.items())  # min() keeps the first of equals: the lowest rank
-    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode not in (2, 75), rf[1].exitcode < 0))
+    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode not in (2, 75), rf[1].exitcode == 124,
+                                        rf[1].exitcode < 0))  # fmt: skip
 
 
 def exit_code(exitcode: int, who: str) -> int:

@@ -154,6 +154,9 @@ def test_the_first_failure_is_the_cause():
     assert launcher.first_failure({0: failure(-15, 10), 1: failure(75, 10), 2: failure(1, 10)})[0] == 1
     assert launcher.first_failure({0: failure(-9, 10), 1: failure(1, 10)})[0] == 1
     assert launcher.first_failure({3: failure(1, 10), 2: failure(1, 10)})[0] == 2
+    # one that lost its peer (124: the collective it waited in broke) is not the cause: the peer, crashed or killed, is
+    assert launcher.first_failure({0: failure(124, 10), 1: failure(1, 10)})[0] == 1
+    assert launcher.first_failure({0: failure(124, 10), 1: failure(-9, 10)})[0] == 1
 
 
 def test_exit_codes(capfd):
