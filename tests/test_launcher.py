@@ -230,6 +230,7 @@ if rank == "0":
     open(os.environ["RECIPE_STATUS_FILE"], "w").write("preempted 3 /out/checkpoint-3\\n")
 with open(log, "a") as f:
     f.write(f"rank {{rank}}: {{len(got)}} SIGTERM\\n")
+time.sleep(1)  # the others count theirs before torch's agent, seeing this one exit, sends them its own SIGTERM
 sys.exit(75)
 """
 
