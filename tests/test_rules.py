@@ -227,7 +227,7 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_o
     import psutil
 
     big = tmp_path / "big.jsonl"
-    big.write_text(Path(tiny_lm["train"]).read_text() * 300)  # tokenizing takes seconds
+    big.write_text(Path(tiny_lm["train"]).read_text() * 1000)  # tokenizing takes seconds: the stop lands in it
     out = tmp_path / "run"
     args = lm_args(tiny_lm, out, "--max_train_steps", "1000", data=["--train_file", big])
     cmd = [REPO / "launch.sh", "lm_finetune", "--num_processes", "2", *args]
