@@ -98,21 +98,21 @@ def recipe(steps, accelerator, out):
     tic = time.thread_time()
     while at.step < plan.max_train_steps:
         batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
             lr = plan.lr_at(at.seen)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             for i, (x, y) in enumerate(window):
-                accelerator.sync_gradients = i == len(window) - 1
+                accelerator.sync_gradients = i == k - 1
                 with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = F.cross_entropy(model(x), y)
-                    accelerator.backward(loss if len(window) == k else loss * (k / len(window)))
+                    accelerator.backward(loss)
                 log.add(loss, y.shape[0])
             optimizer.step()
             model.zero_grad()
             at.step += 1
-            at.sample += len(window) * plan.round_samples
-            at.seen += len(window) * plan.round_samples
+            at.sample += plan.effective_batch_size
+            at.seen += plan.effective_batch_size
             log.step(at.step, at.seen, waited=batches.waited)
             stopping = stop.requested(at.step)
             if stopping or (every not in (None, "epoch") and at.step % every == 0):

@@ -140,7 +140,7 @@ class TrainLog:
         self._bar.close()
         atexit.unregister(self._bar.close)
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
-        epoch_samples = self.plan.num_samples - self.plan.num_samples % self.plan.round_samples  # less its remainder
+        epoch_samples = self.plan.steps_per_epoch * self.plan.effective_batch_size  # less its remainder
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
         steady = None

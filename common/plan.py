@@ -44,8 +44,8 @@ class Position:
 
 @dataclass(frozen=True)
 class TrainingPlan:
-    """What the loop needs to know in advance. A step takes up to `gradient_accumulation_steps` rounds of one
-    batch per process (an epoch's last may take fewer); an incomplete last round is dropped."""
+    """What the loop needs to know in advance. A step takes `gradient_accumulation_steps` rounds of one batch per
+    process; an epoch's remainder too short for a step is dropped, as one process's batch of them all would be."""
 
     num_samples: int  # in the training set
     per_device_batch_size: int
@@ -69,7 +69,7 @@ class TrainingPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.num_samples // self.round_samples / self.gradient_accumulation_steps)
+        return self.num_samples // self.round_samples // self.gradient_accumulation_steps
 
     def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
         """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
@@ -77,9 +77,9 @@ class TrainingPlan:
         k, per_round = self.gradient_accumulation_steps, self.round_samples
         epoch, sample, taken, trained = start.epoch, start.sample, 0, 0
         while taken < steps and trained < samples and epoch < epochs:
-            left = (self.num_samples - sample) // per_round  # whole rounds left in this epoch
-            n = min(-(-left // k), steps - taken, -(-(samples - trained) // (k * per_round)))  # ceilings: steps
-            taken, trained = taken + n, trained + min(n * k, left) * per_round
+            left = (self.num_samples - sample) // (k * per_round)  # whole steps left in this epoch
+            n = min(left, steps - taken, -(-(samples - trained) // (k * per_round)))  # a ceiling: whole steps
+            taken, trained = taken + n, trained + n * k * per_round
             epoch, sample = epoch + 1, 0
         return taken, trained
 

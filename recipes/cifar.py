@@ -230,27 +230,25 @@ def main(argv=None):
     k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
     while at.step < plan.max_train_steps:
         batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
             lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             for i, (images, labels) in enumerate(window):
-                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                accelerator.sync_gradients = i == k - 1  # reduce and step on the last micro-batch only
                 with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     if on_gpu:
                         images = images.contiguous(memory_format=torch.channels_last)
                     loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
-                    # Accelerate divides by the accumulation steps: an epoch's shorter last window is weighted
-                    # up, so every step's gradient is the mean over the samples it trained
-                    accelerator.backward(loss if len(window) == k else loss * (k / len(window)))
+                    accelerator.backward(loss)
                 log.add(loss, labels.shape[0])
             if args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
-            at.sample += len(window) * plan.round_samples
-            at.seen += len(window) * plan.round_samples
+            at.sample += plan.effective_batch_size
+            at.seen += plan.effective_batch_size
             log.step(at.step, at.seen, waited=batches.waited)
             stopping = stop.requested(at.step)  # on every process at the same step
             if stopping or (every not in (None, "epoch") and at.step % every == 0):

@@ -177,14 +177,14 @@ def main(argv=None):
     k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
     while at.step < plan.max_train_steps:
         batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
             lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # the step's loss is its mean over these, whatever the split into processes, batches and accumulation
             tokens = window_tokens(accelerator, window)
             for i, batch in enumerate(window):
-                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                accelerator.sync_gradients = i == k - 1  # reduce and step on the last micro-batch only
                 with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
                     # Accelerate divides by the accumulation steps and DDP averages over processes; the
@@ -196,8 +196,8 @@ def main(argv=None):
             optimizer.step()
             model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
-            at.sample += len(window) * plan.round_samples
-            at.seen += len(window) * plan.round_samples
+            at.sample += plan.effective_batch_size
+            at.seen += plan.effective_batch_size
             log.step(at.step, at.seen, waited=batches.waited)
             stopping = stop.requested(at.step)  # on every process at the same step
             if stopping or (every not in (None, "epoch") and at.step % every == 0):

@@ -165,14 +165,14 @@ def main(argv=None):
     k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
     while at.step < plan.max_train_steps:
         batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and (window := list(itertools.islice(batches, k))):
+        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
             if ds_scheduler is None:  # else a DeepSpeed config's own, which DeepSpeed steps in backward
                 for group in optimizer.param_groups:  # the schedule counts samples: exact on any layout
                     group["lr"] = plan.lr_at(at.seen)
             # the step's loss is its mean over these, whatever the split into processes, batches and accumulation
             tokens = window_tokens(accelerator, window)
             for i, batch in enumerate(window):
-                accelerator.sync_gradients = i == len(window) - 1  # reduce and step on the last micro-batch only
+                accelerator.sync_gradients = i == k - 1  # reduce and step on the last micro-batch only
                 with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
                     loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
                     # DeepSpeed divides by the accumulation steps and averages over processes; the loss
@@ -185,8 +185,8 @@ def main(argv=None):
             optimizer.step()
             model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
             at.step += 1
-            at.sample += len(window) * plan.round_samples
-            at.seen += len(window) * plan.round_samples
+            at.sample += plan.effective_batch_size
+            at.seen += plan.effective_batch_size
             log.step(at.step, at.seen, ds_scheduler.get_last_lr()[0] if ds_scheduler else None, batches.waited)
             stopping = stop.requested(at.step)  # on every process at the same step
             if stopping or (every not in (None, "epoch") and at.step % every == 0):

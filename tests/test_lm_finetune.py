@@ -153,6 +153,25 @@ def test_every_target_token_weighs_the_same_however_a_step_is_split_into_process
     assert results(two)["world_size"] == 2
 
 
+@pytest.mark.slow
+def test_accumulation_across_an_epoch_end_trains_what_one_big_batch_trains(tiny_lm, tmp_path):
+    """An epoch of the chats is 15 steps of 8 blocks and a remainder: 1 process x batch 2 x accumulation 4 and
+    2 x 4 drop the remainder as 1 x 8 does (an epoch's last, shorter window trained as a step of its own made a
+    different model: 6% of the update apart), so 17 steps across the epoch end train the same samples and weights."""
+    outs = {name: tmp_path / name for name in ("1x8", "1x2x4", "2x4")}
+    over_the_epoch_end = ("--max_train_steps", "17", "--learning_rate", "1e-3", "--validation_split_percentage", "5")
+    run([BIN / "python", RECIPE, *chat_args(tiny_lm, outs["1x8"], 8, *over_the_epoch_end)])
+    accumulated = ("--gradient_accumulation_steps", "4", *over_the_epoch_end)
+    run([BIN / "python", RECIPE, *chat_args(tiny_lm, outs["1x2x4"], 2, *accumulated)])
+    cmd, env = accelerate_cpu(2, RECIPE, *chat_args(tiny_lm, outs["2x4"], 4, *over_the_epoch_end))
+    run(cmd, env=env)
+    seen = {name: [h["samples_seen"] for h in results(out)["log_history"]] for name, out in outs.items()}
+    assert seen["1x8"] == seen["1x2x4"] == seen["2x4"] == [8 * step for step in range(1, 18)], seen
+    assert results(outs["1x8"])["epochs"] > 1  # the run crossed the epoch end
+    for name in ("1x2x4", "2x4"):
+        assert update_distance(outs[name], outs["1x8"], tiny_lm["model"]) < 1e-5, name
+
+
 def test_target_tokens_counts_the_shifted_labels_and_a_step_without_any_is_a_zero_update(tiny_lm):
     from accelerate import PartialState
 
