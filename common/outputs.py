@@ -22,6 +22,7 @@ from accelerate.utils import gather_object
 
 from .checkpoint import (
     CHECKPOINT_RE,
+    HASH,
     MODEL_FILES,
     RESULTS_FILE,
     STATE_FILE,
@@ -101,7 +102,10 @@ class OutputDir:
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     """On the main process: lock output_dir, refuse what would mix or overwrite runs."""
     path = None if spec in (None, "latest") else Path(spec)
-    if path is not None and not (path / STATE_FILE).is_file():  # a typo, or the run's folder itself
+    if path is not None and not path.exists():
+        hint = " (did you mean latest?)" if spec.strip().lower() == "latest" else ""
+        raise RecipeError(f"--resume_from_checkpoint {spec}: no such file or directory{hint}; check the path")
+    if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
         raise RecipeError(
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
             "folder written by a recipe, or `latest`"
@@ -117,10 +121,11 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
         lock.acquire()
         ours = model_files(output_dir)
         foreign = [n for n in MODEL_NAMES if (output_dir / n).exists() and n not in ours]
+        foreign += [p.name for p in _run_outputs(output_dir) if not _ours(p)]  # another trainer's, a user's
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
             raise RecipeError(
-                f"--output_dir {output_dir} holds a model that no run of these recipes wrote ({', '.join(foreign)}), "
-                "which a run would write over; pass another --output_dir"
+                f"--output_dir {output_dir} holds files that no run of these recipes wrote ({', '.join(foreign[:4])}),"
+                " which a run would write over; pass another --output_dir"
             )
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
@@ -156,6 +161,20 @@ def _run_outputs(output_dir: Path) -> list:
         if p.name in names or (p.is_dir() and CHECKPOINT_RE.fullmatch(p.name.removeprefix(".tmp-")))
     ]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
+
+
+def _ours(path: Path) -> bool:
+    """Whether results.json or a checkpoint-<step> folder with a trainer_state.json is a run's: its record holds
+    what only a recipe writes (the library versions; the checksums). Anything else _run_outputs lists is a save's
+    temporary form or a checkpoint cut short, both named as only our saves name them."""
+    checkpoint = CHECKPOINT_RE.fullmatch(path.name)
+    record, key = (path / STATE_FILE, HASH) if checkpoint else (path, "versions")
+    if path.name != RESULTS_FILE and not (checkpoint and record.is_file()):
+        return True
+    try:
+        return key in json.loads(record.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _finished(output_dir: Path) -> str | None:

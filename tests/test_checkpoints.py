@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -208,7 +209,7 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     out = tmp_path / "run"
     save(acc, out, 4)
     ckpt.save_model(acc[0], acc[1], out)
-    ckpt.write_json(out / "results.json", {"steps": 4})
+    ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}})
     before = snapshot(out)
     with pytest.raises(
         RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"
@@ -247,7 +248,7 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     ckpt.save_model(acc[0], lm, out, AutoTokenizer.from_pretrained(tiny_lm["model"]))
     written = json.loads((out / ckpt.MODEL_FILES).read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written)
-    ckpt.write_json(out / "results.json", {"steps": 4})
+    ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}})
     (out / ".tmp-checkpoint-6").mkdir()  # a save that crashed
     # The user's own things, some named like ours but not as we name them.
     for folder in ("best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune"):
@@ -297,7 +298,7 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     first, second = tmp_path / "first", tmp_path / "second"
     save(acc, first, 2)
     save(acc, second, 4)
-    ckpt.write_json(second / "results.json", {"steps": 4})
+    ckpt.write_json(second / "results.json", {"steps": 4, "versions": {}})
     before = snapshot(tmp_path)
     with pytest.raises(
         RecipeError,
@@ -308,6 +309,11 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     ):
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(first / "checkpoint-2")))
     assert snapshot(tmp_path) == before
+    # A path that is not there is said to be missing (a typo of latest, too), not taken for a damaged checkpoint.
+    for spec, said in ((second / "checkpoint-40", "no such file or directory; check the path"),
+                       ("Latest", "no such file or directory (did you mean latest?); check the path")):  # fmt: skip
+        with pytest.raises(RecipeError, match=re.escape(f"--resume_from_checkpoint {spec}: {said}")):
+            outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(spec)))
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
     with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second)))

@@ -47,16 +47,28 @@ def options(out, **kw):
 
 
 @pytest.mark.parametrize("flags", [{}, {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}])
-def test_a_folder_holding_a_model_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags):
-    """--output_dir pointed at the pretrained model's own folder: refused whatever the flags, the folder as it was."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_lm["model"], model)
-    before = snapshot(model)
+@pytest.mark.parametrize("what", ["a model", "results.json", "another trainer's checkpoints"])
+def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags, what):
+    """--output_dir pointed at the pretrained model's own folder, at a folder with a results.json of the user's, or
+    at transformers Trainer's output (checkpoint-500/trainer_state.json): refused whatever the flags, the folder as
+    it was. A checkpoint or results.json is a run's when its record names the recipe."""
+    folder = tmp_path / "folder"
+    if what == "a model":
+        shutil.copytree(tiny_lm["model"], folder)
+    elif what == "results.json":
+        folder.mkdir()
+        (folder / "results.json").write_text('{"my": "own results"}')
+    else:
+        (folder / "checkpoint-500").mkdir(parents=True)
+        (folder / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500, "log_history": []}')
+        (folder / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"weights")
+    before = snapshot(folder)
+    named = {"a": "model.safetensors, config", "results.json": "results.json", "another": "checkpoint-500"}
     with pytest.raises(
-        RecipeError, match=r"holds a model that no run of these recipes wrote \(model.safetensors, config"
+        RecipeError, match=f"holds files that no run of these recipes wrote \\({named[what.split()[0]]}"
     ):
-        outputs.OutputDir(acc[0], options(model, **flags))
-    assert snapshot(model) == before
+        outputs.OutputDir(acc[0], options(folder, **flags))
+    assert snapshot(folder) == before
 
 
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
@@ -361,7 +373,7 @@ def test_what_a_run_writes_gets_the_permissions_the_umask_gives(acc, tmp_path):
         out = tmp_path / "run"
         ckpt.write_checkpoint(acc[0], out, 2, {"epoch": 0, "samples_in_epoch": 0}, None, acc[1])
         ckpt.save_model(*acc, out)
-        ckpt.write_json(out / "results.json", {"steps": 2})
+        ckpt.write_json(out / "results.json", {"steps": 2, "versions": {}})
     finally:
         os.umask(old)
     modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
