@@ -227,10 +227,13 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     _refuse_known_bad_versions(expected)
-    if expected > 1 and not os.environ.get("MASTER_ADDR"):  # every launcher of a group sets both
+    ranks = [f"{name}={os.environ[name]}" for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if name in os.environ]
+    missing = [name for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR") if not os.environ.get(name)]
+    if ranks and missing:  # every launcher of a group sets them all; torch would fail, or wait for the group
         raise RecipeError(
-            f"WORLD_SIZE={expected} is set, but no launcher started this process as one of a group (no MASTER_ADDR): "
-            "left from another job? unset WORLD_SIZE and RANK, and start the processes with ./launch.sh or "
+            f"{' '.join(ranks)} {'is' if len(ranks) == 1 else 'are'} set, but no launcher started this process as one "
+            f"of a group (no {' or '.join(missing)}): left from another job? unset "
+            f"{' and '.join(r.partition('=')[0] for r in ranks)}, and start the processes with ./launch.sh or "
             "accelerate launch",
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )

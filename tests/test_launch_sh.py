@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import BIN, REPO, cpu_env, digits_args, lm_args, preempted_at, results, run, user_env
+from conftest import BIN, REPO, cpu_env, digits_args, error_lines, lm_args, preempted_at, results, run, user_env
 
 LAUNCH = REPO / "launch.sh"
 
@@ -545,7 +545,20 @@ def test_variables_left_from_another_job_do_not_make_a_process_of_one_a_rank(tin
     by_hand = tmp_path / "by_hand"
     proc = run([BIN / "python", REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, by_hand)], env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "error: WORLD_SIZE=4 is set, but no launcher started this process as one of a group (no MASTER_ADDR): left "
-        "from another job? unset WORLD_SIZE and RANK, and start the processes with ./launch.sh or accelerate launch"
+        "error: WORLD_SIZE=4 RANK=2 are set, but no launcher started this process as one of a group (no MASTER_ADDR): "
+        "left from another job? unset WORLD_SIZE and RANK, and start the processes with ./launch.sh or accelerate "
+        "launch"
     ), proc.stderr[-2000:]
     assert not by_hand.exists()
+    for stale, missing in (
+        ({"LOCAL_RANK": "1"}, "WORLD_SIZE or RANK or MASTER_ADDR"),
+        (
+            {"WORLD_SIZE": "1", "RANK": "0"},
+            "MASTER_ADDR",  # torch's env:// would fail on each in a traceback
+        ),
+    ):
+        env = {k: v for k, v in cpu_env(**stale).items() if k not in ("WORLD_SIZE", "RANK") or k in stale}
+        proc = run([BIN / "python", REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, by_hand)], env=env, check=False)
+        lines = error_lines(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1 and f"of a group (no {missing}): left" in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr and not by_hand.exists()
