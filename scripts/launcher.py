@@ -396,6 +396,8 @@ def exit_code(exitcode: int, who: str) -> int:
     """A shell's exit code for a process's, saying why where the process could not: it was killed."""
     if exitcode >= 0:
         return exitcode
+    if -exitcode in (signal.SIGTERM, signal.SIGUSR1):  # in its first seconds, before its handlers: nothing to save
+        return stopped_before("training", signal.Signals(-exitcode).name)
     name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
     say(f"{who} was killed by {name}{' (out of memory? see dmesg)' if -exitcode == signal.SIGKILL else ''}")
     return 128 - exitcode

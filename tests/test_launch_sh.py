@@ -532,6 +532,30 @@ def test_a_stop_while_launch_sh_prepares_is_one_line(tiny_lm, tmp_path, sig):
 
 
 @pytest.mark.slow
+def test_a_stop_sent_to_the_training_processes_as_they_start_is_a_stop(tiny_lm, tmp_path):
+    """SIGTERM to the training processes themselves (a cgroup's kill under Slurm) in their first instants, while
+    they import torch and before their handlers exist: it kills them, and launch.sh reports the stop (exit 75, a
+    requeued job starts again), not a process killed by a signal (143)."""
+    out = tmp_path / "run"
+    proc, _, err = start(["lm_finetune", "--num_processes", "2", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
+    try:
+
+        def training_processes():
+            return [p for p in processes_of(out) if "recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3])]
+
+        wait_until(lambda: len(training_processes()) == 2 or proc.poll() is not None, 120, "no training processes")
+        for p in training_processes():
+            p.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        for p in processes_of(out):
+            p.kill()
+    text = read(err)
+    no_noise(text)
+    assert code == 75 and "killed by" not in text, text[-3000:]
+
+
+@pytest.mark.slow
 def test_variables_left_from_another_job_do_not_make_a_process_of_one_a_rank(tiny_lm, tmp_path):
     """WORLD_SIZE and RANK left in the shell by another job: launch.sh's process of one trains alone (a group's
     launcher sets them; launch.sh drops stale ones), and the recipe started by hand with them says so in one line."""

@@ -165,6 +165,9 @@ def test_exit_codes(capfd):
     assert launcher.exit_code(-signal.SIGKILL, "process rank 1 (pid 7)") == 137
     said = capfd.readouterr().err
     assert said == "launch.sh: process rank 1 (pid 7) was killed by SIGKILL (out of memory? see dmesg)\n"
+    # a stop that came while the process imported, before its handlers: nothing to save, 75 as for any stop then
+    assert launcher.exit_code(-signal.SIGTERM, "process rank 0 (pid 7)") == 75
+    assert capfd.readouterr().err == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)\n"
 
 
 @pytest.mark.parametrize(
