@@ -8,10 +8,12 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+from accelerate import PartialState
+
 from .args import LR_SCALING_RULES
 from .checkpoint import changed_settings, read_state
 from .data import fingerprint
-from .runtime import RecipeError, logger
+from .runtime import RecipeError, decide_on_main, logger
 
 
 def effective_batch_size(per_device_batch_size: int, num_processes: int, gradient_accumulation_steps: int) -> int:
@@ -125,7 +127,8 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
     """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` in any layout."""
-    plan = replace(plan_training(args, len(dataset), num_processes), data_fingerprint=fingerprint(dataset))
+    digest = decide_on_main(PartialState(), lambda: fingerprint(dataset))  # read once; a bad sample said once
+    plan = replace(plan_training(args, len(dataset), num_processes), data_fingerprint=digest)
     start = Position()
     if resume is not None:
         plan, start = _resumed(args, plan, read_state(resume), resume)
