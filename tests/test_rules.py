@@ -63,10 +63,9 @@ def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, 
         (folder / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500, "log_history": []}')
         (folder / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"weights")
     before = snapshot(folder)
-    named = {"a": "model.safetensors, config", "results.json": "results.json", "another": "checkpoint-500"}
-    with pytest.raises(
-        RecipeError, match=f"holds files that no run of these recipes wrote \\({named[what.split()[0]]}"
-    ):
+    named = {"a model": "model.safetensors, config", "results.json": "results.json"}
+    named["another trainer's checkpoints"] = "checkpoint-500"
+    with pytest.raises(RecipeError, match=f"holds files that no run of these recipes wrote \\({named[what]}"):
         outputs.OutputDir(acc[0], options(folder, **flags))
     assert snapshot(folder) == before
 
