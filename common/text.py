@@ -357,7 +357,9 @@ def load_causal_lm(args, **model_kwargs):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)  # first: the tokenizer reads it too
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
         if args.model_name_or_path:
-            model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust, **model_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, config=config, trust_remote_code=trust, **model_kwargs
+            )
         else:
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
