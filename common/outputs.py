@@ -119,9 +119,9 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     lock = _RunLock.held.get(output_dir.resolve()) or _RunLock(output_dir)
     try:
         lock.acquire()
-        ours = model_files(output_dir)
+        ours, previous = model_files(output_dir), _run_outputs(output_dir)
         foreign = [n for n in MODEL_NAMES if (output_dir / n).exists() and n not in ours]
-        foreign += [p.name for p in _run_outputs(output_dir) if not _ours(p)]  # another trainer's, a user's
+        foreign += [p.name for p in previous if not _ours(p)]  # another trainer's, a user's
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
             raise RecipeError(
                 f"--output_dir {output_dir} holds files that no run of these recipes wrote ({', '.join(foreign[:4])}),"
@@ -129,7 +129,6 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
             )
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
-        previous = [p.name for p in _run_outputs(output_dir)]
         if previous and not (continuing or overwrite):
             advice = (
                 f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir to "
@@ -138,7 +137,8 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
                 else "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
                 "another --output_dir"
             )
-            raise RecipeError(f"--output_dir {output_dir} already holds a run ({', '.join(previous[:4])}){advice}")
+            names = ", ".join(p.name for p in previous[:4])
+            raise RecipeError(f"--output_dir {output_dir} already holds a run ({names}){advice}")
     except BaseException:
         lock.release()
         raise

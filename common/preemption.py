@@ -137,6 +137,19 @@ class StopOnSignal:
         )
 
 
+def restarted_after_mistake() -> bool:
+    """Whether this process is a restart (--max_restarts) of a run whose attempt before ended in a user's mistake
+    (exit 2, launch.sh's status file says so)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return False
+    try:
+        with open(path) as f:
+            return f.read().split() == ["error", "2"]
+    except OSError:
+        return False
+
+
 def write_status(text: str) -> None:
     """Tell launch.sh (which sets RECIPE_STATUS_FILE) how the run ended."""
     path = os.environ.get(STATUS_FILE_ENV)

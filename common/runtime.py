@@ -158,6 +158,8 @@ def exit_codes():
     exit 2; RunFinished `done:` and 0; a stop on a signal 75; a second Ctrl-C 130; a stuck collective 124; a bug
     its traceback and 1. launch.sh reads how the run ended from RECIPE_STATUS_FILE."""
     install_stop_handlers()
+    if preemption.restarted_after_mistake():  # --max_restarts: a restart does not mend a mistake, its line was said
+        sys.exit(2)
     try:
         try:
             yield
@@ -165,7 +167,9 @@ def exit_codes():
             preemption.ending()  # a signal from here on cannot interrupt the handling below
         write_status("finished")
         return
-    except SystemExit:  # argparse's --help and usage errors
+    except SystemExit as exit_:  # argparse's --help and usage errors
+        if exit_.code == 2:
+            write_status("error 2")
         raise
     except BaseException as err:
         stop = None if isinstance(err, RunFinished) else preemption.stop_before_training()
@@ -174,7 +178,7 @@ def exit_codes():
         # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
         tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
     if status:
-        write_status(status)  # launch.sh's rank 0 alone writes it
+        write_status(f"{status} {code}" if status == "error" else status)  # launch.sh's rank 0 alone writes it
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash: taken down only when every process is here (one still in a collective would wait for ever), and a
     # process of several skips the interpreter's teardown (exit_without_teardown).
