@@ -10,6 +10,7 @@ import math
 import operator
 import os
 import re
+from pathlib import Path
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 # transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
@@ -24,6 +25,38 @@ TRAINING_HYPERPARAMETERS = (
     "max_grad_norm", "num_train_epochs", "logging_steps",
 )  # fmt: skip
 GIVEN: dict = {}  # option -> text value of the last parse: where a failing path came from (runtime.os_error_line)
+STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # set by launch.sh: how the run ended (common.preemption), and who said why
+
+
+def first_to_say(code: int, everyone: bool = False) -> bool:
+    """Whether this process says why it ends (exit `code`). Under launch.sh the first of its node's processes (in this
+    attempt, under --max_restarts) to end with a line does: the others end because of it (torch's agent stops them,
+    their collectives break); it records `code` beside launch.sh's status file. Elsewhere rank 0 (the launcher's
+    RANK) does, or every process that met it (`everyone`)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return everyone or os.environ.get("RANK", "0") == "0"
+    try:
+        said = os.open(
+            f"{path}.said-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", os.O_CREAT | os.O_EXCL | os.O_WRONLY
+        )
+    except FileExistsError:
+        return False
+    except OSError:  # launch.sh's folder gone: said twice rather than not at all
+        return True
+    os.write(said, f"{code}\n".encode())
+    os.close(said)
+    return True
+
+
+def restarted_after_mistake() -> bool:
+    """Whether this process is a restart (--max_restarts) of an attempt that ended on a user's mistake (its line said,
+    exit 2), which no restart mends."""
+    path, restart = os.environ.get(STATUS_FILE_ENV), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        return bool(path and restart) and Path(f"{path}.said-{restart - 1}").read_text().strip() == "2"
+    except OSError:
+        return False
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -55,8 +88,8 @@ class ArgumentParser(argparse.ArgumentParser):
         return namespace
 
     def error(self, message):
-        # The launcher's RANK: under `accelerate launch` every process would print the same line.
-        self.exit(2, f"error: {mask_secrets(message)}\n" if os.environ.get("RANK", "0") == "0" else None)
+        # every process parses the same line: said once
+        self.exit(2, f"error: {mask_secrets(message)}\n" if first_to_say(2) else None)
 
 
 # Credentials: the value of an option named like one, by whole words of its name (hub_token and api_key, not

@@ -11,7 +11,6 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from .preemption import ignore_stop_signals
 from .runtime import decide_on_main
 
 
@@ -54,7 +53,6 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_wor
         pin_memory=torch.cuda.is_available() and not on_device,
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
-        worker_init_fn=ignore_stop_signals,
     )
 
 

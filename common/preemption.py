@@ -17,18 +17,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from .args import STATUS_FILE_ENV
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
 HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (nothing saved of it)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # launch.sh reads why the recipe stopped from this file
 
 _received: list[int] = []  # signal numbers, in the order they arrived
 _in_loop = False  # a StopOnSignal exists: the loop stops at a step instead
 _ending = False  # common.exit_codes is ending the run: a stop is recorded, not raised inside its handling
+_owner = None  # the process whose handlers these are: a forked worker inherits them
 
 
-class Preempted(Exception):
-    """The run stopped on a signal, after saving `checkpoint` (None: before training, nothing to save)."""
+class Preempted(BaseException):
+    """The run stopped on a signal, after saving `checkpoint` (None: before training, nothing to save). A stop, not an
+    error, as KeyboardInterrupt: the `except Exception` of a library or of ours lets it through, unwrapped."""
 
     def __init__(self, message: str, step=None, checkpoint=None):
         super().__init__(message)  # step and checkpoint travel in __dict__ (pickled by decide_on_main's broadcast)
@@ -39,6 +42,8 @@ def install_stop_handlers() -> None:
     """From here on SIGTERM, SIGUSR1 and a first SIGINT stop the run instead of killing the process."""
     if threading.current_thread() is not threading.main_thread():
         return  # Python lets only the main thread install handlers (a notebook's worker, say)
+    global _owner
+    _owner = os.getpid()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _record)
     atexit.unregister(_end_loader_workers)
@@ -46,6 +51,8 @@ def install_stop_handlers() -> None:
 
 
 def _record(signum, frame) -> None:
+    if os.getpid() != _owner:  # a forked DataLoader or datasets worker: the stop is the training process's
+        return
     _received.append(signum)
     if signum == signal.SIGINT and _received.count(signum) > 1:
         signal.default_int_handler(signum, frame)  # Ctrl-C twice: KeyboardInterrupt, wherever it is
@@ -68,12 +75,6 @@ def stop_before_training() -> BaseException | None:
 def ending() -> None:
     global _ending
     _ending = True
-
-
-def ignore_stop_signals(worker_id=None) -> None:
-    """For DataLoader workers: the signal is the training process's to handle."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def _end_loader_workers() -> None:
@@ -135,19 +136,6 @@ class StopOnSignal:
             step,
             checkpoint,
         )
-
-
-def restarted_after_mistake() -> bool:
-    """Whether this process is a restart (--max_restarts) of a run whose attempt before ended in a user's mistake
-    (exit 2, launch.sh's status file says so)."""
-    path = os.environ.get(STATUS_FILE_ENV)
-    if not path or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        return False
-    try:
-        with open(path) as f:
-            return f.read().split() == ["error", "2"]
-    except OSError:
-        return False
 
 
 def write_status(text: str) -> None:

@@ -43,8 +43,8 @@ CPU_FIX = (
 
 
 class RecipeError(Exception):
-    """A mistake the user can fix: one `error:` line, exit code 2, printed by rank 0 alone unless one rank may
-    meet it alone (`same_on_every_rank=False`)."""
+    """A mistake the user can fix: one `error:` line, exit code 2, said by rank 0 alone unless one rank may meet it
+    alone (`same_on_every_rank=False`); under launch.sh by the first process of a node to end (first_to_say)."""
 
     def __init__(self, message: str, same_on_every_rank: bool = True):
         super().__init__(message)  # the flag travels in __dict__ (pickled by decide_on_main's broadcast)
@@ -158,7 +158,8 @@ def exit_codes():
     exit 2; RunFinished `done:` and 0; a stop on a signal 75; a second Ctrl-C 130; a stuck collective 124; a bug
     its traceback and 1. launch.sh reads how the run ended from RECIPE_STATUS_FILE."""
     install_stop_handlers()
-    if preemption.restarted_after_mistake():  # --max_restarts: a restart does not mend a mistake, its line was said
+    if _args.restarted_after_mistake():  # --max_restarts: a restart does not mend a mistake, its line was said
+        _args.first_to_say(2)  # for the next restart
         sys.exit(2)
     try:
         try:
@@ -167,18 +168,18 @@ def exit_codes():
             preemption.ending()  # a signal from here on cannot interrupt the handling below
         write_status("finished")
         return
-    except SystemExit as exit_:  # argparse's --help and usage errors
-        if exit_.code == 2:
-            write_status("error 2")
+    except SystemExit:  # argparse's --help and usage errors
         raise
     except BaseException as err:
-        stop = None if isinstance(err, RunFinished) else preemption.stop_before_training()
-        code, status, line, together, everyone = _how_it_ended(stop or err)
-    if line and (everyone or os.environ.get("RANK", "0") == "0"):  # the launcher's RANK: one group or not
+        # a mistake said or a finished run is how it ended, whatever stop came after it (torch's agent ending the
+        # others once one exits); any other failure after a stop before training is the stop's consequence
+        said = next((e for e in causes(err) if isinstance(e, (RecipeError, RunFinished))), None)
+        code, status, line, together, everyone = _how_it_ended(said or preemption.stop_before_training() or err)
+    if line and _args.first_to_say(code, everyone):
         # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
         tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
     if status:
-        write_status(f"{status} {code}" if status == "error" else status)  # launch.sh's rank 0 alone writes it
+        write_status(status)  # launch.sh's rank 0 alone writes it
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash: taken down only when every process is here (one still in a collective would wait for ever), and a
     # process of several skips the interpreter's teardown (exit_without_teardown).
@@ -250,7 +251,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             f"{gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
         )
     # torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone
-    if "TORCHELASTIC_RUN_ID" in os.environ or preemption.STATUS_FILE_ENV in os.environ or launch:
+    if "TORCHELASTIC_RUN_ID" in os.environ or _args.STATUS_FILE_ENV in os.environ or launch:
         die_with_parent(signal.SIGTERM, _PARENT)
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from .args import at_least
 from .data import make_dataloader, prepare_data_first
-from .preemption import Preempted
 from .runtime import RecipeError, causes, check_path, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
@@ -103,14 +102,10 @@ def _not_utf8(err: UnicodeDecodeError) -> str:
     return f"not UTF-8 text (byte 0x{byte:02x} in {_excerpt(around)}); convert the file, e.g. iconv -f latin1 -t utf-8"
 
 
-def _stop_or_os_error(err: BaseException) -> None:
-    """Re-raise a stop signal (datasets wraps it in its own error) and an error about a path (an unwritable cache:
-    common.runtime names the option it came from) before `err` is taken for a fault of the user's data or model."""
-    found = causes(err)
-    if stop := next((e for e in found if isinstance(e, Preempted)), None):
-        raise stop
-    if any(isinstance(e, OSError) and e.filename for e in found):
-        raise err
+def _about_a_path(err: BaseException) -> bool:
+    """Whether `err` is an error about a path (an unwritable cache: common.runtime's line names the option it came
+    from), not a fault of the user's data or model."""
+    return any(isinstance(e, OSError) and e.filename for e in causes(err))
 
 
 def _load(source: str, builder: str, *load_args, **load_kwargs):
@@ -123,7 +118,8 @@ def _load(source: str, builder: str, *load_args, **load_kwargs):
     try:
         return load_dataset(builder, *load_args, **load_kwargs)
     except Exception as err:
-        _stop_or_os_error(err)
+        if _about_a_path(err):
+            raise
         found = causes(err)
         decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
         cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
@@ -366,7 +362,8 @@ def load_causal_lm(args, **model_kwargs):
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
-        _stop_or_os_error(err)
+        if _about_a_path(err):
+            raise
         attn = model_kwargs.get("attn_implementation", "sdpa")  # not installed, or a name transformers does not know
         attn_failed = tokenizer is not None and (isinstance(err, ImportError) or "attn_impl" in str(err))
         if attn not in ("eager", "sdpa") and attn_failed:

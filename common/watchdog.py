@@ -19,6 +19,7 @@ from pathlib import Path
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from .args import first_to_say
 from .preemption import HUNG_EXIT_CODE, write_status
 
 MARGIN = 20.0  # seconds a reporting process waits for the others' stacks
@@ -84,6 +85,7 @@ class Watchdog:
         found, said = self._reports(), self.folder / "reported"
         reporter = str(self.ranks[min(found)][1])  # its pid: an earlier hang's file says another
         if self.rank == min(found):  # the lowest rank that can still run says it, once
+            first_to_say(HUNG_EXIT_CODE)  # for its node's processes, ended by this
             tqdm.write(f"error: {self.line(found, idle, limit)}", file=sys.stderr)  # on a line of its own, below a bar
             said.write_text(reporter)
             for rank in set(range(self.world)) - set(found):  # frozen or dead here: it would hold the job up

@@ -15,6 +15,7 @@ the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
 import difflib
+import glob
 import logging
 import os
 import re
@@ -65,8 +66,8 @@ def kill(processes, sig: int) -> None:
 def finish(code: int):
     """Exit now: no status file, no child left (a stray is killed), no second of tearing torch down."""
     kill(psutil.Process().children(), signal.SIGKILL)
-    if status_file:
-        Path(status_file).unlink(missing_ok=True)
+    for path in glob.glob(f"{status_file}*") if status_file else ():  # and the lines said (first_to_say)
+        Path(path).unlink(missing_ok=True)
     if CODE_FILE:  # launch.sh reads it: its `wait` can lose our status
         with suppress(OSError):
             Path(CODE_FILE).write_text(f"{code & 255}\n")
@@ -359,9 +360,6 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
         return stopped_before("training", stop)
     if isinstance(err, ChildFailedError):
         rank, failure = first_failure(err.failures)
-        if failure.exitcode == 75 and rank != 0:  # a stop that reached it alone: rank 0 said nothing of it
-            say(f"process rank {rank} (pid {failure.pid}) was stopped by a signal before training; nothing was saved "
-                "(exit 75)")  # fmt: skip
         return exit_code(failure.exitcode, f"process rank {rank} (pid {failure.pid})")
     if isinstance(err, subprocess.CalledProcessError):  # accelerate's launcher of one process without a group
         return exit_code(err.returncode, "the process")
@@ -385,11 +383,12 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
 
 def first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the process that failed first. torch stamps whole seconds, and a process whose peer left
-    often fails in the same one: then the one that said why (2: a user mistake, 75: stopped) is the cause, then one
-    that did not lose its peer (124), then one that exited rather than was killed."""
+    often fails in the same one: then the one that said why is the cause (2: a user mistake, before 75: stopped,
+    as torch's agent stops the others once one exits), then one that did not lose its peer (124), then one that
+    exited rather than was killed."""
     by_rank = sorted(failures.items())  # min() keeps the first of equals: the lowest rank
-    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode not in (2, 75), rf[1].exitcode == 124,
-                                        rf[1].exitcode < 0))  # fmt: skip
+    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode != 2, rf[1].exitcode != 75,
+                                        rf[1].exitcode == 124, rf[1].exitcode < 0))  # fmt: skip
 
 
 def exit_code(exitcode: int, who: str) -> int:

@@ -157,6 +157,8 @@ def test_the_first_failure_is_the_cause():
     # one that lost its peer (124: the collective it waited in broke) is not the cause: the peer, crashed or killed, is
     assert launcher.first_failure({0: failure(124, 10), 1: failure(1, 10)})[0] == 1
     assert launcher.first_failure({0: failure(124, 10), 1: failure(-9, 10)})[0] == 1
+    # a mistake is the cause, the stop the same second torch's agent sending the others SIGTERM once it exited
+    assert launcher.first_failure({0: failure(75, 10), 1: failure(2, 10)})[0] == 1
 
 
 def test_exit_codes(capfd):
