@@ -401,10 +401,11 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         )
     identity = model_signature(model)
     if any(state.get(key, identity[key]) != identity[key] for key in ("model_signature", "model_buffers")):
+        theirs, ours = state.get("model_parameters", 0), identity["model_parameters"]
+        size = f"{theirs:,} parameters, this run's has {ours:,}" if theirs != ours else "other layers, as many weights"
         raise RecipeError(
-            f"checkpoint {path} holds another model ({state.get('model_parameters', 0):,} parameters, this run's has "
-            f"{identity['model_parameters']:,}){differs}; resume with the model arguments that wrote it (its "
-            f"{STATE_FILE} lists them under args), or use another --output_dir"
+            f"checkpoint {path} holds another model ({size}){differs}; resume with the model arguments that wrote it "
+            f"(its {STATE_FILE} lists them under args), or use another --output_dir"
         )
     if state.get("layout", _layout(accelerator)) != _layout(accelerator):  # each writes its own files
         raise RecipeError(

@@ -218,11 +218,11 @@ def _check_writable(output_dir: Path) -> None:
     """Every process creates a nameless file (O_TMPFILE: a process stopped here leaves nothing) in output_dir, or the
     nearest folder above it it sees (a first run creates it; NFS may show another node's new folder seconds late);
     all agree."""
-    problem = None
+    problem, base = None, nearest_existing(output_dir)
     try:
-        tempfile.TemporaryFile(dir=nearest_existing(output_dir)).close()
+        tempfile.TemporaryFile(dir=base).close()
     except OSError as err:
-        problem = one_line(err)
+        problem = f"{base} is a file" if base.is_file() else one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
         raise RecipeError(
             f"cannot write to --output_dir {output_dir} ({problem or f'another process: {problems[0]}'}); pass a "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import math
 import reprlib
@@ -74,6 +75,8 @@ def _check_lm_args(parser, args) -> None:
     if args.dataset_config_name and not args.dataset_name:
         parser.error("--dataset_config_name needs --dataset_name")
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
+        if path and Path(path).expanduser().is_dir():  # of data files, or saved by save_to_disk
+            parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
         if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
             parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
 
@@ -170,8 +173,9 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
             if path:
                 check_path(f"--{split}_file", path)
                 fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
+                bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
                 raw[split] = _load(
-                    f"--{split}_file {path}", fmt, data_files=str(Path(path).expanduser()), split="train"
+                    f"--{split}_file {path}", fmt, data_files=str(Path(path).expanduser()), split="train", **bom
                 )
     if "validation" not in raw:
         try:
@@ -252,6 +256,13 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
 
     sources = {split: f"the {split} split" for split in raw} | (sources or {})
     column = text_column if data_format == "text" else "messages"
+    has = {split: column in data.column_names for split, data in raw.items()}
+    if len(set(has.values())) > 1:  # what mends one split would break the other
+        (without, *_), (other, *_) = [split for split in raw if not has[split]], [split for split in raw if has[split]]
+        raise RecipeError(
+            f"{sources[without]} has no {column} column (columns: {', '.join(raw[without].column_names)}), which "
+            f"{sources[other]} has: pass data of one format for both"
+        )
     for split, data in raw.items():  # every split's, before the minutes of tokenizing the first
         if column not in data.column_names:
             missing = f"not in the data (columns: {', '.join(data.column_names)})"
@@ -402,7 +413,16 @@ def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeEr
     if local := name.startswith(("/", ".", "~")) or folder.exists():
         check_path(flag, name, folder=True)  # a folder that is not there, which transformers takes for a hub id
     fix = "pass the folder that save_pretrained wrote" if local else "check the hub id and the network (or the cache)"
-    if local and flag != "--tokenizer_name" and not (folder / "config.json").is_file():
+    if local and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        try:
+            base = f" {json.loads((folder / 'adapter_config.json').read_text())['base_model_name_or_path']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            base = " (adapter_config.json's base_model_name_or_path)"
+        why = (
+            f"a LoRA adapter (adapter_config.json), not a model; pass its base model, --model_name_or_path{base}, or "
+            "the folder of the adapter merged into it (peft's merge_and_unload, then save_pretrained)"
+        )
+    elif local and flag != "--tokenizer_name" and not (folder / "config.json").is_file():
         why = f"no config.json in the folder; {fix}"  # transformers says it lacks a model_type
     elif "trust_remote_code" in str(err):
         why = "the model runs code of its own repository; pass --trust_remote_code if you trust that code"

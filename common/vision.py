@@ -6,6 +6,7 @@ import difflib
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ import torchvision
 from accelerate import PartialState
 from PIL import Image
 from safetensors.torch import load_file
+from torchvision.datasets.folder import is_image_file
 
 from .data import prepare_data_first
 from .metrics import count_parameters
@@ -79,12 +81,20 @@ def _image_sets(args):
     for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
         check_path(flag, folder, folder=True)
         try:
-            folders.append(torchvision.datasets.ImageFolder(folder, loader=load_image))
+            folders.append(ImageFolder(folder))
         except OSError as err:  # torchvision's: no class folders, no images in them
             raise RecipeError(
                 f"{flag} {folder}: {one_line(err)}; --dataset imagefolder needs a folder with one sub-folder of "
                 "images per class"
             ) from err
+        seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
+        for where in sorted({os.path.dirname(path) for path, _ in folders[-1].samples}):
+            if (real := os.path.realpath(where)) in seen:
+                raise RecipeError(
+                    f"{flag} {folder}: {where} is {seen[real]} again, through a symbolic link, so its images would be "
+                    "trained more than once, under another class; remove the link"
+                )
+            seen[real] = where
     train, evals = folders
     if train.classes != evals.classes:  # ImageFolder sorts them: the same folders make the same list
         in_train, in_val = set(train.classes), set(evals.classes)
@@ -100,6 +110,22 @@ def _image_sets(args):
             "(one sub-folder of images per class)"
         )
     return train, evals
+
+
+class ImageFolder(torchvision.datasets.ImageFolder):
+    """torchvision's, reading images with load_image; hidden entries (.ipynb_checkpoints, .git, macOS's ._ files) are
+    neither classes nor images."""
+
+    def __init__(self, root):
+        root = Path(root).expanduser()
+        visible = lambda path: not any(part.startswith(".") for part in Path(path).relative_to(root).parts)  # noqa: E731
+        super().__init__(root, loader=load_image, is_valid_file=lambda p: visible(p) and is_image_file(p))
+
+    def find_classes(self, directory):
+        classes = [name for name in super().find_classes(directory)[0] if not name.startswith(".")]
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")  # torchvision's words
+        return classes, {name: i for i, name in enumerate(classes)}
 
 
 # Model arguments ----------------------------------------------------------------------------------

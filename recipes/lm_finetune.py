@@ -73,10 +73,11 @@ def parse_args(argv=None):
     m.add_argument(
         "--lora_target_modules",
         nargs="+",
-        help="names of the model's linear layers (q_proj v_proj ...), or all-linear",
+        help="names of the model's linear layers (q_proj v_proj, or q_proj,v_proj), or all-linear",
     )
     p.set_defaults(**HYPERPARAMETERS)
     args = p.parse_args(argv)  # and the checks of common.text's arguments
+    args.lora_target_modules = [name for names in args.lora_target_modules for name in names.split(",") if name]
     if args.torch_dtype == "auto" and args.config_name:
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "

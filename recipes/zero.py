@@ -22,10 +22,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler, set_seed
+from accelerate.utils import DummyOptim, DummyScheduler, parse_flag_from_env, set_seed
 
 import common
-from common import RecipeError, logger
+from common import logger
 from common.text import (
     add_lm_args,
     evaluate_causal_lm,
@@ -59,7 +59,12 @@ def parse_args(argv=None):
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     p.set_defaults(**HYPERPARAMETERS)
-    return p.parse_args(argv)  # and the checks of common.text's arguments
+    args = p.parse_args(argv)  # and the checks of common.text's arguments
+    if args.save_fp32 and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # set by accelerate launch
+        p.error(
+            "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)"
+        )
+    return args
 
 
 def build_model(args):
@@ -128,8 +133,6 @@ def export_fp32(accelerator, model, output_dir):
     """fp32 weights from the ZeRO shards, through DeepSpeed's own zero_to_fp32 converter."""
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
-    if not hasattr(model, "save_checkpoint"):
-        raise RecipeError("--save_fp32 needs a DeepSpeed config (zero2.yaml, zero3.yaml, zero3_offload.yaml)")
     shards, target = Path(output_dir) / ".tmp-zero-shards", Path(output_dir) / "fp32"
     model.save_checkpoint(str(shards))  # every rank writes its partition
     accelerator.wait_for_everyone()

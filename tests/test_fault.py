@@ -210,7 +210,7 @@ def test_an_unwritable_output_dir_is_refused_before_training(tiny_lm, tmp_path):
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, blocker / "run")],
         tmp_path,
-        f"cannot write to --output_dir {blocker / 'run'}",
+        f"cannot write to --output_dir {blocker / 'run'} ({blocker} is a file); pass a folder",
     )
 
 

@@ -216,6 +216,12 @@ RECIPE_ONLY = [
     ),
     ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name needs --dataset_name"),
     ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
+    (
+        "lm_finetune",
+        ["--train_file", "tests"],
+        "--train_file tests is a folder: pass a file in it, or the folder as --dataset_name tests",
+    ),  # fmt: skip
+    ("zero", ["--save_fp32"], "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config"),
     ("lm_finetune", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
     ("lm_finetune", ["--config_name", "c"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
     (
@@ -464,6 +470,26 @@ TEXT_FILES = [  # (file name, content, the error line's text)
 ]
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path, tokenizer):
+    """Notepad's UTF-8 with a BOM: the first word is 'one', not '\\ufeffone' (an unknown token)."""
+    path = write(tmp_path / "bom.txt", "\ufeffone two three\r\n" * 40)
+    raw = load_raw_datasets(train_file=path, validation_file=path)
+    assert raw["train"][0]["text"] == "one two three"
+
+
+def test_train_and_validation_data_of_two_formats_is_said_as_such(tmp_path, tokenizer):
+    """Following a fix for one split (--data_format chat) must not break the other: the line names both."""
+    text, chat = write(tmp_path / "t.jsonl", jsonl(COUNTS)), write(tmp_path / "c.jsonl", jsonl([CHAT] * 20))
+    text_error = load_error(tokenizer, "text", train_file=text, validation_file=chat)
+    assert text_error.startswith(
+        f"--validation_file {chat} has no text column (columns: messages), which "
+        f"--train_file {text} has: pass data of one format for both"
+    ), text_error
+    chat_error = load_error(tokenizer, "chat", train_file=text, validation_file=chat)
+    assert chat_error.startswith(f"--train_file {text} has no messages column (columns: text), which "
+                                 f"--validation_file {chat} has"), chat_error  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_lm):
     from transformers import AutoTokenizer
@@ -585,6 +611,10 @@ def broken_model(tiny_lm, tmp_path):
             weights.unlink()
         elif how == "bad_tokenizer":
             (folder / "tokenizer.json").write_text("{not json")
+        elif how == "lora_adapter":  # what lm_finetune --lora_r saves: an adapter, its base named
+            for file in folder.iterdir():
+                file.unlink()
+            (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
         return folder
 
     return make
@@ -604,6 +634,11 @@ def broken_model(tiny_lm, tmp_path):
         ),
         ("no_weights", "OSError: Error no file named model.safetensors"),
         ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
+        (
+            "lora_adapter",
+            "a LoRA adapter (adapter_config.json), not a model; pass its base model, "
+            "--model_name_or_path org/base, or the folder of the adapter merged into it",
+        ),  # fmt: skip
     ],
 )
 @pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
@@ -631,6 +666,13 @@ def test_an_attention_implementation_that_is_unknown_or_not_installed(tiny_lm, n
         lm.load_model_and_tokenizer(args)
     assert str(err.value).startswith(f"--attn_implementation {name} cannot be used here (") and said in str(err.value)
     assert str(err.value).endswith("; install what it needs, or pass --attn_implementation sdpa")
+
+
+def test_lora_targets_separated_by_commas_or_spaces_are_the_same():
+    lm = RECIPES["lm_finetune"]
+    for targets in (["q_proj,v_proj"], ["q_proj", "v_proj"], ["q_proj,", "v_proj"]):
+        args = lm.parse_args([*BASE["lm_finetune"], "--lora_target_modules", *targets])
+        assert args.lora_target_modules == ["q_proj", "v_proj"]
 
 
 def test_lora_targets_that_the_model_lacks(tiny_lm):
@@ -767,6 +809,31 @@ def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
     with pytest.raises(RecipeError) as err:
         vision.load_images(args)
     assert message in str(err.value)
+
+
+def test_hidden_entries_of_an_image_folder_are_no_data(tmp_path):
+    """Jupyter's .ipynb_checkpoints (with an image in it), .git, macOS's ._ files: neither classes nor images."""
+    root = image_folder(tmp_path / "train", ["a", "b", ".ipynb_checkpoints", ".git"])
+    (root / "a" / "._0.png").write_bytes(b"\0\5\x16\7 AppleDouble")
+    (root / "b" / ".hidden").mkdir()
+    shutil.copy(root / "b" / "0.png", root / "b" / ".hidden" / "0.png")
+    folder = vision.ImageFolder(root)
+    assert folder.classes == ["a", "b"] and len(folder) == 2 * len(list((root / "a").glob("[0-9].png")))
+
+
+def test_an_image_folder_reached_twice_through_a_link_is_refused(tmp_path):
+    """A link to a folder above it (a loop torchvision follows 40 times) or a second class linked to a first: its
+    images would be trained several times, under other classes."""
+    cifar = RECIPES["cifar"]
+    for name, target in (("loop", ".."), ("c", "a")):
+        root = tmp_path / name
+        train, val = image_folder(root / "train", ["a", "b"]), image_folder(root / "val", ["a", "b"])
+        (train / ("b" if name == "loop" else "") / ("up" if name == "loop" else "c")).symlink_to(target)
+        argv = ["--dataset", "imagefolder", "--train_dir", str(train), "--val_dir", str(val)]
+        with pytest.raises(RecipeError) as err:
+            vision.load_images(cifar.parse_args(argv))
+        twice = f"{train}/b/up/a is {train}/a again" if name == "loop" else f"{train}/c is {train}/a again"
+        assert f"--train_dir {train}: {twice}, through a symbolic link" in str(err.value), str(err.value)
 
 
 # --- the whole path, as users launch it ---------------------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
+from unittest import mock
 
 import doctor
 import pytest
@@ -153,12 +154,14 @@ def test_launch_sh_lines_resolve_on_a_gpu_node(checkout, tmp_path, line):
 
 def parse_recipe_args(args):
     """The recipe's (or the doctor's) own parser on a launch.sh argument list, less launch.sh's options."""
-    recipe_args = args[1:]
+    recipe_args, config = args[1:], args[args.index("--config") + 1] if "--config" in args else ""
     for option in ("--config", "--num_processes", "--max_restarts"):  # launch.sh's own options, not the recipe's
         if option in recipe_args:
             at = recipe_args.index(option)
             del recipe_args[at : at + 2]
-    return (doctor.parse_args if args[0] == "doctor" else load_recipe(args[0]).parse_args)(recipe_args)
+    deepspeed = {"ACCELERATE_USE_DEEPSPEED": "true"} if config.startswith("zero") else {}  # as accelerate launch sets
+    with mock.patch.dict(os.environ, deepspeed):
+        return (doctor.parse_args if args[0] == "doctor" else load_recipe(args[0]).parse_args)(recipe_args)
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if sbatch_line(c)])
