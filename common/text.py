@@ -368,6 +368,8 @@ def load_causal_lm(args, **model_kwargs):
                 source, config=config, trust_remote_code=trust, **model_kwargs
             )
         else:
+            if any(Path(source).expanduser().glob("*.safetensors")):  # as run_clm: its config alone
+                logger.warning(f"--config_name {source}: a new model from its config; its weights are not loaded")
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training

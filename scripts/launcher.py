@@ -85,8 +85,10 @@ def stopped_before(what: str, stop: str) -> int:
 
 def on_stop(signum, frame) -> None:
     stops.append("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
-    if not status_file:  # nothing to save (a helper such as `doctor --report` ends too)
-        finish(stopped_before("the processes started", stops[-1]))
+    if not status_file:  # nothing to save (a helper such as `doctor --report` ends too): the first stop ends the
+        if len(stops) == 1:  # launcher, and one that comes while it ends (`timeout` passing a stop on) adds nothing
+            finish(stopped_before("the processes started", stops[0]))
+        return
     if len(stops) == 2:  # a second signal does not cut the save short
         say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={os.environ[SHUTDOWN]} s)")
 

@@ -172,6 +172,16 @@ def test_exit_codes(capfd):
     assert capfd.readouterr().err == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)\n"
 
 
+def test_a_second_stop_while_the_first_ends_the_launcher_adds_nothing(monkeypatch, capfd):
+    """`timeout` in front of launch.sh passes a stop on as the group gets it: two SIGTERMs, milliseconds apart; the
+    second one's handler runs inside the first one's finish (before: the line twice)."""
+    ended = []
+    monkeypatch.setattr(launcher, "stops", [])
+    monkeypatch.setattr(launcher, "finish", lambda code: (launcher.on_stop(signal.SIGTERM, None), ended.append(code)))
+    launcher.on_stop(signal.SIGTERM, None)
+    assert ended == [75] and capfd.readouterr().err.count("stopped by SIGTERM before the processes started") == 1
+
+
 @pytest.mark.parametrize(
     "status, stop, code, line",
     [
