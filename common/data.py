@@ -11,6 +11,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from .preemption import ignore_stop_signals
 from .runtime import decide_on_main
 
 
@@ -53,6 +54,7 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_wor
         pin_memory=torch.cuda.is_available() and not on_device,
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
+        worker_init_fn=ignore_stop_signals,
     )
 
 

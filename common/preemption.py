@@ -77,6 +77,13 @@ def ending() -> None:
     _ending = True
 
 
+def ignore_stop_signals(worker_id=None) -> None:
+    """For DataLoader workers, where torch installs a SIGTERM handler that ends the worker: the signal is the training
+    process's to handle."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _end_loader_workers() -> None:
     """At exit, SIGKILL the DataLoader workers still running (after an error, say): multiprocessing's exit
     hook would send them SIGTERM, which they ignore, and wait for ever."""
