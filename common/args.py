@@ -10,6 +10,7 @@ import math
 import operator
 import os
 import re
+import signal
 from pathlib import Path
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -47,6 +48,18 @@ def first_to_say(code: int, everyone: bool = False) -> bool:
     os.write(said, f"{code}\n".encode())
     os.close(said)
     return True
+
+
+def stop_name(signum: int) -> str:
+    """The stop a signal stands for: launch.sh passes every stop on as SIGTERM and says, beside its status file, which
+    it was (Ctrl-C, SIGUSR1, ...)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    try:
+        if path and (name := Path(f"{path}.stop").read_text().strip()):
+            return name
+    except OSError:
+        pass
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def restarted_after_mistake() -> bool:

@@ -76,11 +76,13 @@ RUN_CONTROL = {
 
 
 def changed_settings(saved_args: dict, args) -> list:
-    """`--name old -> new` for each argument outside RUN_CONTROL that differs from a checkpoint's."""
+    """`--name old -> new` for each argument outside RUN_CONTROL that differs from a checkpoint's (None: unset)."""
+    now = public_args(args)
+    names = [*now, *(k for k in saved_args if k not in now)]
     return [
-        f"--{k} {saved_args[k]} -> {v}"
-        for k, v in public_args(args).items()
-        if k in saved_args and saved_args[k] != v and k not in RUN_CONTROL
+        f"--{k} {saved_args.get(k)} -> {now.get(k)}"
+        for k in names
+        if saved_args.get(k) != now.get(k) and k not in RUN_CONTROL
     ]
 
 
@@ -230,6 +232,8 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "data_fingerprint": plan.data_fingerprint,
         "total_samples": plan.total_samples,
         "warmup_samples": plan.warmup_samples,
+        "log_history": log.history,  # as transformers' Trainer keeps it: a resumed run's results.json has it whole
+        "log_window": log.window,
         "args": public_args(args),
     }
     return write_checkpoint(accelerator, args.output_dir, at.step, state, args.save_total_limit, model)
@@ -270,10 +274,21 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """`tmp` renamed to `final`, replacing it; a crash in between leaves `tmp` complete (`latest` installs it)."""
+    """`tmp` renamed to `final`, replacing what a save wrote there; a crash at any point leaves `tmp` complete
+    (`latest` installs it). A file of the user's in `final` stays: it moves into `tmp` first (one of a save's names,
+    left by a save cut short, is replaced)."""
     if final.exists():
-        shutil.rmtree(final)
+        remove_checkpoint(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
+        for item in list(final.iterdir()) if final.exists() else []:
+            if not (tmp / item.name).exists():
+                os.replace(item, tmp / item.name)
+            elif item.is_dir():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            final.rmdir()
     os.replace(tmp, final)
 
 
@@ -518,6 +533,11 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
             save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
         publish(tmp)
         names = sorted(f.name for f in tmp.iterdir())
+        if appeared := [n for n in names if (output_dir / n).exists() and n not in earlier]:  # since OutputDir looked
+            raise RecipeError(
+                f"{output_dir / appeared[0]} is not this run's, and the model would write over it; move it"
+            )
+        write_json(output_dir / MODEL_FILES, {"files": sorted({*earlier, *names})})  # a save cut short: all recorded
         for name in names:
             os.replace(tmp / name, output_dir / name)
         tmp.rmdir()

@@ -15,21 +15,30 @@ import torch
 from tqdm.auto import tqdm
 
 from .args import public_args
-from .checkpoint import write_json
+from .checkpoint import read_state, write_json
 from .runtime import RecipeError, library_versions, logger
 
 
 class TrainLog:
     """The training loss weighted by items (samples, or target tokens) over micro-batches and processes, its
     history, the progress bar, the rates, and each rank's step and data times (naming a straggler). The loop hands
-    it each micro-batch's loss and each step; a log costs one collective."""
+    it each micro-batch's loss and each step; a log costs one collective. Resumed (`resume_from`, a checkpoint), it
+    goes on with the checkpoint's history and the loss since its last log, as if never stopped."""
 
-    def __init__(self, accelerator, plan, start, logging_steps: int):
+    def __init__(self, accelerator, plan, start, logging_steps: int, resume_from=None):
         from accelerate.utils import gather_object
 
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
         self.hosts = gather_object([socket.gethostname()])
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
+        self.window, self._offset = [0.0, 0.0], 0.0  # (loss x per, items) since the last log, all processes
+        if resume_from is not None:
+            state = read_state(resume_from)
+            self.history, (loss, items) = state.get("log_history", []), state.get("log_window", [0.0, 0.0])
+            if items:  # every process's sums, added once; the others add nothing, as every process must log then
+                share = items if accelerator.is_main_process else 0
+                self._added.append((torch.tensor(loss / items), share, share))
+            self._offset = self.history[-1]["train_seconds"] if self.history else 0.0
         self._start = self._at = (start.step, start.seen, None)  # this run's start, its last step: (step, seen, lr)
         self._first = None  # (train_seconds, seen) after the first step
         self.train_seconds, self.data_seconds, self._waited, self._clock = 0.0, 0.0, 0.0, time.perf_counter()
@@ -72,7 +81,7 @@ class TrainLog:
             raise _diverged(step, f"the training loss became {self.train_loss}")
         record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss}
         record.update(lr=self.plan.lr_at(seen) if lr is None else lr, **self._stragglers(times))
-        self.history.append({**record, "train_seconds": round(self.train_seconds, 4)})
+        self.history.append({**record, "train_seconds": round(self._offset + self.train_seconds, 4)})
         self.accelerator.log(record, step=step)
         self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
 
@@ -119,6 +128,7 @@ class TrainLog:
     def check_finite(self, step: int, model) -> None:
         """Before a save: raise if the loss since the last log or the weights this process holds are NaN or inf."""
         sums, _ = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
+        self.window = [float(sums[0]), float(sums[1])]  # what a checkpoint keeps of the log (save_checkpoint)
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
         if sums[2] > 0:

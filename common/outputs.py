@@ -121,11 +121,11 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
         lock.acquire()
         ours, previous = model_files(output_dir), _run_outputs(output_dir)
         foreign = [n for n in MODEL_NAMES if (output_dir / n).exists() and n not in ours]
-        foreign += [p.name for p in previous if not _ours(p)]  # another trainer's, a user's
+        foreign += [f"{p.name} ({why})" for p in previous if (why := _not_ours(p))]  # another trainer's, a user's
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
             raise RecipeError(
                 f"--output_dir {output_dir} holds files that no run of these recipes wrote ({', '.join(foreign[:4])}),"
-                " which a run would write over; pass another --output_dir"
+                " which a run would write over or delete; move them out of it, or pass another --output_dir"
             )
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
@@ -163,18 +163,20 @@ def _run_outputs(output_dir: Path) -> list:
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
 
-def _ours(path: Path) -> bool:
-    """Whether results.json or a checkpoint-<step> folder with a trainer_state.json is a run's: its record holds
-    what only a recipe writes (the library versions; the checksums). Anything else _run_outputs lists is a save's
-    temporary form or a checkpoint cut short, both named as only our saves name them."""
+def _not_ours(path: Path) -> str | None:
+    """Why results.json or a checkpoint-<step> folder with a trainer_state.json is not a run's (None: it is): its
+    record lacks what only a recipe writes (the library versions; the checksums), or a link leads elsewhere. Anything
+    else _run_outputs lists is a save's temporary form or a checkpoint cut short, named as only our saves name them."""
     checkpoint = CHECKPOINT_RE.fullmatch(path.name)
     record, key = (path / STATE_FILE, HASH) if checkpoint else (path, "versions")
+    if path.is_symlink():  # what a run deletes or replaces there would be another folder's
+        return "a symbolic link"
     if path.name != RESULTS_FILE and not (checkpoint and record.is_file()):
-        return True
+        return None
     try:
-        return key in json.loads(record.read_text())
-    except (OSError, ValueError, TypeError):
-        return False
+        return None if key in json.loads(record.read_text()) else f"no {key} in {record.name}: another program's"
+    except (OSError, ValueError, TypeError) as err:
+        return f"its {record.name} is unreadable: {one_line(err)}"
 
 
 def _finished(output_dir: Path) -> str | None:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from .args import STATUS_FILE_ENV
+from .args import STATUS_FILE_ENV, stop_name
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
 HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (nothing saved of it)
@@ -66,9 +66,8 @@ def stop_before_training() -> BaseException | None:
     failed after it (a collective a peer that stopped first left) is its consequence."""
     if not _received or _in_loop:
         return None
-    if _received[0] == signal.SIGINT:
+    if (name := stop_name(_received[0])) == "Ctrl-C":
         return KeyboardInterrupt()
-    name = signal.Signals(_received[0]).name
     return Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
 
 
@@ -123,9 +122,9 @@ class StopOnSignal:
             self._pending.wait()
             agreed, self._pending = int(self._flag.item()), None
         if agreed:
-            self.signal = signal.Signals(agreed).name
+            self.signal = stop_name(agreed)
             return self.signal
-        if self._group is not None:  # MAX: SIGTERM (15) wins over SIGUSR1 (10) and SIGINT (2) in the message
+        if self._group is not None:  # MAX: SIGTERM (15) wins over SIGUSR1 (10) and SIGINT (2)
             self._flag.fill_(local)
             self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return None

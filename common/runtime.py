@@ -174,8 +174,10 @@ def exit_codes():
         # a mistake said or a finished run is how it ended, whatever stop came after it (torch's agent ending the
         # others once one exits); any other failure after a stop before training is the stop's consequence
         said = next((e for e in causes(err) if isinstance(e, (RecipeError, RunFinished))), None)
-        code, status, line, together, everyone = _how_it_ended(said or preemption.stop_before_training() or err)
-    if line and _args.first_to_say(code, everyone):
+        ended = said or preemption.stop_before_training() or err
+        code, status, line, together, everyone = _how_it_ended(ended)
+    # status None: a line that names no cause (a peer gone), which launch.sh does not take the exit code of
+    if line and _args.first_to_say(code if status else None, everyone):
         # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
         tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
     if status:

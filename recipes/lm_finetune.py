@@ -172,7 +172,7 @@ def main(argv=None):
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     stop = common.StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
-    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
+    log = common.TrainLog(accelerator, plan, at, args.logging_steps, out.resume_from)
 
     # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
     k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}

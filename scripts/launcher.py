@@ -49,7 +49,8 @@ status_file = ""  # where rank 0 says how the run ended; once set, training proc
 
 
 def say(text: str) -> None:
-    os.write(2, f"launch.sh: {SECRET_VALUES.sub('***', text)}\n".encode())  # unbuffered: also from a signal handler
+    with suppress(OSError):  # unbuffered: also from a signal handler; to a terminal or pipe that may be gone
+        os.write(2, f"launch.sh: {SECRET_VALUES.sub('***', text)}\n".encode())
 
 
 def die(text: str):
@@ -331,6 +332,7 @@ def run(launch_args: list[str]) -> int:
         alive = set(psutil.Process().children())  # torch's agent starts the processes in sessions of their own
         if not deadline:  # SIGTERM to those running: they finish their step, save a checkpoint and exit 75
             deadline, present = time.monotonic() + grace, alive
+            Path(f"{status_file}.stop").write_text(stops[0])  # which stop it was, for their line (stop_name)
             kill(present, signal.SIGTERM)
         # SIGKILL to one started since, which has nothing to save (a restart under --max_restarts, each ended so in a
         # fraction of a second), and to those still running `grace` seconds on
@@ -350,15 +352,13 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    status, _, saved = (Path(status_file).read_text().strip().split(" ", 2) + ["", ""])[:3]  # preempted STEP PATH
-    if status == "preempted" and saved != "None":  # also by a signal sent to the processes only
-        by = stop or "a signal"
-        say(f"stopped by {by} after saving {saved}; continue with --resume_from_checkpoint latest (exit 75)")
-        return 75
+    if (code := said_code()) is not None:  # a process said why the job ended (first_to_say): the others followed
+        return code
+    status = Path(status_file).read_text().strip()  # rank 0's: how the run ended
     if stop and status == "finished":  # the stop came as the processes exited
         say(f"the run had finished when {stop} came; its model and results.json are complete (exit 0)")
         return 0
-    if stop and status not in ("error", "interrupted"):  # before training, or they died of the SIGTERM starting
+    if stop:  # they died of the SIGTERM starting, before their handlers
         return stopped_before("training", stop)
     if isinstance(err, ChildFailedError):
         rank, failure = first_failure(err.failures)
@@ -381,6 +381,14 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
     if err:
         raise err
     return 0
+
+
+def said_code() -> int | None:
+    """The exit code of the process that said why the last attempt ended (common.args.first_to_say), if one did."""
+    said = sorted(glob.glob(f"{status_file}.said-*"), key=lambda path: int(path.rpartition("-")[2]))
+    with suppress(OSError, ValueError, IndexError):
+        return int(Path(said[-1]).read_text())
+    return None
 
 
 def first_failure(failures: dict) -> tuple[int, object]:

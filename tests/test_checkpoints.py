@@ -135,7 +135,7 @@ class Crash(BaseException):
 
 
 def crashing(monkeypatch, at):
-    """os.replace and shutil.rmtree, the steps that change what `latest` sees, fail from call
+    """os.replace, os.unlink and shutil.rmtree, the steps that change what `latest` sees, fail from call
     number `at` on, as if the process had died there. Returns the call counter."""
     calls = {"n": 0}
 
@@ -150,16 +150,21 @@ def crashing(monkeypatch, at):
 
     monkeypatch.setattr(os, "replace", counted(os.replace))
     monkeypatch.setattr(shutil, "rmtree", counted(shutil.rmtree))
+    monkeypatch.setattr(os, "unlink", counted(os.unlink))
     return calls
 
 
-@pytest.mark.parametrize("before", ["an intact checkpoint-6 alone", "checkpoint-4 and a damaged checkpoint-6"])
+@pytest.mark.parametrize(
+    "before", ["an intact checkpoint-6 alone", "checkpoint-4 and a damaged checkpoint-6", "a note in checkpoint-6"]
+)
 def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest_finds(
     acc, tmp_path, monkeypatch, before
 ):
     def setup(out):
-        if before.startswith("an intact"):
+        if before.startswith(("an intact", "a note")):
             save(acc, out, 6, limit=1)
+            if before.startswith("a note"):  # it stays, in the checkpoint that replaces this one
+                (out / "checkpoint-6" / "notes.txt").write_text("mine")
         else:
             save(acc, out, 4)
             save(acc, out, 6)
@@ -184,6 +189,8 @@ def test_a_crash_at_any_moment_of_a_save_leaves_an_intact_checkpoint_that_latest
         assert found is not None and ckpt.checkpoint_damage(found) is None, f"crash at step {at}: {found}"
         assert found.name in ("checkpoint-6", "checkpoint-4"), found
         assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+        if before.startswith("a note"):
+            assert (out / "checkpoint-6" / "notes.txt").read_text() == "mine"
 
 
 def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog):

@@ -92,6 +92,10 @@ def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninter
     assert "resumed from" in proc.stderr
     assert results(restarted)["steps"] == 14
     assert results(restarted)["eval_loss"] == pytest.approx(results(straight)["eval_loss"], rel=1e-5)
+    history = [
+        [(h["step"], round(h["train_loss"], 4)) for h in results(run)["log_history"]] for run in (straight, restarted)
+    ]
+    assert history[0] == history[1]  # the log before the restart is kept (trainer_state.json's log_history)
     wa = AutoModelForCausalLM.from_pretrained(straight).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(restarted).state_dict()
     for name in wa:
@@ -404,4 +408,5 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
     line = next(line for line in proc.stderr.splitlines() if "with settings that differ from the checkpoint's" in line)
     assert "--learning_rate 0.003 -> 0.001, --lr_scheduler_type cosine -> constant, --weight_decay 0.0 -> 0.1" in line
     res = results(out)
-    assert res["learning_rate"] == 1e-3 and [h["lr"] for h in res["log_history"]] == [1e-3, 1e-3]
+    assert res["learning_rate"] == 1e-3 and [h["lr"] for h in res["log_history"] if h["step"] > 2] == [1e-3, 1e-3]
+    assert [h["step"] for h in res["log_history"]] == [2, 3, 4]  # the checkpoint's log, then this run's

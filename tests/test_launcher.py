@@ -183,24 +183,28 @@ def test_a_second_stop_while_the_first_ends_the_launcher_adds_nothing(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "status, stop, code, line",
-    [
-        ("preempted 6 /out/checkpoint-6", "SIGTERM", 75, "stopped by SIGTERM after saving /out/checkpoint-6;"),
-        ("preempted 6 /out/checkpoint-6", None, 75, "stopped by a signal after saving /out/checkpoint-6;"),
-        ("finished", "Ctrl-C", 0, "the run had finished when Ctrl-C came;"),
-        ("", "SIGUSR1", 75, "stopped by SIGUSR1 before training; nothing was saved (exit 75)"),  # requeued
-        ("preempted None None", "SIGTERM", 75, "stopped by SIGTERM before training; nothing was saved (exit 75)"),
-        ("preempted None None", "Ctrl-C", 130, "stopped by Ctrl-C before training; nothing was saved (exit 130)"),
-        ("error", "SIGTERM", 2, None),  # the process said why (the error in a ChildFailedError: 2)
-        ("finished", None, 0, None),
+    "status, stop, said, code, line",
+    [  # a process said why: its code, no second line (a stop launch.sh passed on, named by it; a mistake; a hang the
+        # watchdog named, whose frozen rank it killed: not 137 and "killed by SIGKILL")
+        ("preempted 6 /out/checkpoint-6", "SIGTERM", "75", 75, None),
+        ("preempted None None", "Ctrl-C", "130", 130, None),
+        ("error", "SIGTERM", "2", 2, None),
+        ("error", None, "124", 124, None),
+        # none did: the stop came as they finished, or before their handlers
+        ("finished", "Ctrl-C", None, 0, "the run had finished when Ctrl-C came;"),
+        ("", "SIGUSR1", None, 75, "stopped by SIGUSR1 before training; nothing was saved (exit 75)"),  # requeued
+        ("finished", None, None, 0, None),
     ],
 )
-def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd, status, stop, code, line):
+def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd, status, stop, said, code, line):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     monkeypatch.setattr(launcher, "status_file", str(tmp_path / "status"))
     (tmp_path / "status").write_text(f"{status}\n" if status else "")
-    err = ChildFailedError("x", {0: ProcessFailure(0, 100, 2, "<N/A>")}) if status == "error" else None
+    if said:
+        (tmp_path / "status.said-0").write_text(f"{said}\n")
+    failures = {0: ProcessFailure(0, 100, 124, "<N/A>"), 1: ProcessFailure(1, 101, -9, "<N/A>")}  # stamped earlier?
+    err = ChildFailedError("x", failures) if status == "error" else None
     assert launcher.ending(err, stop, SimpleNamespace()) == code
     said = capfd.readouterr().err.splitlines()
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(f"launch.sh: {line}"), said
@@ -241,8 +245,10 @@ with open(log, "a") as f:
 while not got:
     time.sleep(0.05)
 time.sleep(3)  # saving a checkpoint: more signals come meanwhile
-if rank == "0":
-    open(os.environ["RECIPE_STATUS_FILE"], "w").write("preempted 3 /out/checkpoint-3\\n")
+if rank == "0":  # says why, as common.exit_codes does: the line, and its code beside launch.sh's status file
+    stop = open(os.environ["RECIPE_STATUS_FILE"] + ".stop").read()  # the stop launch.sh passed on
+    open(os.environ["RECIPE_STATUS_FILE"] + ".said-0", "w").write("75\\n")
+    print(f"preempted: stopped by {{stop}} after step 3; saved /out/checkpoint-3", file=sys.stderr, flush=True)
 with open(log, "a") as f:
     f.write(f"rank {{rank}}: {{len(got)}} SIGTERM\\n")
 time.sleep(1)  # the others count theirs before torch's agent, seeing this one exit, sends them its own SIGTERM
@@ -266,7 +272,8 @@ def fake_tree(tmp_path):
 @pytest.mark.parametrize("nproc, extra", [(1, []), (2, []), (2, ["--max_restarts", "2"])])
 def test_each_process_gets_one_sigterm_and_later_signals_wait(fake_tree, nproc, extra):
     """SIGTERM to launch.sh, then Ctrl-C to it and SIGTERM and SIGUSR1 to the launcher itself while the processes
-    save: each process gets SIGTERM once, nothing is restarted (--max_restarts), launch.sh exits 75 with one line."""
+    save: each process gets SIGTERM once, nothing is restarted (--max_restarts), launch.sh exits 75 with the line
+    of the process that said why, naming the stop launch.sh passed on."""
     root, log = fake_tree
     proc = subprocess.Popen(
         [root / "launch.sh", "wait", "--num_processes", str(nproc), *extra],
@@ -289,10 +296,7 @@ def test_each_process_gets_one_sigterm_and_later_signals_wait(fake_tree, nproc, 
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     assert proc.returncode == 75, stderr
     said = [line for line in stderr.splitlines() if not line.startswith("+ ")]
-    assert said[-1] == (
-        "launch.sh: stopped by SIGTERM after saving /out/checkpoint-3; continue with --resume_from_checkpoint "
-        "latest (exit 75)"
-    ), stderr
+    assert said[-1] == "preempted: stopped by SIGTERM after step 3; saved /out/checkpoint-3", stderr
     assert said[:-1] == [
         "launch.sh: stopping: waiting for the processes to save a checkpoint (at most "
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 s)"

@@ -5,6 +5,7 @@ what a run writes, its user's group can read."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,7 +47,10 @@ def options(out, **kw):
 
 
 @pytest.mark.parametrize("flags", [{}, {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}])
-@pytest.mark.parametrize("what", ["a model", "results.json", "another trainer's checkpoints"])
+@pytest.mark.parametrize(
+    "what",
+    ["a model", "results.json", "another trainer's checkpoints", "a link to a checkpoint", "a record cut short"],
+)
 def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags, what):
     """--output_dir pointed at the pretrained model's own folder, at a folder with a results.json of the user's, or
     at transformers Trainer's output (checkpoint-500/trainer_state.json): refused whatever the flags, the folder as
@@ -57,16 +61,29 @@ def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, 
     elif what == "results.json":
         folder.mkdir()
         (folder / "results.json").write_text('{"my": "own results"}')
-    else:
+    elif what == "another trainer's checkpoints":
         (folder / "checkpoint-500").mkdir(parents=True)
         (folder / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500, "log_history": []}')
         (folder / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"weights")
-    before = snapshot(folder)
-    named = {"a model": "model.safetensors, config", "results.json": "results.json"}
-    named["another trainer's checkpoints"] = "checkpoint-500"
-    with pytest.raises(RecipeError, match=f"holds files that no run of these recipes wrote \\({named[what]}"):
+    elif what == "a link to a checkpoint":  # another run's, whose files rotation or --overwrite_output_dir deleted
+        (target := tmp_path / "other" / "checkpoint-8").mkdir(parents=True)
+        (target / "trainer_state.json").write_text('{"sha256": {"w.bin": "0"}, "files": {"w.bin": 1}}')
+        (target / "w.bin").write_bytes(b"w")
+        folder.mkdir()
+        (folder / "checkpoint-8").symlink_to(target)
+    else:  # a copy cut short: nothing tells whose it is
+        (folder / "checkpoint-8").mkdir(parents=True)
+        (folder / "checkpoint-8" / "trainer_state.json").write_text('{"sha256": {"w.b')
+    before = snapshot(tmp_path)
+    named = {"a model": "model.safetensors, config", "results.json": "results.json (no versions in results.json"}
+    named["another trainer's checkpoints"] = "checkpoint-500 (no sha256 in trainer_state.json: another program's)"
+    named["a link to a checkpoint"] = "checkpoint-8 (a symbolic link)"
+    named["a record cut short"] = "checkpoint-8 (its trainer_state.json is unreadable: "
+    with pytest.raises(
+        RecipeError, match=f"holds files that no run of these recipes wrote \\({re.escape(named[what])}"
+    ):
         outputs.OutputDir(acc[0], options(folder, **flags))
-    assert snapshot(folder) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
@@ -98,6 +115,39 @@ def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path
     outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "checkpoint-2", "checkpoint-999"]
     assert (out / "checkpoint-2" / "my_eval.txt").read_text() == (out / "checkpoint-999" / "notes.txt").read_text()
+    # a save replacing a folder of its step (a run resumed from an earlier checkpoint, a folder with a note alone):
+    # what a save wrote there goes, the notes stay, and the new checkpoint is whole
+    for step in (2, 999):
+        ckpt.write_checkpoint(acc[0], out, step, {"args": {}}, model=acc[1])
+        assert ckpt.checkpoint_damage(out / f"checkpoint-{step}") is None
+    assert (out / "checkpoint-2" / "my_eval.txt").read_text() == (out / "checkpoint-999" / "notes.txt").read_text()
+    written = set(ckpt.read_state(out / "checkpoint-2")["files"]) | {ckpt.STATE_FILE}
+    assert {p.name for p in (out / "checkpoint-2").iterdir()} == written | {"my_eval.txt"}
+
+
+def test_a_setting_set_or_unset_since_the_checkpoint_is_listed():
+    """An option the checkpoint's run left unset (not recorded) and this one sets, or the reverse, changed too."""
+    from argparse import Namespace
+
+    saved = {"seed": 1, "learning_rate": 0.1, "weight_decay": 0.01, "max_train_steps": 8}
+    now = Namespace(seed=1, learning_rate=0.1, weight_decay=None, warmup_steps=3, max_train_steps=20)
+    assert ckpt.changed_settings(saved, now) == ["--warmup_steps None -> 3", "--weight_decay 0.01 -> None"]
+
+
+def test_the_final_save_writes_over_nothing_that_appeared_since_the_start(acc, tmp_path):
+    """A file of the user's with the name of one the model writes, put there while the run trained: refused, in one
+    line naming it, the folder as it was; what a save moves in is recorded before it moves (a save cut short leaves
+    nothing unrecorded)."""
+    out = tmp_path / "run"
+    (out / "model.safetensors").mkdir(parents=True)
+    (out / "model.safetensors" / "x").write_text("mine")
+    before = snapshot(out)
+    with pytest.raises(RecipeError, match=r"run/model.safetensors is not this run's, and the model would write over"):
+        ckpt.save_model(acc[0], acc[1], out)
+    assert snapshot(out) == before and not (out / ".tmp-model").exists()
+    shutil.rmtree(out / "model.safetensors")
+    ckpt.save_model(acc[0], acc[1], out)
+    assert ckpt.model_files(out) == ["model.safetensors"]
 
 
 def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
@@ -263,14 +313,11 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_o
         log.seek(0)
         text = log.read()
     assert "Traceback" not in text and "Connection closed" not in text, text[-3000:]
-    if whom == "launch.sh":
-        last = text.rstrip().splitlines()[-1]
-        assert last == "launch.sh: stopped by SIGTERM before training; nothing was saved (exit 75)", text[-3000:]
-    else:  # the process the stop reached says so; the main process, whose collective it broke, is not the cause
-        lines = [line for line in text.splitlines() if line.startswith(("preempted:", "stopped:", "error:"))]
-        assert lines == [
-            "preempted: stopped by SIGTERM before training started; nothing to save, run it again (exit 75)"
-        ], text[-3000:]
+    # one line, by the process that ended first; a process whose collective that broke is not the cause
+    lines = [line for line in text.splitlines() if line.startswith(("preempted:", "stopped:", "error:", "launch.sh:"))]
+    assert lines == [
+        "preempted: stopped by SIGTERM before training started; nothing to save, run it again (exit 75)"
+    ], text[-3000:]
     assert not out.exists() or {p.name for p in out.iterdir()} <= {outputs.LOCK_FILE}
 
 
