@@ -34,13 +34,10 @@ def first_to_say(code: int, everyone: bool = False) -> bool:
     attempt, under --max_restarts) to end with a line does: the others end because of it (torch's agent stops them,
     their collectives break); it records `code` beside launch.sh's status file. Elsewhere rank 0 (the launcher's
     RANK) does, or every process that met it (`everyone`)."""
-    path = os.environ.get(STATUS_FILE_ENV)
-    if not path:
+    if (path := _said_file()) is None:
         return everyone or os.environ.get("RANK", "0") == "0"
     try:
-        said = os.open(
-            f"{path}.said-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", os.O_CREAT | os.O_EXCL | os.O_WRONLY
-        )
+        said = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
     except OSError:  # launch.sh's folder gone: said twice rather than not at all
@@ -65,11 +62,18 @@ def stop_name(signum: int) -> str:
 def restarted_after_mistake() -> bool:
     """Whether this process is a restart (--max_restarts) of an attempt that ended on a user's mistake (its line said,
     exit 2), which no restart mends."""
-    path, restart = os.environ.get(STATUS_FILE_ENV), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        return bool(path and restart) and Path(f"{path}.said-{restart - 1}").read_text().strip() == "2"
+        return (path := _said_file(attempts_back=1)) is not None and path.read_text().strip() == "2"
     except OSError:
         return False
+
+
+def _said_file(attempts_back: int = 0) -> Path | None:
+    """Where the process that said why this attempt (or one `attempts_back`) ended records its code, under launch.sh
+    (launcher.said_code reads it)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) - attempts_back
+    return Path(f"{path}.said-{attempt}") if path and attempt >= 0 else None
 
 
 class ArgumentParser(argparse.ArgumentParser):
