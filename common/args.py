@@ -27,6 +27,7 @@ TRAINING_HYPERPARAMETERS = (
 )  # fmt: skip
 GIVEN: dict = {}  # option -> text value of the last parse: where a failing path came from (runtime.os_error_line)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # set by launch.sh: how the run ended (common.preemption), and who said why
+WORLD_SIZE_ENV = "RECIPE_WORLD_SIZE"  # set by launch.sh: the processes it asked accelerate launch for
 
 
 def first_to_say(code: int, everyone: bool = False) -> bool:

@@ -519,8 +519,6 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def write():
-        if not state_dict:
-            raise RecipeError("the gathered state dict is empty; under ZeRO-3 set zero3_save_16bit_model: true")
         output_dir.mkdir(parents=True, exist_ok=True)
         earlier = model_files(output_dir)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes

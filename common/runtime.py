@@ -286,6 +286,13 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 f"--gradient_accumulation_steps {config['gradient_accumulation_steps']}"
             )
         config["gradient_accumulation_steps"] = k
+        zero = config.get("zero_optimization", {})
+        if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+            raise RecipeError(  # else training runs to its end and then accelerate refuses to gather the weights
+                "under ZeRO-3 the final save gathers the weights only with zero3_save_16bit_model: true in the "
+                "accelerate config's deepspeed_config (stage3_gather_16bit_weights_on_model_save in a DeepSpeed "
+                "config file); set it, as accelerate_configs/zero3.yaml does"
+            )
         if config.get("gradient_clipping", "auto") == "auto":
             config["gradient_clipping"] = args.max_grad_norm
     return accelerator
@@ -358,6 +365,13 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
     and the config's FSDP, DeepSpeed and fp16 (it falls back without a word: FSDP on CPU to DDP, fp16 on CPU to fp32
     while reporting fp16)."""
     kind = accelerator.distributed_type.value
+    asked = int(os.environ.get(_args.WORLD_SIZE_ENV, accelerator.num_processes))
+    if accelerator.num_processes != asked:  # accelerate launch starts one process for some configs (MULTI_CPU)
+        raise RecipeError(
+            f"launch.sh asked accelerate launch for {asked} processes and it started {accelerator.num_processes} "
+            f"(the config's distributed_type {kind}); for CPU processes use distributed_type: MULTI_GPU with "
+            "use_cpu: true, as accelerate_configs/cpu.yaml does"
+        )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
         raise RecipeError(
             f"the launcher started {expected} processes but they formed a group of {accelerator.num_processes} "

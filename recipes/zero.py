@@ -163,6 +163,7 @@ def main(argv=None):
         out.load_checkpoint(model, optimizer)
     stop = common.StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
     log = common.TrainLog(accelerator, plan, at, args.logging_steps, out.resume_from)
+    model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 
     # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
     k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}

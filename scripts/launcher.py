@@ -289,6 +289,8 @@ def main(argv: list[str]) -> int:
     cmd += [str(script), *rest]
     print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
     os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
+    # the processes check that they formed as many (accelerate launch starts one for a MULTI_CPU config)
+    os.environ["RECIPE_WORLD_SIZE"] = str(per_node * nodes if nodes > 1 else num_processes or processes)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # a group's launcher sets these; left
         os.environ.pop(name, None)  # from another job, they would make a process of one take itself for a rank
     if "--dry_run" in ours:

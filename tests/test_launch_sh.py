@@ -161,13 +161,17 @@ def tree(tmp_path_factory):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "accelerate_configs/broken.yaml").write_text("num_processes: two\n")
     (root / "accelerate_configs/typo.yaml").write_text("distributed_type: MULTI_GPU\nnum_processs: 2\n")
+    (root / "accelerate_configs/mcpu.yaml").write_text(  # what `accelerate config` writes for CPU processes
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 2\n"
+        "mixed_precision: 'no'\nuse_cpu: true\n"
+    )
     (root / "accelerate_configs/nofile.yaml").write_text(
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /no/such/ds.json\n"
     )
     return root
 
 
-CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp multi_node nofile typo zero2 zero3 zero3_offload"
+CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp mcpu multi_node nofile typo zero2 zero3 zero3_offload"
 
 PROCESSES = "--num_processes must be a positive integer (the processes on this node),"
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,"
@@ -243,6 +247,20 @@ def test_every_bad_input_of_launch_sh_is_one_error_line(tree, gpus):
 
 
 # ---------------------------------------------------------------- real launches
+
+
+@pytest.mark.slow
+def test_a_config_accelerate_starts_as_fewer_processes_is_refused(tree, gpus, tiny_lm, tmp_path):
+    """accelerate config's answer for CPU processes (distributed_type MULTI_CPU) makes accelerate launch start one
+    process where the config asks for 2: it trained alone, exit 0. Now the process knows what launch.sh asked for."""
+    out = tmp_path / "run"
+    args = lm_args(tiny_lm, out, "--max_train_steps", "2")
+    proc = run([tree / "launch.sh", "lm_finetune", "--config", "mcpu", *args], env=gpus(0), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    assert "asked accelerate launch for 2 processes and it started 1" in line and "use_cpu: true" in line
+    assert not out.exists()
+
 
 TOKEN, PASSWORD = "hf_" + "Qw3rty" * 5, "pa55w0rd-in-a-url"
 

@@ -81,6 +81,24 @@ def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_pretrained_model_trains_in_training_mode_from_its_first_step(tiny_lm, tmp_path):
+    """from_pretrained returns a model in eval mode: trained so, dropout is off and transformers' gradient
+    checkpointing (training mode only) saves no memory until the first evaluation. The first step's loss
+    with attention dropout 0.9 differs from the one without."""
+    losses = []
+    for dropout in (0.0, 0.9):
+        model = tmp_path / f"model-{dropout}"
+        shutil.copytree(tiny_lm["model"], model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "attention_dropout": dropout}))
+        out = tmp_path / f"run-{dropout}"
+        args = lm_args({**tiny_lm, "model": model}, out, "--max_train_steps", "1", "--logging_steps", "1")
+        run([BIN / "python", RECIPE, *args])
+        losses.append(results(out)["log_history"][0]["train_loss"])
+    assert losses[0] != pytest.approx(losses[1], rel=1e-3), losses
+
+
 @pytest.mark.parametrize("suffix", [".txt", ".csv", ".parquet", ".jsonl"])
 def test_local_files_of_every_format_load_with_a_held_out_split(tmp_path, suffix):
     import datasets

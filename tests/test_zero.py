@@ -144,17 +144,27 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
     ), proc.stderr[-3000:]
 
 
-def test_deepspeed_accumulation_that_contradicts_the_recipe_is_refused(tiny_lm, tmp_path):
-    config = tmp_path / "zero2_gas4.yaml"
-    config.write_text(
-        (REPO / "accelerate_configs/zero2.yaml")
-        .read_text()
-        .replace("  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n")
-    )
-    proc = deepspeed(config, 1, *lm_args(tiny_lm, tmp_path / "run", "--max_train_steps", "2"), check=False)
-    assert proc.returncode != 0
+@pytest.mark.parametrize(
+    "config, edit, message",
+    [
+        ("zero2", ("  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n"),
+         "gradient_accumulation_steps=4 but the recipe has 1"),
+        ("zero3", ("  zero3_save_16bit_model: true\n", ""), "zero3_save_16bit_model: true"),
+    ],
+)  # fmt: skip
+def test_a_deepspeed_config_the_recipe_cannot_honour_is_refused_before_training(
+    tiny_lm, tmp_path, config, edit, message
+):
+    """Accumulation set in the config against the recipe's; ZeRO-3 without the 16-bit gather (accelerate would
+    refuse the final save after the whole training)."""
+    yaml = tmp_path / f"{config}.yaml"
+    yaml.write_text((REPO / f"accelerate_configs/{config}.yaml").read_text().replace(*edit))
+    out = tmp_path / "run"
+    proc = deepspeed(yaml, 1, *lm_args(tiny_lm, out, "--max_train_steps", "2"), check=False)
+    assert proc.returncode != 0  # accelerate launch exits 1 for any failed process
     (line,) = error_lines(proc.stderr)
-    assert "gradient_accumulation_steps=4 but the recipe has 1" in line
+    assert message in line
+    assert snapshot(out) == {}
 
 
 ZERO_RECIPE = REPO / "recipes" / "zero.py"
