@@ -368,9 +368,9 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
     asked = int(os.environ.get(_args.WORLD_SIZE_ENV, accelerator.num_processes))
     if accelerator.num_processes != asked:  # accelerate launch starts one process for some configs (MULTI_CPU)
         raise RecipeError(
-            f"launch.sh asked accelerate launch for {asked} processes and it started {accelerator.num_processes} "
-            f"(the config's distributed_type {kind}); for CPU processes use distributed_type: MULTI_GPU with "
-            "use_cpu: true, as accelerate_configs/cpu.yaml does"
+            f"launch.sh asked accelerate launch for {asked} processes and it started {accelerator.num_processes}; "
+            "for CPU processes use distributed_type: MULTI_GPU with use_cpu: true in the config, as "
+            "accelerate_configs/cpu.yaml does (MULTI_CPU starts one process unless mpirun is set up)"
         )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
         raise RecipeError(

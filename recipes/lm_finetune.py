@@ -17,6 +17,7 @@ GPU throughput and MFU: not measured yet in this repository.
 
 import contextlib
 import itertools
+import sys
 
 import torch
 from accelerate.utils import set_seed
@@ -82,6 +83,13 @@ def parse_args(argv=None):
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
             "a bf16 accelerate config for mixed precision), bfloat16 or float16"
+        )
+    given = {word.partition("=")[0] for word in (sys.argv[1:] if argv is None else argv)}
+    unused = [o for o in ("--lora_alpha", "--lora_dropout", "--lora_target_modules") if o in given]
+    if unused and not args.lora_r:
+        p.error(
+            f"LoRA options do nothing without --lora_r (the whole model trains): drop {' and '.join(unused)}, or "
+            "pass --lora_r 16 (8 to 64 is usual)"
         )
     if args.lora_r and args.config_name:
         p.error(
