@@ -1,5 +1,5 @@
-"""`./launch.sh selftest`: what a user runs on new hardware, run here under every config a CPU runs; and shown to fail
-when a recipe breaks a promise."""
+"""`./launch.sh selftest`: what a user runs on new hardware, run here under DDP and ZeRO-3; and shown to fail when a
+recipe breaks a promise."""
 
 import re
 import shutil
@@ -7,7 +7,9 @@ import shutil
 import pytest
 from conftest import REPO, cpu_env, run
 
-CONFIGS = ["cpu", "zero2", "zero3", "zero3_offload", "fsdp"]
+# DDP and ZeRO-3, the README's command: the selftest's code is the same under every config, and what it checks under
+# ZeRO-2, ZeRO-3 with offload and FSDP2 the ZeRO and FSDP tests check with more (test_zero.py, test_fsdp.py)
+CONFIGS = ["cpu", "zero3"]
 
 
 def test_the_readmes_selftest_commands_are_run_here():
@@ -17,7 +19,7 @@ def test_the_readmes_selftest_commands_are_run_here():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
-def test_selftest_passes_under_every_config_a_cpu_runs(config):
+def test_selftest_passes_under_ddp_and_zero3(config):
     proc = run([REPO / "launch.sh", "selftest", "--config", config], env=cpu_env(), timeout=900)
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("  ")]
     names = {" ".join(row[:2]) for row in rows}
