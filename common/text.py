@@ -404,7 +404,28 @@ def load_causal_lm(args, **model_kwargs):
         model.resize_token_embeddings(len(tokenizer))
     elif args.resize_token_embeddings:
         logger.info(f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)}")
+    if not causal(model):
+        raise RecipeError(
+            f"{flag} {source}: {type(model).__name__} lets each position see the ones after it (an encoder such as "
+            "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)"
+        )
     return model, tokenizer
+
+
+def causal(model) -> bool:
+    """Whether the first position's output ignores the second token, on the loaded model (True where it cannot run
+    here: weights sharded by ZeRO-3, a forward that needs more)."""
+    if any(p.numel() == 0 or p.device.type == "meta" for p in model.parameters()):
+        return True
+    training = model.training
+    try:
+        with torch.no_grad():
+            logits = model.eval()(input_ids=torch.tensor([[1, 2], [1, 3]])).logits
+        return torch.allclose(logits[0, 0], logits[1, 0], atol=1e-4, rtol=1e-3)
+    except Exception:  # the first step will say what the model needs
+        return True
+    finally:
+        model.train(training)
 
 
 def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeError:
