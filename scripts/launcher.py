@@ -114,9 +114,9 @@ main_training_function megatron_lm_config mixed_precision mpirun_config num_mach
 rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm tpu_zone use_cpu""".split()
 
 
-def read_config(path: Path) -> tuple[int, int, str, bool]:
-    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML; a key accelerate does not
-    read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
+def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
+    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, and the YAML; a key accelerate
+    does not read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
@@ -144,7 +144,7 @@ def read_config(path: Path) -> tuple[int, int, str, bool]:
         die(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
     if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
         die(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
-    return machines, processes, kind, use_cpu
+    return machines, processes, kind, use_cpu, config
 
 
 def output(*cmd: str) -> str:
@@ -227,7 +227,11 @@ def main(argv: list[str]) -> int:
         die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)})")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
-    nodes, rank = 1, 0  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
+    nodes, rank, head = (
+        1,
+        0,
+        None,
+    )  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
     if env("SLURM_JOB_ID"):
         nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
         if port is None and re.fullmatch(r"[0-9]{1,12}", env("SLURM_JOB_ID")):  # the same on every node of a job
@@ -236,7 +240,7 @@ def main(argv: list[str]) -> int:
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
         num_processes = num_processes or (gpus if config == "2gpu" else None)
-    machines, processes, kind, use_cpu = read_config(CONFIGS / f"{config}.yaml")
+    machines, processes, kind, use_cpu, yaml_config = read_config(CONFIGS / f"{config}.yaml")
     per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", f"{CONFIGS}/{config}.yaml"]
     variables = {}  # environment variables of the command
@@ -299,7 +303,10 @@ def main(argv: list[str]) -> int:
         report = subprocess.run([sys.executable, str(script), "--report", "--num_processes", str(per_node), *rest])
         if report.returncode:
             return report.returncode
-    if nodes > 1 and rank > 0:
+    if nodes == 1 and machines > 1:  # a multi-node config, one launch.sh a node by hand: the config's rank and head
+        rank, head = yaml_config.get("machine_rank", 0), yaml_config.get("main_process_ip")
+        port = port or yaml_config.get("main_process_port") or 29500
+    if rank and isinstance(rank, int) and head:  # else torch waits for the head as long as its own timeout
         wait_for_head(head, port, rdzv_timeout, rank)
     return run(cmd[2:])
 

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     command = dry.stderr.strip().splitlines()[-1]
     config = command.split("--config_file ")[1].split()[0]
     nproc = int(command.split("--num_processes ")[1].split()[0]) if "--num_processes " in command else 0
-    _, config_nproc, _, use_cpu = read_config(Path(config))
+    _, config_nproc, _, use_cpu, _ = read_config(Path(config))
     nproc = nproc or config_nproc
     deepspeed_or_fsdp = any(name in command for name in ("zero", "fsdp"))
     print(f"selftest: {config}, {nproc} process(es), --mixed_precision {precision}")

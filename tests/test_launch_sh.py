@@ -14,7 +14,19 @@ import time
 
 import psutil
 import pytest
-from conftest import BIN, REPO, cpu_env, digits_args, error_lines, lm_args, preempted_at, results, run, user_env
+from conftest import (
+    BIN,
+    REPO,
+    cpu_env,
+    digits_args,
+    error_lines,
+    free_port,
+    lm_args,
+    preempted_at,
+    results,
+    run,
+    user_env,
+)
 
 LAUNCH = REPO / "launch.sh"
 
@@ -165,13 +177,22 @@ def tree(tmp_path_factory):
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 2\n"
         "mixed_precision: 'no'\nuse_cpu: true\n"
     )
+    (root / "accelerate_configs/node1.yaml").write_text(  # node 1 of a multi-node config run by hand, no head
+        (REPO / "accelerate_configs/multi_node.yaml")
+        .read_text()
+        .replace("machine_rank: 0 ", "machine_rank: 1 ")
+        .replace("10.0.0.1", "127.0.0.1")
+        .replace("29500", str(free_port()))
+        .replace("use_cpu: false", "use_cpu: true")
+        .replace("num_processes: 16", "num_processes: 2")
+    )
     (root / "accelerate_configs/nofile.yaml").write_text(
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: /no/such/ds.json\n"
     )
     return root
 
 
-CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp mcpu multi_node nofile typo zero2 zero3 zero3_offload"
+CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp mcpu multi_node node1 nofile typo zero2 zero3 zero3_offload"
 
 PROCESSES = "--num_processes must be a positive integer (the processes on this node),"
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,"
@@ -247,6 +268,17 @@ def test_every_bad_input_of_launch_sh_is_one_error_line(tree, gpus):
 
 
 # ---------------------------------------------------------------- real launches
+
+
+@pytest.mark.slow
+def test_a_node_of_a_multi_node_config_whose_head_never_comes_gives_up_in_rdzv_timeout(tree, gpus):
+    """Without Slurm (multi_node.yaml filled in by hand, one launch.sh a node), node 1 waited for its head as long
+    as torch's rendezvous does; now RDZV_TIMEOUT, as under Slurm, then one line with the likely causes."""
+    tic = time.monotonic()
+    proc = run([tree / "launch.sh", "cifar", "--config", "node1"], env=gpus(0, RDZV_TIMEOUT="5"), check=False)
+    assert proc.returncode == 2 and 4 < time.monotonic() - tic < 60, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line.startswith("launch.sh: error: node 1 cannot reach the head node 127.0.0.1:") and "after 5 s" in line
 
 
 @pytest.mark.slow

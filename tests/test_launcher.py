@@ -55,7 +55,7 @@ def test_configs_read_as_yaml(path):
 
     raw = yaml.safe_load(path.read_text())
     keys = ("num_machines", "num_processes", "distributed_type", "use_cpu")
-    assert launcher.read_config(path) == tuple(raw[key] for key in keys)
+    assert launcher.read_config(path)[:4] == tuple(raw[key] for key in keys)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +341,7 @@ def test_a_key_only_older_accelerates_read_is_accepted_by_them_and_refused_with_
     config = tmp_path / "old.yaml"
     config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nipex_config: {}\n")
     if tuple(int(part) for part in accelerate.__version__.split(".")[:2]) < (1, 13):
-        assert launcher.read_config(config) == (1, 2, "MULTI_CPU", True)
+        assert launcher.read_config(config)[:4] == (1, 2, "MULTI_CPU", True)
     else:
         with pytest.raises(SystemExit):
             launcher.read_config(config)
