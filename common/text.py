@@ -455,6 +455,11 @@ def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeEr
         why = f"its tokenizer cannot be loaded ({type(err).__name__}: {text}); pass one whose tokenizer files load"
     elif isinstance(err, SafetensorError):  # it does not name the file
         why = f"its safetensors weights are damaged ({text}); download or save the model again"
+    elif "ignore_mismatched_sizes" in text:  # transformers' report above lists the tensors (MISMATCH)
+        why = (
+            "its weights do not fit its config.json (the tensors marked MISMATCH above): the config was edited or "
+            f"belongs to another model; restore the config.json saved with these weights, or {fix}"
+        )
     elif "Unrecognized configuration class" in text:  # a vision, encoder-only, ... model
         why = f"{text}; pass a causal language model"
     else:

@@ -607,6 +607,16 @@ def broken_model(tiny_lm, tmp_path):
         elif how == "invalid_config":  # JSON, with a field of the wrong type: the tokenizer reads it too
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "x"}))
+        elif how == "resized_config":  # edited after the weights were saved
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+        elif how == "encoder":  # BERT, which AutoModelForCausalLM loads with attention both ways
+            from transformers import BertConfig, BertForMaskedLM
+
+            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+            config = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+            BertForMaskedLM(config).save_pretrained(folder)  # beside the tiny model's tokenizer
         elif how == "no_weights":
             weights.unlink()
         elif how == "bad_tokenizer":
@@ -632,6 +642,8 @@ def broken_model(tiny_lm, tmp_path):
             "its config.json is not valid (StrictDataclassFieldValidationError: Validation error for "
             "field 'hidden_size': TypeError: Field 'hidden_size' expected int",
         ),
+        ("resized_config", "its weights do not fit its config.json (the tensors marked MISMATCH above)"),
+        ("encoder", "BertLMHeadModel lets each position see the ones after it (an encoder such as BERT"),
         ("no_weights", "OSError: Error no file named model.safetensors"),
         ("bad_tokenizer", "its tokenizer cannot be loaded (JSONDecodeError"),
         (

@@ -99,26 +99,6 @@ def test_a_pretrained_model_trains_in_training_mode_from_its_first_step(tiny_lm,
     assert losses[0] != pytest.approx(losses[1], rel=1e-3), losses
 
 
-@pytest.mark.slow
-def test_an_encoder_is_not_trained_as_a_causal_lm(tiny_lm, tmp_path):
-    """AutoModelForCausalLM loads a BERT folder (BertLMHeadModel, is_decoder off): each position sees the next
-    token, its target, and the loss falls to 0 without learning to generate. It trained, exit 0."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    bert = tmp_path / "bert"
-    shutil.copytree(tiny_lm["model"], bert)  # its tokenizer; config.json and the weights are replaced
-    vocab = json.loads((bert / "config.json").read_text())["vocab_size"]
-    config = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    BertForMaskedLM(config).save_pretrained(bert)
-    out = tmp_path / "run"
-    proc = run([BIN / "python", RECIPE, *lm_args({**tiny_lm, "model": bert}, out)], check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    (line,) = error_lines(proc.stderr)
-    assert f"--model_name_or_path {bert}: BertLMHeadModel lets each position see the ones after it" in line
-    assert not out.exists()
-
-
 @pytest.mark.parametrize("suffix", [".txt", ".csv", ".parquet", ".jsonl"])
 def test_local_files_of_every_format_load_with_a_held_out_split(tmp_path, suffix):
     import datasets
