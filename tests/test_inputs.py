@@ -683,7 +683,7 @@ def test_an_attention_implementation_that_is_unknown_or_not_installed(tiny_lm, n
 def test_lora_targets_separated_by_commas_or_spaces_are_the_same():
     lm = RECIPES["lm_finetune"]
     for targets in (["q_proj,v_proj"], ["q_proj", "v_proj"], ["q_proj,", "v_proj"]):
-        args = lm.parse_args([*BASE["lm_finetune"], "--lora_target_modules", *targets])
+        args = lm.parse_args([*BASE["lm_finetune"], "--lora_r", "8", "--lora_target_modules", *targets])
         assert args.lora_target_modules == ["q_proj", "v_proj"]
 
 
