@@ -227,11 +227,8 @@ def main(argv: list[str]) -> int:
         die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)})")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
-    nodes, rank, head = (
-        1,
-        0,
-        None,
-    )  # Under Slurm: the nodes of this srun step (the batch script runs on the first node only).
+    # Under Slurm: the nodes of this srun step (the batch script runs on the first node only); its head, once known.
+    nodes, rank, head = 1, 0, None
     if env("SLURM_JOB_ID"):
         nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
         if port is None and re.fullmatch(r"[0-9]{1,12}", env("SLURM_JOB_ID")):  # the same on every node of a job
