@@ -90,7 +90,8 @@ def on_stop(signum, frame) -> None:
         if len(stops) == 1:  # launcher, and one that comes while it ends (`timeout` passing a stop on) adds nothing
             finish(stopped_before("the processes started", stops[0]))
         return
-    if len(stops) == 2:  # a second signal does not cut the save short
+    # a second signal does not cut the save short; not said after a process's line saying why the job ended
+    if len(stops) == 2 and said_code() is None:
         say(f"stopping: waiting for the processes to save a checkpoint (at most {SHUTDOWN}={os.environ[SHUTDOWN]} s)")
 
 
