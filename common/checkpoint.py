@@ -280,15 +280,11 @@ def _install(tmp: Path, final: Path) -> None:
     if final.exists():
         remove_checkpoint(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
-        for item in list(final.iterdir()) if final.exists() else []:
+    if final.exists():  # what remove_checkpoint left: a user's files move into tmp, the rest (names tmp has too) goes
+        for item in list(final.iterdir()):
             if not (tmp / item.name).exists():
                 os.replace(item, tmp / item.name)
-            elif item.is_dir():
-                shutil.rmtree(item)
-            else:
-                item.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            final.rmdir()
+        shutil.rmtree(final)
     os.replace(tmp, final)
 
 
