@@ -78,10 +78,9 @@ RUN_CONTROL = {
 def changed_settings(saved_args: dict, args) -> list:
     """`--name old -> new` for each argument outside RUN_CONTROL that differs from a checkpoint's (None: unset)."""
     now = public_args(args)
-    names = [*now, *(k for k in saved_args if k not in now)]
     return [
         f"--{k} {saved_args.get(k)} -> {now.get(k)}"
-        for k in names
+        for k in {**now, **saved_args}  # this run's names first, then those it no longer has
         if saved_args.get(k) != now.get(k) and k not in RUN_CONTROL
     ]
 
@@ -382,11 +381,10 @@ def model_signature(model) -> dict:
         )
         return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
 
-    count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return {
         "model_signature": digest(model.named_parameters()),
         "model_buffers": digest(model.named_buffers()),
-        "model_parameters": count,
+        "model_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
     }
 
 
