@@ -159,6 +159,7 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
     percent of train is held out (seeded)."""
     from datasets import DatasetDict
 
+    sources = data_sources(dataset_name, train_file, validation_file)
     if dataset_name:
         flag = f"--dataset_name {dataset_name}"
         flag += f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
@@ -174,17 +175,15 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
                 check_path(f"--{split}_file", path)
                 fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
                 bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
-                raw[split] = _load(
-                    f"--{split}_file {path}", fmt, data_files=str(Path(path).expanduser()), split="train", **bom
-                )
+                raw[split] = _load(sources[split], fmt, data_files=str(Path(path).expanduser()), split="train", **bom)
     if "validation" not in raw:
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         except ValueError as err:  # a side would be empty
-            source = data_sources(dataset_name, train_file)["train"]
             raise RecipeError(
-                f"{source}: {len(raw['train'])} row(s) are too few to hold out {validation_split_percentage}% for "
-                "validation; add rows, pass --validation_file, or change --validation_split_percentage"
+                f"{sources['train']}: {len(raw['train'])} row(s) are too few to hold out "
+                f"{validation_split_percentage}% for validation; add rows, pass --validation_file, or change "
+                "--validation_split_percentage"
             ) from err
         raw = DatasetDict(train=split["train"], validation=split["test"])
     return raw
