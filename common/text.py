@@ -255,23 +255,22 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
 
     sources = {split: f"the {split} split" for split in raw} | (sources or {})
     column = text_column if data_format == "text" else "messages"
-    has = {split: column in data.column_names for split, data in raw.items()}
-    if len(set(has.values())) > 1:  # what mends one split would break the other
-        (without, *_), (other, *_) = [split for split in raw if not has[split]], [split for split in raw if has[split]]
-        raise RecipeError(
-            f"{sources[without]} has no {column} column (columns: {', '.join(raw[without].column_names)}), which "
-            f"{sources[other]} has: pass data of one format for both"
-        )
-    for split, data in raw.items():  # every split's, before the minutes of tokenizing the first
-        if column not in data.column_names:
-            missing = f"not in the data (columns: {', '.join(data.column_names)})"
-            if data_format == "chat":
-                raise RecipeError(
-                    f"{sources[split]}: --data_format chat needs a column named messages: {missing}; pass "
-                    "--data_format text for plain text"
-                )
-            hint = "; it looks like chat data: pass --data_format chat" if "messages" in data.column_names else ""
-            raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
+    # every split's column, before the minutes of tokenizing the first
+    if without := [split for split, data in raw.items() if column not in data.column_names]:
+        split, columns = without[0], raw[without[0]].column_names
+        if other := [name for name in raw if name not in without]:  # what mends one split would break the other
+            raise RecipeError(
+                f"{sources[split]} has no {column} column (columns: {', '.join(columns)}), which "
+                f"{sources[other[0]]} has: pass data of one format for both"
+            )
+        missing = f"not in the data (columns: {', '.join(columns)})"
+        if data_format == "chat":
+            raise RecipeError(
+                f"{sources[split]}: --data_format chat needs a column named messages: {missing}; pass "
+                "--data_format text for plain text"
+            )
+        hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
+        raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
     if data_format == "chat" and not tokenizer.chat_template:
         raise RecipeError(
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
