@@ -109,7 +109,7 @@ class StopOnSignal:
         self.watchdog = None
         if args.hang_timeout:
             self.watchdog = Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
-        self.finishing = SimpleNamespace(requested=self._progress)
+        self.finishing = SimpleNamespace(requested=self.watchdog.beat if self.watchdog else lambda: None)
         _in_loop = True
 
     def requested(self, step: int | None = None) -> str | None:
@@ -129,19 +129,12 @@ class StopOnSignal:
             self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return None
 
-    def _progress(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat()
-
     def preempted(self, step: int, checkpoint, during: str | None = None) -> Preempted:
         """The exception that ends the run once its checkpoint is saved (common.exit_codes: exit 75)."""
         when = f"during {during} " if during else ""
         message = f"stopped by {self.signal} {when}after step {step}; saved {checkpoint}"
-        return Preempted(
-            f"{message}. Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})",
-            step,
-            checkpoint,
-        )
+        resume = f"Continue with --resume_from_checkpoint latest (exit code {PREEMPTED_EXIT_CODE})"
+        return Preempted(f"{message}. {resume}", step, checkpoint)
 
 
 def write_status(text: str) -> None:
