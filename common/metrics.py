@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from .args import public_args
@@ -26,8 +27,6 @@ class TrainLog:
     goes on with the checkpoint's history and the loss since its last log, as if never stopped."""
 
     def __init__(self, accelerator, plan, start, logging_steps: int, resume_from=None):
-        from accelerate.utils import gather_object
-
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
         self.hosts = gather_object([socket.gethostname()])
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
