@@ -397,17 +397,12 @@ def _layout(accelerator) -> str:
 
 
 def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
-    """Restore `path` into the prepared model and optimizer; return its trainer state. Another recipe's, model's or
-    distributed layout's checkpoint is refused in one line that names the settings this run changed. The optimizer
+    """Restore `path` into the prepared model and optimizer; return its trainer state. Another model's or distributed
+    layout's checkpoint is refused in one line that names the settings this run changed. The optimizer
     keeps this run's settings (weight decay, momentum, ...), not the checkpoint's."""
-    state, recipe = read_state(path), args.recipe
+    state = read_state(path)  # another recipe's was refused before the data was read (OutputDir)
     changed = changed_settings(state.get("args", {}), args)
     differs = f"; this run differs from it in {', '.join(changed)}" if changed else ""
-    if state.get("recipe", recipe) != recipe:
-        raise RecipeError(
-            f"checkpoint {path} was written by recipes/{state['recipe']}.py, this is recipes/{recipe}.py; resume it "
-            "with that recipe, or use another --output_dir"
-        )
     identity = model_signature(model)
     if any(state.get(key, identity[key]) != identity[key] for key in ("model_signature", "model_buffers")):
         theirs, ours = state.get("model_parameters", 0), identity["model_parameters"]

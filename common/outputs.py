@@ -30,6 +30,7 @@ from .checkpoint import (
     load_checkpoint,
     model_files,
     nearest_existing,
+    read_state,
     remove_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
@@ -75,6 +76,11 @@ class OutputDir:
         _check_writable(output_dir)
         decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
         self.resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
+        if self.resume_from and (theirs := read_state(self.resume_from).get("recipe", args.recipe)) != args.recipe:
+            raise RecipeError(  # first: what another recipe wrote differs in data, model and settings too
+                f"checkpoint {self.resume_from} was written by recipes/{theirs}.py, this is recipes/{args.recipe}.py; "
+                "resume it with that recipe, or use another --output_dir"
+            )
         decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
         accelerator.init_trackers(args.recipe, config=tracker_config(args))
         universal_load_if_resharded(accelerator, self.resume_from)  # before the engine is built

@@ -218,12 +218,14 @@ def test_an_unwritable_output_dir_is_refused_before_training(tiny_lm, tmp_path):
     )
 
 
-def test_a_checkpoint_of_another_recipe_is_refused(tiny_lm, lm_checkpoint, tmp_path):
+@pytest.mark.parametrize("other", [[], ["--block_size", "16"]], ids=["same_data", "other_blocks"])
+def test_a_checkpoint_of_another_recipe_is_refused(tiny_lm, lm_checkpoint, tmp_path, other):
+    """Named as another recipe's before anything else it differs in (here the data's blocks)."""
     out = tmp_path / "run"
     cmd = [
         BIN / "python",
         REPO / "recipes" / "zero.py",
-        *lm_args(tiny_lm, out, "--resume_from_checkpoint", lm_checkpoint),
+        *lm_args(tiny_lm, out, "--resume_from_checkpoint", lm_checkpoint, *other),
     ]
     refused(cmd, lm_checkpoint.parent, "was written by recipes/lm_finetune.py, this is recipes/zero.py")
     assert not out.exists()
