@@ -11,6 +11,7 @@ import operator
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -82,6 +83,7 @@ class ArgumentParser(argparse.ArgumentParser):
     credentials masked; unknown and empty arguments refused; then each `check(parser, args)` in `checks`."""
 
     checks = ()  # training_parser's, then each recipe's: check(parser, args)
+    unless = ()  # (options, applies(args), why, fix): options given that would do nothing (does_nothing_unless)
 
     def parse_args(self, args=None, namespace=None):
         unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
@@ -100,10 +102,23 @@ class ArgumentParser(argparse.ArgumentParser):
             if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
                 self.error(f"argument {action.option_strings[0]}: must not be empty")
             if action.option_strings and isinstance(value, str):
+                if value.startswith("~"):  # a shell expands ~ only at a word's start, not in --option=~/path
+                    setattr(namespace, action.dest, value := os.path.expanduser(value))
                 GIVEN[action.option_strings[0]] = value
         for check in self.checks:
             check(self, namespace)
+        given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
+        for options, applies, why, fix in self.unless:
+            if (named := [o for o in options if o in given]) and not applies(namespace):
+                self.error(
+                    f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}"
+                )
         return namespace
+
+    def does_nothing_unless(self, options, applies, why: str, fix: str = "") -> None:
+        """Refuse `options` given on the command line where `applies(args)` is false (they would do nothing, `why`),
+        naming `fix` (", or pass ...")."""
+        self.unless = [*self.unless, (options, applies, why, fix)]
 
     def error(self, message):
         # every process parses the same line: said once
@@ -241,9 +256,13 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     for name, kind in TYPES.items():
         p.register("type", name, kind)
     p.checks = [_check_warmup, _check_timeouts]
+    p.does_nothing_unless(
+        ["--reference_batch_size"], lambda a: a.lr_scaling != "none",
+        "with --lr_scaling none (no rate is scaled from it)", ", or pass --lr_scaling linear or sqrt",
+    )  # fmt: skip
     t = p.add_argument_group("training (shared by every recipe)").add_argument
     # ~ as the inputs' paths take it: a shell leaves it as it is in --output_dir=~/x
-    t("--output_dir", type=os.path.expanduser)
+    t("--output_dir")
     t("--per_device_train_batch_size", type="positive_int")
     t("--per_device_eval_batch_size", type="positive_int")
     t("--gradient_accumulation_steps", type="positive_int")
@@ -258,7 +277,7 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--num_train_epochs", type="positive_int")
     t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
-    t("--resume_from_checkpoint", type=os.path.expanduser, help="'latest' (in --output_dir) or checkpoint-<step>")
+    t("--resume_from_checkpoint", help="'latest' (in --output_dir) or checkpoint-<step>")
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")
     t("--overwrite_output_dir", action="store_true", help="start over where an earlier run is (deletes what it wrote)")
     t("--logging_steps", type="positive_int")

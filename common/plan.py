@@ -105,6 +105,7 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     rounds = num_samples // (batch * num_processes)
     if rounds < k:  # no step would train the effective batch the rate is scaled for
         fix = f"--gradient_accumulation_steps to {rounds} or less" if rounds else "--per_device_train_batch_size"
+        fix += "" if rounds or num_processes == 1 else " or the number of processes"
         raise RecipeError(
             f"the training set holds {num_samples} samples: {rounds} batch(es) of {batch} for each of the "
             f"{num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps {k}, so no optimizer "

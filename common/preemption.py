@@ -60,13 +60,13 @@ def _record(signum, frame) -> None:
         raise stop_before_training()
 
 
-def stop_before_training() -> BaseException | None:
-    """What ends a run a stop signal reached before its training loop (None: no such signal): a first Ctrl-C
-    interrupts, SIGTERM and SIGUSR1 preempt (exit 75: nothing to save, a requeued job starts again). Whatever else
-    failed after it (a collective a peer that stopped first left) is its consequence."""
-    if not _received or _in_loop:
+def stop_before_training(signum: int | None = None) -> BaseException | None:
+    """What ends a run a stop signal (`signum`, or the first received) reached before its training loop (None: no
+    such signal): a first Ctrl-C interrupts, SIGTERM and SIGUSR1 preempt (exit 75: nothing to save, a requeued job
+    starts again). Whatever else failed after it (a collective a peer that stopped first left) is its consequence."""
+    if signum is None and (not _received or _in_loop):
         return None
-    if (name := stop_name(_received[0])) == "Ctrl-C":
+    if (name := stop_name(signum or _received[0])) == "Ctrl-C":
         return KeyboardInterrupt()
     return Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
 

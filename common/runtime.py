@@ -15,8 +15,11 @@ import logging
 import os
 import platform
 import re
+import select
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -88,6 +91,7 @@ OS_FIXES = {
     errno.EDQUOT: "free space there (your quota) or use another filesystem",
     errno.EISDIR: "pass a file in it",
     errno.ENOTDIR: "a part of that path is a file, not a folder",
+    errno.EEXIST: "it is a file where a folder must be: remove it or use another path",  # os.makedirs's error
 }
 
 
@@ -144,7 +148,8 @@ def decide_on_main(accelerator, fn):
             if isinstance(err, RecipeError):
                 err.same_on_every_rank = True  # every process raises it: the main process's line says it once
             known = isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt))
-            broadcast_object_list([err if known else RecipeError(f"the main process failed: {one_line(err)}")])
+            line = os_error_line(err) or f"the main process failed: {one_line(err)}"  # whichever process says it
+            broadcast_object_list([err if known else RecipeError(line)])
             raise
     broadcast_object_list(outcome)
     if isinstance(outcome[0], BaseException):
@@ -176,12 +181,7 @@ def exit_codes():
         said = next((e for e in causes(err) if isinstance(e, (RecipeError, RunFinished))), None)
         ended = said or preemption.stop_before_training() or err
         code, status, line, together, everyone = _how_it_ended(ended)
-    # status None: a line that names no cause (a peer gone), which launch.sh does not take the exit code of
-    if line and _args.first_to_say(code if status else None, everyone):
-        # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
-        tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
-    if status:
-        write_status(status)  # launch.sh's rank 0 alone writes it
+    _say(code, status, line, everyone)
     # A gloo group left to the interpreter's exit can abort the process (pytorch#190489), turning exit 2 into a
     # crash: taken down only when every process is here (one still in a collective would wait for ever), and a
     # process of several skips the interpreter's teardown (exit_without_teardown).
@@ -191,6 +191,16 @@ def exit_codes():
     if group and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of several: see exit_without_teardown
         exit_without_teardown(code)
     sys.exit(code)
+
+
+def _say(code: int, status: str | None, line: str | None, everyone: bool) -> None:
+    """The line that says why the run ended, by the process that says it, and the status for launch.sh."""
+    # status None: a line that names no cause (a peer gone), which launch.sh does not take the exit code of
+    if line and _args.first_to_say(code if status else None, everyone):
+        # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
+        tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
+    if status:
+        write_status(status)  # launch.sh's rank 0 alone writes it
 
 
 def _how_it_ended(err: BaseException) -> tuple:
@@ -260,13 +270,19 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         fsdp_on_cpu(group["timeout"])
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(**group)],
-        **kwargs,
-    )
+    try:
+        with _meeting(expected):
+            accelerator = Accelerator(
+                gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
+                log_with=None if args.report_to == "none" else args.report_to,
+                project_dir=args.output_dir,
+                kwargs_handlers=[InitProcessGroupKwargs(**group)],
+                **kwargs,
+            )
+    except Exception as err:
+        if not any(re.search(r"timed? ?out", f"{type(e).__name__} {e}", re.I) for e in causes(err)):
+            raise
+        raise RecipeError(f"the processes did not meet within --ddp_timeout {args.ddp_timeout} s: {_group()}") from err
     logging.basicConfig(  # INFO from the main process, warnings from every process; libraries' chatter off
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
@@ -296,6 +312,50 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         if config.get("gradient_clipping", "auto") == "auto":
             config["gradient_clipping"] = args.max_grad_norm
     return accelerator
+
+
+def _group() -> str:
+    env = {name: os.environ.get(name, "?") for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return (
+        f"the {env['WORLD_SIZE']} processes of WORLD_SIZE={env['WORLD_SIZE']} (this one RANK={env['RANK']}) at "
+        f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}: a process that did not start or cannot reach that address, or "
+        "variables left from another job (unset them: python alone runs one process)"
+    )
+
+
+@contextlib.contextmanager
+def _meeting(expected: int):
+    """While the processes form their group torch waits in C++, where Python's signal handlers do not run: a stop
+    signal still ends this process (as before training, a second later), and a wait of 30 s says what it waits for.
+    The signal's number reaches a thread here through Python's wakeup file descriptor (signal.set_wakeup_fd)."""
+    if expected == 1 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous, met = signal.set_wakeup_fd(write), threading.Event()
+
+    def watch():
+        said, deadline = False, time.monotonic() + 30
+        while not met.is_set():
+            if select.select([read], [], [], 1.0)[0]:
+                stops = [n for n in os.read(read, 64) if n in preemption.STOP_SIGNALS]
+                if stops and not met.wait(1.0):  # the main thread could not take it
+                    code, status, line, _, everyone = _how_it_ended(preemption.stop_before_training(stops[0]))
+                    _say(code, status, line, everyone)
+                    exit_without_teardown(code)
+            elif not said and time.monotonic() > deadline:
+                tqdm.write(f"warning: still waiting for {_group()}", file=sys.stderr)
+                said = True
+        os.close(read)
+
+    threading.Thread(target=watch, name="group-meeting", daemon=True).start()
+    try:
+        yield
+    finally:
+        met.set()
+        signal.set_wakeup_fd(previous)
+        os.close(write)
 
 
 def _refuse_known_bad_versions(processes: int) -> None:

@@ -57,6 +57,10 @@ def add_lm_args(parser):
     d("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
     d("--preprocessing_num_workers", type="positive_int")
     parser.checks.append(_check_lm_args)
+    parser.does_nothing_unless(["--text_column"], lambda a: a.data_format == "text", "with --data_format chat (its "
+                               "conversations are read from the messages column)")  # fmt: skip
+    parser.does_nothing_unless(["--validation_split_percentage"], lambda a: not a.validation_file, "with "
+                               "--validation_file (nothing is held out of --train_file)")  # fmt: skip
     return group
 
 
@@ -75,7 +79,7 @@ def _check_lm_args(parser, args) -> None:
     if args.dataset_config_name and not args.dataset_name:
         parser.error("--dataset_config_name needs --dataset_name")
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
-        if path and Path(path).expanduser().is_dir():  # of data files, or saved by save_to_disk
+        if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
             parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
         if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
             parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
@@ -175,7 +179,7 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
                 check_path(f"--{split}_file", path)
                 fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
                 bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
-                raw[split] = _load(sources[split], fmt, data_files=str(Path(path).expanduser()), split="train", **bom)
+                raw[split] = _load(sources[split], fmt, data_files=str(path), split="train", **bom)
     if "validation" not in raw:
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
@@ -366,7 +370,7 @@ def load_causal_lm(args, **model_kwargs):
                 source, config=config, trust_remote_code=trust, **model_kwargs
             )
         else:
-            if any(Path(source).expanduser().glob("*.safetensors")):  # as run_clm: its config alone
+            if any(Path(source).glob("*.safetensors")):  # as run_clm: its config alone
                 logger.warning(f"--config_name {source}: a new model from its config; its weights are not loaded")
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
@@ -430,7 +434,7 @@ def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeEr
     """One line for what loading the model's `part` (config, tokenizer, model) raised, with the fix for its cause."""
     from safetensors import SafetensorError
 
-    text, folder = one_line(err), Path(name).expanduser()
+    text, folder = one_line(err), Path(name)
     if local := name.startswith(("/", ".", "~")) or folder.exists():
         check_path(flag, name, folder=True)  # a folder that is not there, which transformers takes for a hub id
     fix = "pass the folder that save_pretrained wrote" if local else "check the hub id and the network (or the cache)"

@@ -117,7 +117,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
     neither classes nor images."""
 
     def __init__(self, root):
-        root = Path(root).expanduser()
+        root = Path(root)
         visible = lambda path: not any(part.startswith(".") for part in Path(path).relative_to(root).parts)  # noqa: E731
         super().__init__(root, loader=load_image, is_valid_file=lambda p: visible(p) and is_image_file(p))
 

@@ -78,16 +78,16 @@ def parse_args(argv=None):
     )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(**HYPERPARAMETERS)
+    p.does_nothing_unless(["--momentum", "--nesterov", "--no-nesterov"], lambda a: a.optimizer == "sgd",
+                          "with --optimizer adamw (they are SGD's)", ", or pass --optimizer sgd")  # fmt: skip
+    p.does_nothing_unless(["--data_dir"], lambda a: a.dataset != "imagefolder", "with --dataset imagefolder (it "
+                          "is CIFAR's folder; the images come from --train_dir and --val_dir)")  # fmt: skip
+    p.does_nothing_unless(["--train_dir", "--val_dir"], lambda a: a.dataset == "imagefolder", "without --dataset "
+                          "imagefolder (CIFAR comes from --data_dir)", ", or add --dataset imagefolder")  # fmt: skip
     args = p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
-    folders = args.train_dir or args.val_dir
     if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
         p.error(
             "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images per class"
-        )
-    if args.dataset != "imagefolder" and folders:
-        p.error(
-            f"--train_dir and --val_dir are read with --dataset imagefolder, not {args.dataset}; add --dataset "
-            "imagefolder"
         )
     if args.dataset != "imagefolder" and args.image_size != 32:
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")

@@ -17,7 +17,6 @@ GPU throughput and MFU: not measured yet in this repository.
 
 import contextlib
 import itertools
-import sys
 
 import torch
 from accelerate.utils import set_seed
@@ -77,19 +76,16 @@ def parse_args(argv=None):
         help="names of the model's linear layers (q_proj v_proj, or q_proj,v_proj), or all-linear",
     )
     p.set_defaults(**HYPERPARAMETERS)
+    p.does_nothing_unless(
+        ["--lora_alpha", "--lora_dropout", "--lora_target_modules"], lambda a: a.lora_r,
+        "without --lora_r (the whole model trains)", ", or pass --lora_r 16 (8 to 64 is usual)",
+    )  # fmt: skip
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     args.lora_target_modules = [name for names in args.lora_target_modules for name in names.split(",") if name]
     if args.torch_dtype == "auto" and args.config_name:
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
             "a bf16 accelerate config for mixed precision), bfloat16 or float16"
-        )
-    given = {word.partition("=")[0] for word in (sys.argv[1:] if argv is None else argv)}
-    unused = [o for o in ("--lora_alpha", "--lora_dropout", "--lora_target_modules") if o in given]
-    if unused and not args.lora_r:
-        p.error(
-            f"LoRA options do nothing without --lora_r (the whole model trains): drop {' and '.join(unused)}, or "
-            "pass --lora_r 16 (8 to 64 is usual)"
         )
     if args.lora_r and args.config_name:
         p.error(

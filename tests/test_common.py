@@ -75,8 +75,10 @@ def test_plan_max_train_steps_and_warmup():
 
 
 def test_plan_refuses_a_batch_larger_than_the_data():
-    with pytest.raises(RecipeError, match="lower --per_device_train_batch_size"):
-        plan(num_samples=63, num_processes=2)
+    with pytest.raises(RecipeError, match="lower --per_device_train_batch_size or the number of processes, or"):
+        plan(num_samples=63, num_processes=2)  # batch 1 may not be possible (batch norm), fewer processes is
+    with pytest.raises(RecipeError, match="lower --per_device_train_batch_size, or use more data"):
+        plan(num_samples=31, num_processes=1)
     # 21 batches per process: accumulating 22 would make every step the whole epoch, at a rate scaled for 22
     assert plan(gradient_accumulation_steps=21).steps_per_epoch == 1
     too_many = "fewer than --gradient_accumulation_steps 22, .* lower --gradient_accumulation_steps to 21 or less"

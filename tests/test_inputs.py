@@ -117,7 +117,38 @@ RECIPE_ONLY = [
     (
         "cifar",
         ["--train_dir", "t", "--val_dir", "v"],
-        "read with --dataset imagefolder, not cifar10; add --dataset imagefolder",
+        "--train_dir and --val_dir would do nothing without --dataset imagefolder (CIFAR comes from --data_dir): "
+        "drop them, or add --dataset imagefolder",
+    ),
+    # options given that would do nothing with the others: refused, named, whatever their value
+    (
+        "cifar",
+        ["--optimizer", "adamw", "--momentum", "0.5"],
+        "--momentum would do nothing with --optimizer adamw (they are SGD's): drop it, or pass --optimizer sgd",
+    ),
+    ("cifar", ["--optimizer", "adamw", "--no-nesterov"], "--no-nesterov would do nothing with --optimizer adamw"),
+    ("cifar", [*FOLDER, "--data_dir", "d"], "--data_dir would do nothing with --dataset imagefolder (it is CIFAR's"),
+    (
+        "cifar",
+        ["--lr_scaling", "none", "--reference_batch_size=7"],
+        "--reference_batch_size would do nothing with --lr_scaling none (no rate is scaled from it): drop it, or pass "
+        "--lr_scaling linear or sqrt",
+    ),
+    (
+        "lm_finetune",
+        ["--lora_alpha", "16", "--lora_dropout", "0.1"],
+        "--lora_alpha and --lora_dropout would do nothing without --lora_r (the whole model trains): drop them, or "
+        "pass --lora_r 16",
+    ),
+    (
+        "zero",
+        ["--data_format", "chat", "--text_column", "body"],
+        "--text_column would do nothing with --data_format chat",
+    ),
+    (
+        "lm_finetune",
+        ["--validation_file", "v.jsonl", "--validation_split_percentage", "50"],
+        "--validation_split_percentage would do nothing with --validation_file (nothing is held out of --train_file)",
     ),
     ("cifar", ["--image_size", "64"], "--image_size applies to --dataset imagefolder; cifar10 images are 32 px"),
     ("cifar", [*FOLDER, "--image_size", "0"], "--image_size: 0 is out of range"),
@@ -376,11 +407,17 @@ def test_a_tracker_that_is_not_installed_is_refused():
     assert exit_.value.code == 2
 
 
-def test_a_tilde_in_output_dir_is_home_as_in_the_input_paths():
-    """A shell expands ~ only at a word's start: --output_dir=~/out reaches the recipe as it is."""
+def test_a_tilde_in_any_path_option_is_home():
+    """A shell expands ~ only at a word's start: --output_dir=~/out reaches the recipe as it is. Every option's
+    value is expanded once, after parsing (a model folder as well as the data and the output)."""
     args = RECIPES["cifar"].parse_args(["--output_dir=~/out", "--resume_from_checkpoint=~/out/checkpoint-2"])
     assert args.output_dir == os.path.expanduser("~/out") and not args.output_dir.startswith("~")
     assert args.resume_from_checkpoint == os.path.expanduser("~/out/checkpoint-2")
+    words = ["--model_name_or_path=~/model", "--tokenizer_name=~/tok", "--train_file=~/t.jsonl"]
+    lm = RECIPES["lm_finetune"].parse_args(words)
+    assert [lm.model_name_or_path, lm.tokenizer_name, lm.train_file] == [
+        os.path.expanduser(f"~/{name}") for name in ("model", "tok", "t.jsonl")
+    ]
 
 
 def test_valid_arguments_still_parse():
@@ -710,6 +747,14 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
         assert f"name its linear layers ({layers}) or pass all-linear" in str(err.value)
 
 
+@pytest.fixture
+def accelerate_state():
+    """What a recipe has made by the time it loads a model (its logger needs it), whatever ran before."""
+    from accelerate import PartialState
+
+    PartialState()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -724,7 +769,7 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
         ("architectures=x", "(TypeError: You can only update int, float, bool or string values in the config"),
     ],
 )
-def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
+def test_config_overrides_the_model_rejects(tiny_lm, accelerate_state, overrides, message):
     zero = RECIPES["zero"]
     args = zero.parse_args(
         ["--config_name", str(tiny_lm["model"]), "--config_overrides", overrides, "--train_file", "t.jsonl"]
@@ -734,7 +779,7 @@ def test_config_overrides_the_model_rejects(tiny_lm, overrides, message):
     assert str(err.value).startswith(f"--config_overrides {overrides}: ") and message in str(err.value), str(err.value)
 
 
-def test_config_overrides_that_work_build_the_model(tiny_lm):
+def test_config_overrides_that_work_build_the_model(tiny_lm, accelerate_state):
     zero = RECIPES["zero"]
     args = zero.parse_args(
         [

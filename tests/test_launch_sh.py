@@ -319,7 +319,7 @@ def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, npro
         out,
         "--resume_from_checkpoint",
         not_a_checkpoint,
-        "--data_dir",
+        "--pretrained_path",  # a URL pasted with its credentials (read after the checkpoint is refused)
         f"https://user:{PASSWORD}@example.org/{TOKEN}",
     )
     proc = run([LAUNCH, "cifar", "--num_processes", nproc, *args], env=cpu_env(**secrets), check=False)
@@ -328,7 +328,7 @@ def test_a_recipe_error_is_its_one_line_and_its_exit_code(digits, tmp_path, npro
     assert line.startswith(f"error: --resume_from_checkpoint {not_a_checkpoint}: ")
     no_noise(proc.stdout + proc.stderr)
     (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
-    assert command.endswith(" --data_dir 'https://***@example.org/***'")
+    assert command.endswith(" --pretrained_path 'https://***@example.org/***'")
     for secret in (TOKEN, PASSWORD, *secrets.values()):
         assert secret not in proc.stdout + proc.stderr
     assert not out.exists()

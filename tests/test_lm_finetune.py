@@ -352,21 +352,6 @@ def test_bad_input_gets_one_error_line(tiny_lm, tmp_path, extra, message):
     assert not out.exists()
 
 
-def test_lora_options_without_lora_r_are_refused(tiny_lm, tmp_path, capsys):
-    """They would be ignored: the whole model trains."""
-    lm = load_recipe("lm_finetune")
-    with pytest.raises(SystemExit) as exit_:
-        lm.parse_args(
-            [str(a) for a in lm_args(tiny_lm, tmp_path / "run", "--lora_alpha", "16", "--lora_dropout", "0.1")]
-        )
-    assert exit_.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert (
-        line.startswith("error: LoRA options do nothing without --lora_r")
-        and "drop --lora_alpha and --lora_dropout" in line
-    )
-
-
 @pytest.mark.slow
 def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_saves_the_new_vocabulary(
     tiny_lm, tmp_path

@@ -3,11 +3,13 @@ stop is honoured from a process's first line, with an exit code a requeue unders
 error names the path, where it came from and the fix; no mean is taken over data that holds nothing to average;
 what a run writes, its user's group can read."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, lm_args, run, snapshot, user_env
+from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, free_port, lm_args, run, snapshot, user_env
 
 from common import checkpoint as ckpt
 from common import outputs
@@ -281,6 +283,38 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
 
 
 @pytest.mark.slow
+def test_a_process_waiting_for_a_group_that_never_forms_honours_a_stop_and_its_timeout(tiny_lm, tmp_path):
+    """WORLD_SIZE, RANK and MASTER_ADDR left from another job make `python recipe.py` wait for processes that never
+    come, inside torch's C++ store (where Python's signal handlers do not run): SIGTERM still ends it at once, as a
+    stop before training, and --ddp_timeout ends the wait with a line naming the variables."""
+    port = free_port()
+    env = user_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [str(c) for c in (BIN / "python", LM, *lm_args(tiny_lm, tmp_path / "run"))]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # rank 0 hosts the group's store, and waits in it
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    tic, (_, stderr) = time.monotonic(), proc.communicate(timeout=60)
+    assert proc.returncode == 75 and time.monotonic() - tic < 10, stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        "preempted: stopped by SIGTERM before training started; nothing to save, run it again (exit 75)"
+    ], stderr[-3000:]
+    proc = run([*cmd, "--ddp_timeout", "5"], env=env, check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "error: the processes did not meet within --ddp_timeout 5 s: the 2 processes of WORLD_SIZE=2 (this one "
+        f"RANK=0) at 127.0.0.1:{port}: a process that did not start or cannot reach that address, or variables left "
+        "from another job (unset them: python alone runs one process)"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("whom", ["launch.sh", "rank 1"])
 def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_one_line(tiny_lm, tmp_path, whom):
     """SIGTERM to launch.sh (every process gets it), or to the other process alone, while the main process tokenizes
@@ -382,17 +416,29 @@ def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_
 
 
 @pytest.mark.slow
-def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path):
-    """HF_DATASETS_CACHE under a file: the one line names the variable, the path and what is wrong with it, not
-    the data file datasets was reading."""
+@pytest.mark.parametrize(
+    "cache, processes, why",
+    [
+        ("file/cache", 1, "not a directory; a part of that path is a file, not a folder"),
+        ("file", 2, "file exists; it is a file where a folder must be: remove it or use another path"),
+    ],
+)
+def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path, cache, processes, why):
+    """HF_DATASETS_CACHE under a file, or a file itself: the one line names the variable, the path and what is wrong
+    with it, not the data file datasets was reading; in 2 processes the same line, whichever process says it."""
     (tmp_path / "file").write_text("not a folder")
-    env = user_env(HF_DATASETS_CACHE=str(tmp_path / "file" / "cache"))
-    proc = run([BIN / "python", LM, *lm_args(tiny_lm, tmp_path / "run")], env=env, check=False)
-    assert proc.returncode == 2 and error_lines(proc.stderr) == [
-        f"error: $HF_DATASETS_CACHE {tmp_path / 'file' / 'cache'}: not a directory; a part of that path is a file, "
-        "not a folder"
+    env = user_env(HF_DATASETS_CACHE=str(tmp_path / cache))
+    args = lm_args(tiny_lm, tmp_path / "run")
+    cmd = (
+        [BIN / "python", LM, *args]
+        if processes == 1
+        else [REPO / "launch.sh", "lm_finetune", "--config", "cpu", *args]
+    )
+    proc = run(cmd, env=env, check=False)
+    assert proc.returncode != 0 and error_lines(proc.stderr) == [
+        f"error: $HF_DATASETS_CACHE {tmp_path / cache}: {why}"
     ], proc.stderr[-3000:]
-    assert not (tmp_path / "run").exists()
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
 
 
 # 7. No computation divides by data it did not check -----------------------------------------------
