@@ -434,7 +434,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
             first.kill()  # like the OOM killer: no exit handler runs
             first.wait()
     assert (out / outputs.LOCK_FILE).exists()  # the file stays; the lock died with the process
-    resumed = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from
+    resumed = outputs.OutputDir(
+        acc[0], options(out, resume_from_checkpoint="latest", recipe="lm_finetune")
+    ).resume_from
     assert resumed is not None and resumed.name.startswith("checkpoint-")
     assert (out / outputs.LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
 
