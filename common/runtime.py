@@ -197,8 +197,9 @@ def _say(code: int, status: str | None, line: str | None, everyone: bool) -> Non
     """The line that says why the run ended, by the process that says it, and the status for launch.sh."""
     # status None: a line that names no cause (a peer gone), which launch.sh does not take the exit code of
     if line and _args.first_to_say(code if status else None, everyone):
-        # on a line of its own, below a progress bar: this process's, or the one its node's first process draws
-        tqdm.write(line if os.environ.get("LOCAL_RANK", "0") == "0" else f"\n{line}", file=sys.stderr)
+        # on a line of its own, below a progress bar: this process's (tqdm.write clears it), or one another process
+        # of its node draws (each draws transformers' "Loading weights"), which only a new line ends
+        tqdm.write(line if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1" else f"\n{line}", file=sys.stderr)
     if status:
         write_status(status)  # launch.sh's rank 0 alone writes it
 
