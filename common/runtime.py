@@ -204,6 +204,11 @@ def _say(code: int, status: str | None, line: str | None, everyone: bool) -> Non
         write_status(status)  # launch.sh's rank 0 alone writes it
 
 
+def _timed_out(err: BaseException) -> bool:
+    """Whether torch gave up waiting for the other processes (a collective, or the group's store)."""
+    return any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err))
+
+
 def _how_it_ended(err: BaseException) -> tuple:
     """(exit code, status for launch.sh, line, together, everyone): `together`, every process ends here at the same
     point (the process group can be taken down); `everyone`, one process may meet it alone (each prints its line,
@@ -218,7 +223,7 @@ def _how_it_ended(err: BaseException) -> tuple:
         return PREEMPTED_EXIT_CODE, status, f"preempted: {err}", err.checkpoint is not None, False
     if isinstance(err, KeyboardInterrupt):
         return 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint", False, False
-    if any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err)):
+    if _timed_out(err):
         return HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}", False, False  # a collective did not complete
     if any(PEER_GONE.search(str(e)) for e in causes(err)):  # not the cause: the process that ended first is
         line = "another process of the job ended while this one waited for it in a collective (its output says why)"
@@ -281,7 +286,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 **kwargs,
             )
     except Exception as err:
-        if not any(re.search(r"timed? ?out", f"{type(e).__name__} {e}", re.I) for e in causes(err)):
+        if not _timed_out(err):
             raise
         raise RecipeError(f"the processes did not meet within --ddp_timeout {args.ddp_timeout} s: {_group()}") from err
     logging.basicConfig(  # INFO from the main process, warnings from every process; libraries' chatter off
