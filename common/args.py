@@ -27,6 +27,7 @@ TRAINING_HYPERPARAMETERS = (
     "max_grad_norm", "num_train_epochs", "logging_steps",
 )  # fmt: skip
 GIVEN: dict = {}  # option -> text value of the last parse: where a failing path came from (runtime.os_error_line)
+UNUSED: set = set()  # the arguments that do nothing with the others of the last parse (does_nothing_unless)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # set by launch.sh: how the run ended (common.preemption), and who said why
 WORLD_SIZE_ENV = "RECIPE_WORLD_SIZE"  # set by launch.sh: the processes it asked accelerate launch for
 
@@ -107,12 +108,16 @@ class ArgumentParser(argparse.ArgumentParser):
                 GIVEN[action.option_strings[0]] = value
         for check in self.checks:
             check(self, namespace)
-        given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
+        given, actions = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}, set()
         for options, applies, why, fix in self.unless:
+            if not applies(namespace):
+                actions.update(self._option_string_actions[o].dest for o in options)
             if (named := [o for o in options if o in given]) and not applies(namespace):
                 self.error(
                     f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}"
                 )
+        UNUSED.clear()
+        UNUSED.update(actions)
         return namespace
 
     def does_nothing_unless(self, options, applies, why: str, fix: str = "") -> None:
@@ -275,7 +280,7 @@ def training_parser(recipe: str, description: str) -> ArgumentParser:
     t("--weight_decay", type="non_negative_float", help="not applied to biases and norms")
     t("--max_grad_norm", type="non_negative_float", help="0 disables clipping")
     t("--num_train_epochs", type="positive_int")
-    t("--max_train_steps", type="positive_int", help="stop after this many optimizer steps")
+    t("--max_train_steps", type="positive_int", help="train this many optimizer steps (overrides --num_train_epochs)")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
     t("--resume_from_checkpoint", help="'latest' (in --output_dir) or checkpoint-<step>")
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")

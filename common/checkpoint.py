@@ -302,7 +302,7 @@ def remove_checkpoint(path: Path) -> None:
             folder.rmdir()
 
 
-def _saved_at(path: Path) -> float:
+def saved_at(path: Path) -> float:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return float(read_state(path).get("saved_at") or (path / STATE_FILE).stat().st_mtime)
     return 0.0
@@ -312,7 +312,7 @@ def complete_checkpoints(output_dir) -> list:
     """The checkpoint-<step> folders with their marker, in the order they were written."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if CHECKPOINT_RE.fullmatch(p.name)]
     found = [p for p in found if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: (_saved_at(p), int(p.name.removeprefix("checkpoint-"))))
+    return sorted(found, key=lambda p: (saved_at(p), int(p.name.removeprefix("checkpoint-"))))
 
 
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
@@ -366,8 +366,13 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
         if not (damage := checkpoint_damage(path, accelerator)):
             return path
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
-    what = f"no intact checkpoint ({len(newest_first)} damaged)" if newest_first else "no checkpoint yet"
-    logger.warning(f"--resume_from_checkpoint latest: {what} in {output_dir}, starting at step 0")
+    if newest_first:  # starting over would replace them: a copy still in progress, a disk's fault, is for a person
+        raise RecipeError(
+            f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged (the newest, "
+            f"{newest_first[0].name}: {checkpoint_damage(newest_first[0])}); restore them from a copy, or pass "
+            "--overwrite_output_dir instead to start over"
+        )
+    logger.warning(f"--resume_from_checkpoint latest: no checkpoint yet in {output_dir}, starting at step 0")
     return None
 
 
@@ -519,6 +524,8 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
             tmp.mkdir()
             save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
         publish(tmp)
+        if (output_dir / "README.md").exists() and "README.md" not in earlier:  # peft's model card: a user's stays
+            (tmp / "README.md").unlink(missing_ok=True)
         names = sorted(f.name for f in tmp.iterdir())
         if appeared := [n for n in names if (output_dir / n).exists() and n not in earlier]:  # since OutputDir looked
             raise RecipeError(

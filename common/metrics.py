@@ -34,6 +34,7 @@ class TrainLog:
         if resume_from is not None:
             state = read_state(resume_from)
             self.history, (loss, items) = state.get("log_history", []), state.get("log_window", [0.0, 0.0])
+            self.train_loss = self.history[-1]["train_loss"] if self.history else None  # if nothing is left to train
             if items:  # every process's sums, added once; the others add nothing, as every process must log then
                 share = items if accelerator.is_main_process else 0
                 self._added.append((torch.tensor(loss / items), share, share))
@@ -75,14 +76,14 @@ class TrainLog:
             return
         step, seen, lr = self._at
         sums, times = self._sums()
-        self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
-        if not math.isfinite(self.train_loss):
+        self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else None  # no items: no mean
+        if self.train_loss is not None and not math.isfinite(self.train_loss):
             raise _diverged(step, f"the training loss became {self.train_loss}")
         record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss}
         record.update(lr=self.plan.lr_at(seen) if lr is None else lr, **self._stragglers(times))
         self.history.append({**record, "train_seconds": round(self._offset + self.train_seconds, 4)})
-        self.accelerator.log(record, step=step)
-        self._bar.set_postfix(loss=f"{self.train_loss:.4f}")
+        self.accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
+        self._bar.set_postfix(loss="n/a" if self.train_loss is None else f"{self.train_loss:.4f}")
 
     def _sums(self, extra=0.0) -> tuple:
         """(loss x per, items, extra) summed over the micro-batches since the last log and every process, and each
@@ -246,6 +247,7 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
         **peak_memory_gb(accelerator),  # a gather: every process takes part
         "versions": library_versions(),
         "args": public_args(args),
+        "finished_at": time.time(),  # a copy of the folder has new file times: `latest` compares this
     }
     path = Path(args.output_dir) / "results.json"  # the folder OutputDir claimed
     if accelerator.is_main_process:

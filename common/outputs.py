@@ -20,6 +20,7 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
+from .args import UNUSED
 from .checkpoint import (
     CHECKPOINT_RE,
     HASH,
@@ -30,11 +31,13 @@ from .checkpoint import (
     load_checkpoint,
     model_files,
     nearest_existing,
+    publish,
     read_state,
     remove_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
     save_model,
+    saved_at,
     universal_load_if_resharded,
     write_json,
 )
@@ -46,7 +49,7 @@ LOCK_FILE = ".run.lock"
 # of someone else's (save_pretrained's names, ours, peft's).
 MODEL_NAMES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json", "generation_config.json",
-    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "fp32",
 )  # fmt: skip
 TMP_FILES = (".tmp-model", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")  # of an interrupted final save
 
@@ -61,7 +64,7 @@ class OutputDir:
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
         for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
-            if name in ("output_dir", "resume_from_checkpoint") or not isinstance(value, str):
+            if name in ("output_dir", "resume_from_checkpoint", *UNUSED) or not isinstance(value, str):
                 continue
             if Path(value).is_dir() and output_dir.resolve().is_relative_to(Path(value).resolve()):
                 where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
@@ -70,9 +73,9 @@ class OutputDir:
                     "would become part of its input, or replace it; pass an --output_dir outside it"
                 )
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if not spec and restarts > 0:
+        if restarts > 0 and (not spec or complete_checkpoints(output_dir)):  # else as the first attempt began
             logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
-            spec, overwrite = "latest", False  # the first attempt started over already
+            spec, overwrite = "latest", False  # the first attempt's own: it started over, or from `spec`, already
         _check_writable(output_dir)
         decide_on_main(accelerator, lambda: _claim(output_dir, spec, overwrite))
         self.resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
@@ -99,9 +102,11 @@ class OutputDir:
 
     def record_written(self, *names) -> None:
         """Files or folders the run wrote beside its weights (zero.py's fp32/), recorded with save_model's: the next
-        save or --overwrite_output_dir removes them."""
+        save or --overwrite_output_dir removes them. Readable as the user's umask says, as all a run writes."""
         if self.accelerator.is_main_process:
             output_dir = Path(self.args.output_dir)
+            for name in names:
+                publish(output_dir / name)
             write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
 
 
@@ -111,6 +116,8 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     if path is not None and not path.exists():
         hint = " (did you mean latest?)" if spec.strip().lower() == "latest" else ""
         raise RecipeError(f"--resume_from_checkpoint {spec}: no such file or directory{hint}; check the path")
+    if path is not None and path.is_file():
+        raise RecipeError(f"--resume_from_checkpoint {spec} is a file: pass the checkpoint folder, {path.parent}")
     if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
         raise RecipeError(
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
@@ -186,16 +193,15 @@ def _not_ours(path: Path) -> str | None:
 
 
 def _finished(output_dir: Path) -> str | None:
-    """Why output_dir holds a finished run (results.json, written last, and no checkpoint after it), or None."""
+    """Why output_dir holds a finished run (results.json, written last, and no checkpoint saved after it by the
+    times each records: a copy's file times are the copy's), or None."""
     results, checkpoints = output_dir / RESULTS_FILE, complete_checkpoints(output_dir)
     if not results.is_file():
         return None
-    if checkpoints and (checkpoints[-1] / STATE_FILE).stat().st_mtime > results.stat().st_mtime:
+    record = json.loads(results.read_text())  # a run's (_claim refused another's)
+    if checkpoints and saved_at(checkpoints[-1]) > record.get("finished_at", results.stat().st_mtime):
         return None
-    try:
-        steps = f", {int(json.loads(results.read_text())['steps'])} steps"
-    except (OSError, ValueError, KeyError, TypeError):
-        steps = ""
+    steps = f", {record['steps']} steps" if "steps" in record else ""
     further = (
         f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
         if checkpoints

@@ -172,11 +172,17 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
     start = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
-    if args.max_train_steps is not None and start.step > args.max_train_steps:  # it would only save these weights
+    if args.max_train_steps is not None:  # past the length asked: it would only save these weights
+        flag, limit, enough = "--max_train_steps", args.max_train_steps, start.step
+        past = start.step > limit
+    else:  # the end of epoch e is epoch e+1 at sample 0
+        flag, limit, enough = "--num_train_epochs", args.num_train_epochs, start.epoch + (start.sample > 0)
+        past = (start.epoch, start.sample) > (limit, 0)
+    if past:
         raise RecipeError(
-            f"checkpoint {resume} is at step {start.step}, past --max_train_steps {args.max_train_steps}: there is "
-            f"nothing to train, and the run's model would become this checkpoint's; pass --max_train_steps "
-            f"{start.step} or more, or an earlier checkpoint"
+            f"checkpoint {resume} is at step {start.step} (epoch {start.epoch + 1}), past {flag} {limit}: there is "
+            f"nothing to train, and the run's model would become this checkpoint's; pass {flag} {enough} or more, or "
+            "an earlier checkpoint"
         )
     if args.max_train_steps is None:
         steps, samples = plan.walk(start, epochs=args.num_train_epochs)

@@ -77,6 +77,8 @@ def one_line(err: BaseException) -> str:
     first = lines[0]
     if first.endswith(":") and len(lines) > 1:  # a heading: what it announces is on the next line
         first = f"{first} {lines[1]}"
+    elif lines[-1].startswith("because "):  # the reason after what it is about (pyarrow's cast errors)
+        first = f"{first} {lines[-1]}"
     return first.rstrip(".")
 
 
@@ -117,13 +119,18 @@ def os_error_line(err: BaseException) -> str | None:
         if path == base or path.startswith(base.rstrip(os.sep) + os.sep):
             where = f"{origin} {value}" if path == base else f"{name} (in {origin} {value})"
             break
+        if base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
+            where = f"{name} (on the path of {origin} {value})"
+            break
     return _args.mask_secrets(f"{where}: {_os_reason(found)}")
 
 
 def _os_reason(err: OSError) -> str:
-    fix = OS_FIXES.get(err.errno, "check the path")
-    if err.errno == errno.ENOTDIR and os.path.isfile(os.fsdecode(err.filename or "")):
+    fix, name = OS_FIXES.get(err.errno, "check the path"), os.fsdecode(err.filename or "")
+    if err.errno == errno.ENOTDIR and os.path.isfile(name):
         fix = "it is a file: pass the folder that holds it"
+    if os.path.islink(name) and not os.path.exists(name):  # EEXIST or ENOENT: a link to what is gone
+        return f"a symbolic link to {os.readlink(name)}, which does not exist; create that folder, or remove the link"
     return f"{(err.strerror or one_line(err)).lower()}; {fix}"
 
 

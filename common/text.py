@@ -130,7 +130,7 @@ def _load(source: str, builder: str, *load_args, **load_kwargs):
         found = causes(err)
         decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
         cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
-        what = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}".rstrip(": ")
+        what = f"{type(cause).__name__}: {one_line(cause)}" if str(cause).strip() else type(cause).__name__
         if decode:
             why = _not_utf8(decode)
         # datasets has no one error for a file without rows: "corresponds to no data" for blank lines or a
@@ -139,6 +139,8 @@ def _load(source: str, builder: str, *load_args, **load_kwargs):
             why = "holds no rows; add data or pass another file"
         elif path:
             why = f"cannot be read as {builder} ({what}); {FORMAT_HINTS[builder]}"
+        elif Path(builder).is_dir() and "Cast" in type(cause).__name__:  # its data files are read as one table
+            why = f"{what}; its data files must share one format and the same columns: move the others out of it"
         else:
             why = f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
         raise RecipeError(f"{source}: {why}") from err
@@ -158,9 +160,9 @@ def data_sources(dataset_name=None, train_file=None, validation_file=None) -> di
 
 
 def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                      validation_split_percentage=5, seed=0):  # fmt: skip
+                      validation_split_percentage=5, seed=0, data_format=None, text_column="text"):  # fmt: skip
     """A DatasetDict with `train` and `validation`; without a validation split, `validation_split_percentage`
-    percent of train is held out (seeded)."""
+    percent of train is held out (seeded), once the columns of `data_format` (if given) are checked."""
     from datasets import DatasetDict
 
     sources = data_sources(dataset_name, train_file, validation_file)
@@ -180,6 +182,8 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
                 fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
                 bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
                 raw[split] = _load(sources[split], fmt, data_files=str(path), split="train", **bom)
+    if data_format:
+        check_columns(raw, data_format, text_column, sources)
     if "validation" not in raw:
         try:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
@@ -252,14 +256,9 @@ def pack(examples: dict, block_size: int) -> dict:
     return {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in joined.items()}
 
 
-def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
-    """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
-    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
-    from datasets import DatasetDict
-
-    sources = {split: f"the {split} split" for split in raw} | (sources or {})
+def check_columns(raw, data_format, text_column, sources) -> None:
+    """Every split has the column its format reads (text: `text_column`; chat: messages)."""
     column = text_column if data_format == "text" else "messages"
-    # every split's column, before the minutes of tokenizing the first
     if without := [split for split, data in raw.items() if column not in data.column_names]:
         split, columns = without[0], raw[without[0]].column_names
         if other := [name for name in raw if name not in without]:  # what mends one split would break the other
@@ -268,13 +267,32 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
                 f"{sources[other[0]]} has: pass data of one format for both"
             )
         missing = f"not in the data (columns: {', '.join(columns)})"
-        if data_format == "chat":
-            raise RecipeError(
-                f"{sources[split]}: --data_format chat needs a column named messages: {missing}; pass "
-                "--data_format text for plain text"
+        if len(raw[split]) == 1 and (nested := [k for k, v in raw[split][0].items() if isinstance(v, list)]):
+            raise RecipeError(  # a .json file of one object whose rows are a list in it
+                f"{sources[split]}: no {column} column (columns: {', '.join(columns)}): its one row holds a list "
+                f"under {nested[0]}; write one JSON object per line (.jsonl) instead"
             )
+        if data_format == "chat":
+            fix = (
+                "convert ShareGPT's conversations (from, value) to messages (role, content)"
+                if "conversations" in columns
+                else "pass --data_format text for plain text"
+            )
+            raise RecipeError(f"{sources[split]}: --data_format chat needs a column named messages: {missing}; {fix}")
         hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
         raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
+
+
+def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
+    """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
+    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
+    from datasets import DatasetDict
+
+    sources = {split: f"the {split} split" for split in raw} | (sources or {})
+    column = text_column if data_format == "text" else "messages"
+    check_columns(raw, data_format, text_column, sources)  # before the minutes of tokenizing the first
+    if data_format == "text" and tokenizer.eos_token_id is None:
+        logger.warning(f"the tokenizer {tokenizer.name_or_path} has no EOS token: packed documents run together")
     if data_format == "chat" and not tokenizer.chat_template:
         raise RecipeError(
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
@@ -315,12 +333,17 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
         )  # fmt: skip
         if len(packed[split]) == 0:
             raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
-        blocks = packed[split].with_format("numpy").iter(batch_size=1024)  # stops at the first block with a target
-        if not any((b["labels"][:, 1:] != IGNORE_INDEX).any() for b in blocks):  # a mean over nothing: NaN, 1/0
-            raise RecipeError(
-                f"{sources[split]}: no block of {block_size} tokens holds a token to train on (an assistant's reply, "
-                "in chat data); raise --block_size, or pass data with longer replies"
+        blocks = packed[split].with_format("numpy").iter(batch_size=1024)
+        trained = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).any(1).sum()) for b in blocks)
+        if trained * 2 < len(packed[split]):  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing
+            what = f"{'no' if not trained else f'only {trained} of {len(packed[split])}'} block(s) of {block_size}"
+            why = (
+                f"{sources[split]}: {what} tokens hold a token to train on (an assistant's reply, in chat data); "
+                "raise --block_size, or pass data with longer replies"
             )
+            if not trained:
+                raise RecipeError(why)
+            logger.warning(why)
     return packed.with_format("torch")
 
 
@@ -339,7 +362,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         raw = load_raw_datasets(
             dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
             validation_file=args.validation_file, validation_split_percentage=args.validation_split_percentage,
-            seed=args.seed,
+            seed=args.seed, data_format=args.data_format, text_column=args.text_column,
         )  # fmt: skip
         data = tokenize_and_pack(
             raw, tokenizer, data_format=args.data_format, text_column=args.text_column, block_size=block_size,

@@ -1,10 +1,12 @@
 """Images and image classifiers for the vision recipe: image files, CIFAR or two ImageFolders, torchvision and timm
 models with a new head, loaded weights, a frozen backbone, the norm layer, and a model probed at parse time."""
 
+import collections
 import contextlib
 import difflib
 import os
 import pickle
+import unicodedata
 import warnings
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torchvision
 from accelerate import PartialState
 from PIL import Image
 from safetensors.torch import load_file
-from torchvision.datasets.folder import is_image_file
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .data import prepare_data_first
 from .metrics import count_parameters
@@ -24,6 +26,11 @@ from .runtime import DataError, RecipeError, check_path, logger, one_line
 CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# torchvision's image extensions and the other photo formats this PIL decodes (.heic with pillow-heif)
+IMAGE_EXTENSIONS = {*IMG_EXTENSIONS} | (
+    {".gif", ".jfif", ".jpe", ".apng", ".avif", ".heic", ".heif"}
+    & {e for e, f in Image.registered_extensions().items() if f in Image.OPEN}
+)
 
 
 # Images -------------------------------------------------------------------------------------------
@@ -77,55 +84,86 @@ def _image_sets(args):
                 f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); download it where "
                 "there is network and pass --data_dir, or use --dataset imagefolder"
             ) from err
-    folders = []
-    for flag, folder in (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)):
-        check_path(flag, folder, folder=True)
-        try:
-            folders.append(ImageFolder(folder))
-        except OSError as err:  # torchvision's: no class folders, no images in them
-            raise RecipeError(
-                f"{flag} {folder}: {one_line(err)}; --dataset imagefolder needs a folder with one sub-folder of "
-                "images per class"
-            ) from err
-        seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
-        for where in sorted({os.path.dirname(path) for path, _ in folders[-1].samples}):
-            if (real := os.path.realpath(where)) in seen:
-                raise RecipeError(
-                    f"{flag} {folder}: {where} is {seen[real]} again, through a symbolic link, so its images would be "
-                    "trained more than once, under another class; remove the link"
-                )
-            seen[real] = where
-    train, evals = folders
-    if train.classes != evals.classes:  # ImageFolder sorts them: the same folders make the same list
-        in_train, in_val = set(train.classes), set(evals.classes)
-        only = {"--val_dir": in_val - in_train, "--train_dir": in_train - in_val}
-        where = "; ".join(f"only in {flag}: {', '.join(sorted(names))}" for flag, names in only.items() if names)
-        raise RecipeError(
-            f"{args.train_dir} and {args.val_dir} have different class folders ({where}); give both the same "
-            "class sub-folders, so that a label means the same class in each"
-        )
+    train = _image_folder("--train_dir", args.train_dir)
     if len(train.classes) < 2:
         raise RecipeError(
             f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier needs two or more "
             "(one sub-folder of images per class)"
         )
+    evals = _image_folder("--val_dir", args.val_dir, train.classes)
+    if evals.unknown:  # a label the model has no output for
+        raise RecipeError(
+            f"--val_dir {args.val_dir} has class folders that --train_dir {args.train_dir} lacks "
+            f"({', '.join(map(repr, evals.unknown))}); give both the same class sub-folders, so that a label means "
+            "the same class in each"
+        )
+    if not evals.samples:
+        raise RecipeError(f"--val_dir {args.val_dir}: its class folders hold no image; put validation images in them")
+    if lacking := sorted(set(train.classes) - {train.classes[i] for i in set(evals.targets)}):
+        logger.warning(f"--val_dir {args.val_dir} has no image of {len(lacking)} class(es) ({', '.join(lacking)})")
     return train, evals
+
+
+def _image_folder(flag, folder, classes=None):
+    """An ImageFolder of one sub-folder per class; with `classes` (the training set's), labelled by them."""
+    check_path(flag, folder, folder=True)
+    skipped = collections.Counter()
+    try:
+        images = ImageFolder(folder, classes, skipped)
+    except OSError as err:  # torchvision's: no class folders, no images in them
+        raise RecipeError(
+            f"{flag} {folder}: {one_line(err)}{f' (skipped: {_tally(skipped)})' if skipped else ''}; --dataset "
+            f"imagefolder needs a folder with one sub-folder of images ({', '.join(sorted(IMAGE_EXTENSIONS))}) per "
+            "class"
+        ) from err
+    if skipped:
+        logger.warning(
+            f"{flag} {folder}: skipped {_tally(skipped)}, not images ({', '.join(sorted(IMAGE_EXTENSIONS))})"
+        )
+    seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
+    for where in sorted({os.path.dirname(path) for path, _ in images.samples}):
+        if (real := os.path.realpath(where)) in seen:
+            raise RecipeError(
+                f"{flag} {folder}: {where} is {seen[real]} again, through a symbolic link, so its images would be "
+                "trained more than once, under another class; remove the link"
+            )
+        seen[real] = where
+    return images
+
+
+def _tally(counts) -> str:
+    return ", ".join(f"{n} {ext or 'file(s) without an extension'}" for ext, n in counts.most_common())
 
 
 class ImageFolder(torchvision.datasets.ImageFolder):
     """torchvision's, reading images with load_image; hidden entries (.ipynb_checkpoints, .git, macOS's ._ files) are
-    neither classes nor images."""
+    neither classes nor images, and other files are counted in `skipped` by extension. With `classes`, the training
+    set's, a folder is labelled by them, whatever classes it lacks (matched in Unicode NFC: macOS writes names in
+    NFD); `unknown` are its class folders not among them."""
 
-    def __init__(self, root):
-        root = Path(root)
-        visible = lambda path: not any(part.startswith(".") for part in Path(path).relative_to(root).parts)  # noqa: E731
-        super().__init__(root, loader=load_image, is_valid_file=lambda p: visible(p) and is_image_file(p))
+    def __init__(self, root, classes=None, skipped=None):
+        self.train_classes, self.unknown, skipped = classes, [], collections.Counter() if skipped is None else skipped
+
+        def valid(path) -> bool:
+            if any(part.startswith(".") for part in Path(path).relative_to(root).parts):
+                return False
+            if (ext := Path(path).suffix.lower()) not in IMAGE_EXTENSIONS:
+                skipped[ext] += 1
+            return ext in IMAGE_EXTENSIONS
+
+        super().__init__(root, loader=load_image, is_valid_file=valid, allow_empty=classes is not None)
 
     def find_classes(self, directory):
         classes = [name for name in super().find_classes(directory)[0] if not name.startswith(".")]
         if not classes:
             raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")  # torchvision's words
-        return classes, {name: i for i, name in enumerate(classes)}
+        if self.train_classes is None:
+            return classes, {name: i for i, name in enumerate(classes)}
+        index = {unicodedata.normalize("NFC", name): i for i, name in enumerate(self.train_classes)}
+        self.unknown = [name for name in classes if unicodedata.normalize("NFC", name) not in index]
+        return self.train_classes, {
+            n: index[unicodedata.normalize("NFC", n)] for n in classes if n not in self.unknown
+        }
 
 
 # Model arguments ----------------------------------------------------------------------------------
@@ -159,8 +197,8 @@ def _check_model_args(parser, args) -> None:
          "fine-tune loaded weights: add --pretrained or --pretrained_path"),
         (args.freeze_backbone and args.head_lr_scale != 1, "--freeze_backbone trains the head alone, at "
          "--learning_rate: drop --head_lr_scale"),
-        (tuned and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers, and the weights "
-         "loaded into them; fine-tune with --norm_layer batch or sync_batch"),
+        (args.pretrained and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers of the "
+         "published weights; fine-tune them with --norm_layer batch or sync_batch"),
         (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
          "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
          "--pretrained_path"),
@@ -250,11 +288,13 @@ def build_model(args, num_classes: int, on_gpu: bool):
     """--model as the model arguments say; published weights are downloaded by one process per node."""
     with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
+    group = args.norm_layer == "group"  # before --pretrained_path: a run with --norm_layer group saved GroupNorm's
+    model = set_norm_layer(model, "group", on_gpu) if group else model
     if args.pretrained_path:
         load_weights(model, args.pretrained_path, args.model)
     if args.freeze_backbone:
         model = freeze_backbone(model)
-    return set_norm_layer(model, args.norm_layer, on_gpu)
+    return model if group else set_norm_layer(model, args.norm_layer, on_gpu)
 
 
 def new_model(name, num_classes, pretrained=False):
@@ -315,6 +355,8 @@ def load_weights(model, path, name):
     check_path("--pretrained_path", path)
     try:
         state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
+        if nested := [key for key in ("state_dict", "model") if isinstance(state.get(key), dict)]:
+            state = state[nested[0]]  # a training checkpoint's weights (the keys timm's load_checkpoint reads)
         state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only
     except Exception as err:  # safetensors', zip's and pickle's errors, a dict of other things: not weights
         why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
@@ -337,10 +379,13 @@ def load_weights(model, path, name):
     }
     if any(misfits.values()):
         found = "; ".join(f"{len(keys)} tensor(s) {what}, such as {keys[0]}" for what, keys in misfits.items() if keys)
-        raise RecipeError(
-            f"--pretrained_path {path}: does not fit --model {name} ({found}); pass weights of that architecture, or "
-            "the --model they belong to"
-        )
+        fix = "pass weights of that architecture, or the --model they belong to"
+        for what, norm in (("missing", "group"), ("not in the model", "batch")):  # BatchNorm's statistics alone
+            if misfits[what] and all(k.endswith(("running_mean", "running_var")) for k in misfits[what]):
+                fix = (
+                    f"its norm layers are {'BatchNorm' if norm == 'batch' else 'GroupNorm'}: pass --norm_layer {norm}"
+                )
+        raise RecipeError(f"--pretrained_path {path}: does not fit --model {name} ({found}); {fix}")
     model.load_state_dict(fits, strict=False)
     new = sorted(head - fits.keys())
     logger.info(f"loaded {path}" + (f"; {', '.join(new)} new: the file's head has other classes" if new else ""))

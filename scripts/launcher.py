@@ -173,6 +173,12 @@ def show(words: list[str]) -> str:
     return "+ " + " ".join(shlex.quote(word) for word in mask_words(words))
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def wait_for_head(head: str, port: int, seconds: int, rank: int) -> None:
     """A head that cannot be reached fails in `seconds` with the likely causes, not with torch's traceback."""
     deadline = time.monotonic() + seconds
@@ -274,6 +280,8 @@ def main(argv: list[str]) -> int:
         if kind == "DEEPSPEED":  # torchrun on every node, as for DDP; DeepSpeed's default (pdsh) would ssh into them
             cmd += ["--deepspeed_multinode_launcher", "standard"]
     else:
+        if (num_processes or processes) > 1:  # accelerate's own pick of a free port races with another launch's
+            port = port or yaml_config.get("main_process_port") or free_port()
         cmd += ["--num_processes", str(num_processes)] if num_processes else []
         cmd += ["--main_process_port", str(port)] if port else []
         # One CPU process needs no group: without --cpu accelerate would wrap the model in a DistributedDataParallel

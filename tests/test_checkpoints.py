@@ -212,11 +212,14 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
         ckpt.resolve_checkpoint(out, str(out / "checkpoint-4"))
 
 
-def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys):
+def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     save(acc, out, 4)
     ckpt.save_model(acc[0], acc[1], out)
-    ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}})
+    ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}, "finished_at": time.time()})
+    # a copy of the folder (cp -r, a download) gives its files new times, here the checkpoint's marker the newest:
+    # the times the files record decide
+    os.utime(out / "results.json", (time.time() - 60,) * 2)
     before = snapshot(out)
     with pytest.raises(
         RunFinished, match=f"{out} holds a finished run .results.json, 4 steps.: nothing left to train"
@@ -243,6 +246,11 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     # trajectory, not the finished one nor the one at step 6.
     save(acc, out, 3)
     assert outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from == out / "checkpoint-3"
+    outputs._RunLock.release_all()
+    # A restart (--max_restarts) of a run resumed from checkpoint-4 continues from its own latest, not checkpoint-4.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resumed = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint=str(out / "checkpoint-4")))
+    assert resumed.resume_from == out / "checkpoint-3"
 
 
 def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):

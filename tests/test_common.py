@@ -119,6 +119,29 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(tmp_path, acc
         plan_run(args, [0] * 1400, 2, checkpoint)
 
 
+def test_a_checkpoint_past_the_length_asked_is_refused(tmp_path, accelerate_state):
+    """Resumed with fewer epochs or steps than it has trained, a checkpoint would only become the run's model; at
+    the end of the last epoch asked (a save cut short) it is the run's end: nothing to train."""
+    parser = common.training_parser("t", "t")
+    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    args = parser.parse_args(["--output_dir", str(tmp_path), "--num_train_epochs", "1"])
+    plan, _ = plan_run(args, [0] * 1400, 2)  # 5 steps of 256 an epoch
+    state = {
+        "data_fingerprint": plan.data_fingerprint, "args": public_args(args), "num_samples": 1400, "world_size": 2,
+        "per_device_train_batch_size": 128, "gradient_accumulation_steps": 1, "effective_batch_size": 256,
+        "learning_rate": plan.learning_rate, "total_samples": 2560, "warmup_samples": 256,
+    }  # fmt: skip
+    checkpoint = make_checkpoint(tmp_path, 7)
+    write_json(checkpoint / "trainer_state.json", {**state, "step": 7, "epoch": 1, "samples_in_epoch": 512,
+                                                   "samples_seen": 1792})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"at step 7 \(epoch 2\), past --num_train_epochs 1: there is nothing to "
+                       r"train.*; pass --num_train_epochs 2 or more, or an earlier checkpoint"):  # fmt: skip
+        plan_run(args, [0] * 1400, 2, checkpoint)
+    write_json(checkpoint / "trainer_state.json", {**state, "step": 5, "epoch": 1, "samples_in_epoch": 0,
+                                                   "samples_seen": 1280})  # fmt: skip
+    assert plan_run(args, [0] * 1400, 2, checkpoint)[0].max_train_steps == 5
+
+
 def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):
     make_checkpoint(tmp_path, 9)
     newest = make_checkpoint(tmp_path, 100)
@@ -133,6 +156,13 @@ def test_latest_without_checkpoints_starts_fresh_and_bad_paths_fail(tmp_path, ac
     assert resolve_checkpoint(tmp_path, None) is None
     with pytest.raises(RecipeError, match="damaged: trainer_state.json is unreadable"):
         resolve_checkpoint(tmp_path, str(make_checkpoint(tmp_path, 5, complete=False)))
+    write_json(tmp_path / "checkpoint-5" / "trainer_state.json", {"step": 5, "files": {"model.safetensors": 9}})
+    with pytest.raises(
+        RecipeError,
+        match=r"latest: every checkpoint in .* is damaged \(the newest, checkpoint-5: "
+        r"model.safetensors is missing\); restore them from a copy, or pass --overwrite_output_dir",
+    ):
+        resolve_checkpoint(tmp_path, "latest")  # starting at step 0 would write over them
 
 
 class Indexed(Dataset):
@@ -244,6 +274,13 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
     )
     assert [h["step"] for h in resumed.history] == [h["step"] for h in straight.history] == [4, 8]
     assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history] == [2.5, 6.5]
+    straight.check_finite(8, model)  # saved at the end: resumed with nothing left, its loss is the last logged
+    (tmp_path / "checkpoint-8").mkdir()
+    write_json(
+        tmp_path / "checkpoint-8" / "trainer_state.json",
+        {"log_history": straight.history, "log_window": straight.window},
+    )
+    assert common.TrainLog(accelerator, plan, Position(8, 1, 0, 8), 4, tmp_path / "checkpoint-8").train_loss == 6.5
 
 
 @pytest.mark.parametrize("first, then", [((2, 8), (1, 16)), ((1, 16), (2, 8)), ((2, 8), (3, 5)), ((4, 3), (1, 7))])

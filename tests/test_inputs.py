@@ -14,6 +14,7 @@ import shutil
 import struct
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ RECIPE_ONLY = [
     (
         "cifar",
         ["--model", "resnet18", "--pretrained", "--norm_layer", "group"],
-        "--norm_layer group replaces the BatchNorm layers, and the weights loaded into them",
+        "--norm_layer group replaces the BatchNorm layers of the published weights; fine-tune them with --norm_layer",
     ),
     (
         "cifar",
@@ -504,6 +505,11 @@ TEXT_FILES = [  # (file name, content, the error line's text)
     ("chat.jsonl", jsonl([CHAT] * 20), "(columns: messages); it looks like chat data: pass --data_format chat"),
     ("fake.parquet", "not parquet at all", "cannot be read as parquet (ArrowInvalid: Parquet magic bytes not found"),
     ("few.txt", "one\n" * 20, "holds fewer than 32 tokens; lower --block_size or add data"),
+    (  # before holding out a validation split of its one row
+        "nested.json",
+        json.dumps({"version": 1, "data": COUNTS}),
+        "no text column (columns: version, data): its one row holds a list under data; write one JSON object per line",
+    ),  # fmt: skip
 ]
 
 
@@ -536,7 +542,7 @@ def tokenizer(tiny_lm):
 
 def load_error(tokenizer, data_format="text", **files) -> str:
     with pytest.raises(RecipeError) as err:
-        raw = load_raw_datasets(**files)
+        raw = load_raw_datasets(**files, data_format=data_format)  # as lm_dataloaders calls it
         tokenize_and_pack(
             raw,
             tokenizer,
@@ -565,6 +571,18 @@ def test_data_files_that_are_not_files(tmp_path, tokenizer):
     (tmp_path / "nodata").mkdir()
     error = load_error(tokenizer, dataset_name=str(tmp_path / "nodata"))
     assert f"--dataset_name {tmp_path / 'nodata'}: EmptyDatasetError" in error and "or --train_file" in error
+    (tmp_path / "mixed").mkdir()  # a folder is read as one table: text and chat files do not make one
+    write(tmp_path / "mixed" / "text.jsonl", jsonl(COUNTS))
+    write(tmp_path / "mixed" / "chat.jsonl", jsonl([CHAT] * 20))
+    error = load_error(tokenizer, dataset_name=str(tmp_path / "mixed"))
+    assert (
+        f"--dataset_name {tmp_path / 'mixed'}: " in error
+        and (
+            "because column names don't match; its data files must share one format and the same columns: move the "
+            "others out of it"
+        )
+        in error
+    ), error
     # Each file is read in its own format: a json training file and a csv validation file load together.
     train = write(tmp_path / "train.jsonl", jsonl(COUNTS))
     valid = write(tmp_path / "valid.csv", "text\n" + "one two three four five six\n" * 20)
@@ -836,6 +854,7 @@ def test_32_bit_images_are_refused(tmp_path):
 
 
 def image_folder(root, classes, images=2):
+    root.mkdir(parents=True, exist_ok=True)
     for name in classes:
         (root / name).mkdir(parents=True)
         for i in range(images):
@@ -846,9 +865,9 @@ def image_folder(root, classes, images=2):
 @pytest.mark.parametrize(
     "train, val, message",
     [
-        (["a", "b"], ["a", "b", "c"], "have different class folders (only in --val_dir: c); give both the same class"),
-        (["a", "b", "c"], ["a", "b"], "(only in --train_dir: c)"),
+        (["a", "b"], ["a", "b", "c"], "has class folders that --train_dir {train} lacks ('c'); give both the same"),
         (["a"], ["a"], "has 1 class folder; a classifier needs two or more"),
+        (["a", "b"], [], "--val_dir {val}: Couldn't find any class folder in {val}"),
     ],
 )
 def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
@@ -865,7 +884,40 @@ def test_image_folders_whose_classes_do_not_fit(tmp_path, train, val, message):
     )
     with pytest.raises(RecipeError) as err:
         vision.load_images(args)
-    assert message in str(err.value)
+    assert message.format(train=tmp_path / "train", val=tmp_path / "val") in str(err.value), str(err.value)
+
+
+def test_a_validation_folder_is_labelled_by_the_training_classes(tmp_path, caplog):
+    """A small validation set may lack classes, or hold one's folder empty; its labels are the training set's
+    indices, its folder names matched in Unicode NFC (a copy from macOS writes NFD). Files that are not images are
+    skipped, and said so; a GIF is an image."""
+    from accelerate import PartialState
+
+    PartialState()
+    train = image_folder(tmp_path / "train", ["a", "b", "caf\u00e9", "d"])
+    val = image_folder(tmp_path / "val", ["cafe\u0301", "d"])  # NFD; no a or b
+    (val / "b").mkdir()
+    (val / "d" / "1.png").rename(val / "d" / "1.GIF")
+    (val / "d" / "notes.txt").write_text("not an image")
+    argv = ["--dataset", "imagefolder", "--train_dir", str(train), "--val_dir", str(val)]
+    train_set, val_set, *_, num_classes = vision.load_images(RECIPES["cifar"].parse_args(argv))
+    assert num_classes == 4 and train_set.classes == ["a", "b", "caf\u00e9", "d"]
+    assert sorted((Path(p).relative_to(val).as_posix(), c) for p, c in val_set.samples) == [
+        ("cafe\u0301/0.png", 2), ("cafe\u0301/1.png", 2), ("d/0.png", 3), ("d/1.GIF", 3),
+    ]  # fmt: skip
+    assert f"--val_dir {val}: skipped 1 .txt, not images (" in caplog.text
+    assert f"--val_dir {val} has no image of 2 class(es) (a, b)" in caplog.text
+    for name in ("0.png", "1.GIF"):  # a class whose files are none of them images
+        (val / "d" / name).unlink()
+    (val / "cafe\u0301" / "0.png").rename(val / "cafe\u0301" / "0.heic-not")
+    (val / "cafe\u0301" / "1.png").unlink()
+    with pytest.raises(RecipeError, match=r"--val_dir .*: its class folders hold no image; put validation images"):
+        vision.load_images(RECIPES["cifar"].parse_args(argv))
+    (train / "a" / "0.png").rename(train / "a" / "0.svg")
+    (train / "a" / "1.png").unlink()
+    with pytest.raises(RecipeError) as err:
+        vision.load_images(RECIPES["cifar"].parse_args(argv))
+    assert f"--train_dir {train}: Found no valid file for the classes a (skipped: 1 .svg); --dataset" in str(err.value)
 
 
 def test_hidden_entries_of_an_image_folder_are_no_data(tmp_path):
@@ -967,6 +1019,9 @@ def weight_files(tmp_path_factory):
     write(root / "garbage.safetensors", np.random.default_rng(0).bytes(4096))
     torch.save({"conv1.weight": _Code()}, root / "code.pt")
     torch.save([torch.zeros(3)], root / "list.pt")
+    torch.save({"model": resnet18, "epoch": 3}, root / "nested.pt")  # a training checkpoint of the user's
+    group = vision.set_norm_layer(torchvision.models.resnet18(num_classes=10), "group", False).state_dict()
+    save_file({k: v.contiguous() for k, v in group.items()}, root / "group.safetensors")  # --norm_layer group's
     (root / "folder.pt").mkdir()
     return root
 
@@ -1004,21 +1059,41 @@ def test_pretrained_path_that_is_not_weights_of_the_model_is_one_line(weight_fil
     assert "code ran" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["ddp.pt", "no_head.safetensors"])
-def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_files, name):
+@pytest.mark.parametrize(
+    "name, norm, message",
+    [
+        ("group.safetensors", "batch", "40 tensor(s) missing, such as bn1.running_mean); its norm layers are "
+         "GroupNorm: pass --norm_layer group"),
+        ("ddp.pt", "group", "such as bn1.running_mean); its norm layers are BatchNorm: pass --norm_layer batch"),
+    ],
+)  # fmt: skip
+def test_pretrained_path_of_other_norm_layers_names_the_norm_layer(weight_files, name, norm, message):
+    from accelerate import PartialState
+
+    PartialState()
+    args = RECIPES["cifar"].parse_args(
+        ["--model", "resnet18", "--norm_layer", norm, "--pretrained_path", str(weight_files / name)]
+    )
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        vision.build_model(args, 10, on_gpu=False)
+
+
+@pytest.mark.parametrize(
+    "name, norm",
+    [("ddp.pt", "batch"), ("no_head.safetensors", "batch"), ("group.safetensors", "group"), ("nested.pt", "batch")],
+)
+def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_files, name, norm):
     import torch
     from accelerate import PartialState
     from safetensors.torch import load_file
 
     PartialState()
     cifar = RECIPES["cifar"]
-    model = vision.build_model(
-        cifar.parse_args(["--model", "resnet18", "--pretrained_path", str(weight_files / name)]), 10, on_gpu=False
+    args = cifar.parse_args(
+        ["--model", "resnet18", "--norm_layer", norm, "--pretrained_path", str(weight_files / name)]
     )
-    saved = (
-        load_file(weight_files / name)
-        if name.endswith(".safetensors")
-        else {k.removeprefix("module."): v for k, v in torch.load(weight_files / name, weights_only=True).items()}
-    )
+    model = vision.build_model(args, 10, on_gpu=False)  # a run with --norm_layer group fine-tuned with it
+    saved = load_file(weight_files / name) if name.endswith(".safetensors") else torch.load(weight_files / name)
+    saved = {k.removeprefix("module."): v for k, v in saved.get("model", saved).items()}
     loaded = model.state_dict()
     assert set(saved) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in saved.items())

@@ -129,6 +129,11 @@ def test_restarts_get_a_store_each_at_the_jobs_port(gpus):
 def test_overrides_and_master_port(gpus):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
+    # Without MASTER_PORT a free port of the OS's, one for each launch: accelerate's own check of 29500 races with
+    # another launch's on the host (both see it free, one fails with EADDRINUSE)
+    env = {k: v for k, v in gpus(0).items() if k != "MASTER_PORT"}
+    ports = {re.search(r"--main_process_port (\d+) ", dry_run(env, "--num_processes", "2"))[1] for _ in range(3)}
+    assert len(ports) == 3 and "29500" not in ports, ports
     # the file's path works as well as its name, for the config and for the recipe
     proc = run([LAUNCH, "recipes/cifar.py", "--dry_run", "--config", "accelerate_configs/4gpu.yaml"], env=gpus(8))
     assert f"--config_file {REPO}/accelerate_configs/4gpu.yaml " in proc.stderr

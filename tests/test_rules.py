@@ -18,7 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, free_port, lm_args, run, snapshot, user_env
+from conftest import (
+    BIN,
+    FAST_MODEL,
+    REPO,
+    digits_args,
+    error_lines,
+    free_port,
+    lm_args,
+    load_recipe,
+    run,
+    snapshot,
+    user_env,
+)  # fmt: skip
 
 from common import checkpoint as ckpt
 from common import outputs
@@ -100,6 +112,73 @@ def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     outputs._RunLock.release_all()  # the run ended
     outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE, "mine"]
+    outputs._RunLock.release_all()
+    # a user's own fp32/ where zero.py --save_fp32 would export: refused before the run, as any name a save writes
+    (out / "fp32").mkdir()
+    (out / "fp32" / "NOTES.txt").write_text("mine")
+    with pytest.raises(RecipeError, match=r"holds files that no run of these recipes wrote \(fp32\)"):
+        outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
+    assert (out / "fp32" / "NOTES.txt").read_text() == "mine"
+
+
+def test_a_model_card_a_library_writes_leaves_a_users_readme_as_it_is(acc, tmp_path):
+    """peft's save_pretrained writes a README.md (a model card) beside the adapter: the user's README.md in
+    --output_dir (their project's, with --output_dir .) stays, and the weights are saved, not refused after training;
+    where there is none the card is the run's, recorded, and replaced by the next save."""
+
+    class Carded(torch.nn.Linear):
+        def save_pretrained(self, folder, state_dict, safe_serialization):
+            from safetensors.torch import save_file
+
+            Path(folder).mkdir()
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, Path(folder) / "adapter_model.safetensors")
+            (Path(folder) / "README.md").write_text("a model card")
+
+    model = acc[0].prepare(Carded(4, 4))
+    for folder, readme in ((tmp_path / "project", "my project"), (tmp_path / "fresh", None)):
+        folder.mkdir()
+        if readme:
+            (folder / "README.md").write_text(readme)
+        for _ in range(2):
+            outputs.OutputDir(acc[0], options(folder, overwrite_output_dir=True)).save_model(model)
+            outputs._RunLock.release_all()
+            assert (folder / "README.md").read_text() == (readme or "a model card")
+            assert ("README.md" in ckpt.model_files(folder)) == (readme is None)
+            assert (folder / "adapter_model.safetensors").is_file()
+
+
+def test_an_option_that_does_nothing_is_no_input(acc, tmp_path, monkeypatch):
+    """cifar's --data_dir (default data) is CIFAR's folder: an ImageFolder run under data/ may write to data/runs
+    (--data_dir would itself be refused as doing nothing), and not inside --train_dir."""
+    monkeypatch.chdir(tmp_path)
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / "data" / split / label).mkdir(parents=True)
+    argv = ["--dataset", "imagefolder", "--train_dir", "data/train", "--val_dir", "data/val", "--model", "resnet18"]
+    cifar = load_recipe("cifar")
+    outputs.OutputDir(acc[0], cifar.parse_args([*argv, "--output_dir", "data/runs/exp1"]))
+    outputs._RunLock.release_all()
+    with pytest.raises(RecipeError, match="--output_dir data/train/runs lies inside --train_dir data/train, which"):
+        outputs.OutputDir(acc[0], cifar.parse_args([*argv, "--output_dir", "data/train/runs"]))
+
+
+def test_a_link_to_a_folder_that_is_gone_is_named_as_such(tmp_path, monkeypatch):
+    """A scratch folder purged under a link to it: the link and its missing target, not 'a file where a folder
+    must be', which would have the user delete the link; named by the option the path is on."""
+    from common import args as common_args
+    from common.runtime import os_error_line
+
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "scratch" / "runs")
+    for given in (link, link / "exp1"):
+        monkeypatch.setitem(common_args.GIVEN, "--output_dir", str(given))
+        with pytest.raises(OSError) as err:
+            given.mkdir(parents=True, exist_ok=True)  # as the run lock's folder is made
+        where = f"--output_dir {link}" if given == link else f"{link} (on the path of --output_dir {given})"
+        assert os_error_line(err.value) == (
+            f"{where}: a symbolic link to {tmp_path / 'scratch' / 'runs'}, which does not exist; create that "
+            "folder, or remove the link"
+        )
 
 
 def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path):
@@ -453,8 +532,25 @@ def test_chat_data_whose_blocks_hold_no_reply_is_refused_before_training(tmp_pat
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = load_raw_datasets(train_file=path, validation_split_percentage=5)  # one conversation: one block of 32
-    with pytest.raises(RecipeError, match="validation split: no block of 32 tokens holds a token to train on"):
+    with pytest.raises(RecipeError, match=r"validation split: no block\(s\) of 32 tokens hold a token to train on"):
         tokenize_and_pack(raw, _chat_tokenizer(), data_format="chat", text_column="text", block_size=32)
+
+
+def test_chat_data_whose_blocks_mostly_hold_no_reply_is_said_before_training(tmp_path, caplog):
+    """Long prompts, short replies, small blocks: most steps would train on nothing (a loss over no token is none,
+    not 0: TrainLog logs null). Said before training, with the fix."""
+    from accelerate import PartialState
+
+    from common.text import load_raw_datasets, tokenize_and_pack
+
+    PartialState()
+    rows = [{"messages": [{"role": "user", "content": "one " * 20}, {"role": "assistant", "content": "two"}]}] * 20
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = load_raw_datasets(train_file=path, validation_file=path)
+    data = tokenize_and_pack(raw, _chat_tokenizer(), data_format="chat", text_column="text", block_size=4)
+    blocks = len(data["train"])
+    assert f"the train split: only 20 of {blocks} block(s) of 4 tokens hold a token to train on" in caplog.text
 
 
 def _chat_tokenizer():
