@@ -4,7 +4,7 @@
 # this shell's group (kill -9 -- -PGID) reaches: this shell passes stop signals on; killed outright, it leaves the
 # launcher a SIGTERM from Linux (a parent-death signal). Either way the training processes stop at a checkpoint.
 set -u
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"  # through a link to it too
 python="$(dirname "$(command -v accelerate || echo "$ROOT/.venv/bin/accelerate")")/python"  # accelerate's environment
 if [[ ! -x "$python" ]]; then
   echo "launch.sh: error: accelerate not found: activate the environment (. .venv/bin/activate) or pip install -e ." >&2

@@ -1,5 +1,6 @@
 """Stopping when the cluster or the user asks: SIGTERM (preemption, scancel, a launcher shutting down), SIGUSR1
-(Slurm's `--signal=USR1@T` before the time limit) or a first Ctrl-C; a second Ctrl-C interrupts.
+(Slurm's `--signal=USR1@T` before the time limit), SIGHUP (the terminal closed, unless nohup) or a first Ctrl-C; a
+second Ctrl-C interrupts.
 
 The handlers are in place from a recipe's first line (common.exit_codes). Before the training loop a stop ends the
 process at once (exit 75: nothing to save, a requeued job starts again); in it, StopOnSignal stops every process at
@@ -21,7 +22,7 @@ from .args import STATUS_FILE_ENV, stop_name
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, run it again
 HUNG_EXIT_CODE = 124  # as coreutils' timeout: the processes stopped waiting for each other (nothing saved of it)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal closed
 
 _received: list[int] = []  # signal numbers, in the order they arrived
 _in_loop = False  # a StopOnSignal exists: the loop stops at a step instead
@@ -39,13 +40,14 @@ class Preempted(BaseException):
 
 
 def install_stop_handlers() -> None:
-    """From here on SIGTERM, SIGUSR1 and a first SIGINT stop the run instead of killing the process."""
+    """From here on SIGTERM, SIGUSR1, SIGHUP and a first SIGINT stop the run instead of killing the process."""
     if threading.current_thread() is not threading.main_thread():
         return  # Python lets only the main thread install handlers (a notebook's worker, say)
     global _owner
     _owner = os.getpid()
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _record)
+        if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:  # nohup's choice stands
+            signal.signal(sig, _record)
     atexit.unregister(_end_loader_workers)
     atexit.register(_end_loader_workers)  # runs before multiprocessing's own exit hook (LIFO)
 

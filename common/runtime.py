@@ -399,14 +399,23 @@ def _started_by_accelerate_launch(expected: int) -> bool:
         return False
     if not any(Path(arg).name == "accelerate" for arg in parent[:2]) or "launch" not in parent:
         return False
+    from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
     with contextlib.suppress(SystemExit):  # options this accelerate does not know: not ours to judge
-        asked = launch_command_parser().parse_known_args(parent[parent.index("launch") + 1 :])[0].num_processes
+        given = launch_command_parser().parse_known_args(parent[parent.index("launch") + 1 :])[0]
+        asked, why = given.num_processes, "--multi_gpu, a multi-process --config_file or more than one GPU"
+        if not asked and expected == 1:  # the config's (accelerate's default file without --config_file)
+            with contextlib.suppress(Exception):
+                config = load_config_from_file(given.config_file)
+                asked, why = (
+                    config.num_processes,
+                    f"a distributed_type such as MULTI_GPU, not {config.distributed_type}",
+                )
         if expected == 1 and asked and asked > 1:
             raise RecipeError(
-                f"accelerate launch --num_processes {asked} started one process: it starts several only with "
-                f"--multi_gpu, a multi-process --config_file or more than one GPU; {CPU_FIX}"
+                f"accelerate launch {'--num_processes' if given.num_processes else 'with num_processes:'} {asked} "
+                f"started one process: it starts several only with {why}; {CPU_FIX}"
             )
     return True
 
@@ -456,7 +465,7 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
                 f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "
                 f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"
             )
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu" and kind != "DEEPSPEED":
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise RecipeError(
             "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; pass "
             "--mixed_precision bf16 (or no) to accelerate launch, or set it in the config"

@@ -3,15 +3,16 @@
        ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
        ./launch.sh selftest [--config NAME] [--num_processes N] [--mixed_precision no|bf16]
 
-Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml: by default the one for this host's
-GPUs, or N CPU processes (default 2) in one gloo group, where --config zero2/zero3/fsdp runs DeepSpeed or FSDP2 (fp32
-unless --mixed_precision bf16). --num_processes: on this node; --max_restarts: restarts when a process fails. Other
-arguments go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm: one launch.sh per
-node, by srun (slurm/*.sbatch). doctor: GPUs, versions, an all-reduce's speed. selftest: the README's promises, checked
-on this machine with a tiny model. Environment: MASTER_PORT (29500; under Slurm 20000 + job id % 10000), MASTER_ADDR
-(the head node; default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other nodes, 60),
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120). SIGTERM, SIGUSR1, SIGHUP or Ctrl-C:
-the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
+Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml (or --config PATH.yaml, a file of
+yours): by default the one for this host's GPUs, or N CPU processes (default 2) in one gloo group, where --config
+zero2/zero3/fsdp runs DeepSpeed or FSDP2 (fp32 unless --mixed_precision bf16). --num_processes: on this node;
+--max_restarts: restarts when a process fails. Other arguments go to the recipe (./launch.sh cifar --help); its exit
+code is launch.sh's. Under Slurm: one launch.sh per node, by srun (slurm/*.sbatch). doctor: GPUs, versions, an
+all-reduce's speed. selftest: the README's promises, checked on this machine with a tiny model. Environment:
+MASTER_PORT (one node: a free one; several: 29500, under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node;
+default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other nodes, 60), TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+(seconds to save a checkpoint when stopped, 120). SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint
+and launch.sh exits 75 (README.md, "Stopping").
 """
 
 import difflib
@@ -72,7 +73,8 @@ def finish(code: int):
     if CODE_FILE:  # launch.sh reads it: its `wait` can lose our status
         with suppress(OSError):
             Path(CODE_FILE).write_text(f"{code & 255}\n")
-    sys.stdout.flush()
+    with suppress(AttributeError, OSError):  # stdout closed (>&-: None) or gone
+        sys.stdout.flush()
     os._exit(code)
 
 
@@ -143,6 +145,10 @@ def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
             die(f"{path}: {key} must be a whole number from 1, got {value!r}")
     if not isinstance(use_cpu, bool):
         die(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
+    if str(config.get("mixed_precision", "no")).lower() not in ("no", "bf16", "fp16"):  # as --mixed_precision
+        die(f"{path}: mixed_precision must be no, bf16 or fp16, got {config['mixed_precision']!r}")
+    if (port := config.get("main_process_port")) is not None and not (type(port) is int and 0 < port < 65536):
+        die(f"{path}: main_process_port must be a TCP port number from 1 to 65535, got {port!r}")
     if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
         die(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
     return machines, processes, kind, use_cpu, config
@@ -229,9 +235,14 @@ def main(argv: list[str]) -> int:
     if env("MASTER_ADDR") and not re.fullmatch(r"[\]\[A-Za-z0-9._:%-]+", env("MASTER_ADDR")):
         die(f"MASTER_ADDR must be a host name or an IP address, got {env('MASTER_ADDR')!r}")
     configs = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
-    config = ours.get("--config", "").removeprefix("accelerate_configs/").removesuffix(".yaml")
-    if "--config" in ours and config not in configs:
-        die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)})")
+    config = ours.get("--config", "")  # a name of accelerate_configs/, or the path of a YAML file (yours, say)
+    if config.endswith((".yaml", ".yml")) and Path(config).is_file():
+        config = str(path) if (path := Path(config).resolve()).parent != CONFIGS.resolve() else path.stem
+    elif (
+        "--config" in ours
+        and (config := config.removeprefix("accelerate_configs/").removesuffix(".yaml")) not in configs
+    ):
+        die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)}, or the path of a YAML file)")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
     # Under Slurm: the nodes of this srun step (the batch script runs on the first node only); its head, once known.
@@ -244,9 +255,16 @@ def main(argv: list[str]) -> int:
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
         num_processes = num_processes or (gpus if config == "2gpu" else None)
-    machines, processes, kind, use_cpu, yaml_config = read_config(CONFIGS / f"{config}.yaml")
+    config_file = Path(config) if config.endswith((".yaml", ".yml")) else CONFIGS / f"{config}.yaml"
+    machines, processes, kind, use_cpu, yaml_config = read_config(config_file)
+    if nodes == 1 and machines > 1 and not (env("MASTER_ADDR") or yaml_config.get("main_process_ip")):
+        die(
+            f"{config_file}: num_machines: {machines} starts one launch.sh on each machine, and they meet at the "
+            "first one's main_process_ip (each its machine_rank), which the config lacks; add them, or use "
+            "num_machines: 1 on one machine (under Slurm launch.sh sets them)"
+        )
     per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", f"{CONFIGS}/{config}.yaml"]
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(config_file)]
     variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
         variables["ACCELERATE_USE_CPU"] = "true"
@@ -367,9 +385,13 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    status = Path(status_file).read_text().strip()  # rank 0's: how the run ended
+    if status == "finished" and not (
+        err or stop
+    ):  # the last attempt (--max_restarts) finished: earlier lines are past
+        return 0
     if (code := said_code()) is not None:  # a process said why the job ended (first_to_say): the others followed
         return code
-    status = Path(status_file).read_text().strip()  # rank 0's: how the run ended
     if stop and status == "finished":  # the stop came as the processes exited
         say(f"the run had finished when {stop} came; its model and results.json are complete (exit 0)")
         return 0

@@ -75,9 +75,12 @@ def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
 def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(
-    tiny_lm, lm_uninterrupted, tmp_path
+    tiny_lm, lm_uninterrupted, tmp_path, sig
 ):
+    """A process killed, or stopped alone (SIGTERM to one rank: the job saves a checkpoint and exits 75), restarts
+    from the latest checkpoint and ends as the uninterrupted run, exit 0 (not the first attempt's 75)."""
     args, straight, restarted = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "restarted"
     cmd = [
         REPO / "launch.sh",
@@ -86,7 +89,7 @@ def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninter
         "1",
         *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3"),
     ]
-    proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=signal.SIGKILL, rank=1)
+    proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=sig, rank=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restart 1 of this job (--max_restarts): resuming from the latest checkpoint" in proc.stderr
     assert "resumed from" in proc.stderr

@@ -126,6 +126,29 @@ def test_restarts_get_a_store_each_at_the_jobs_port(gpus):
     assert line.endswith(" --rdzv_backend c10d --rdzv_conf is_host=1 --max_restarts 2 " + f"{REPO}/recipes/cifar.py")
 
 
+def test_a_config_by_its_path_and_launch_sh_by_a_link(gpus, tmp_path):
+    """--config takes the path of a YAML file, the repo's or one of yours; launch.sh reached through a link to it
+    finds its scripts; its stdout closed (>&-), it still ends with the recipe's code."""
+    mine = tmp_path / "my.yaml"
+    shutil.copy(REPO / "accelerate_configs/cpu.yaml", mine)
+    assert f"--config_file {REPO}/accelerate_configs/cpu.yaml " in dry_run(
+        gpus(0), "--config", "./accelerate_configs/cpu.yaml"
+    )
+    assert f"--config_file {mine} " in dry_run(gpus(0), "--config", str(mine))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "train").symlink_to(LAUNCH)
+    proc = run([tmp_path / "bin" / "train", "cifar", "--dry_run"], env=gpus(0))
+    assert f"{REPO}/recipes/cifar.py" in proc.stderr
+    proc = run(["bash", "-c", f"{LAUNCH} cifar --dry_run >&-"], env=gpus(0), check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    # a config of several machines needs the head's address: without it, one line (not accelerate's assertion)
+    (tmp_path / "two.yaml").write_text(mine.read_text().replace("num_machines: 1", "num_machines: 2"))
+    proc = run([LAUNCH, "cifar", "--dry_run", "--config", tmp_path / "two.yaml"], env=gpus(0), check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"launch.sh: error: {tmp_path / 'two.yaml'}: num_machines: 2 starts one launch.sh on each machine"
+    ), proc.stderr
+
+
 def test_overrides_and_master_port(gpus):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
@@ -222,14 +245,26 @@ INVALID = [
     (["cifar", "--config"], {}, "--config needs a value"),
     (["cifar", "--config", "--num_processes", "2"], {}, "--config needs a value"),
     (["cifar", "--config="], {}, "--config needs a value"),
-    (["cifar", "--config", "16gpu"], {}, f"unknown config '16gpu' (available: {CONFIG_NAMES})"),
+    (
+        ["cifar", "--config", "16gpu"],
+        {},
+        f"unknown config '16gpu' (available: {CONFIG_NAMES}, or the path of a YAML file)",
+    ),
     (
         ["cifar", "--config", "../accelerate_configs/cpu"],
         {},
-        f"unknown config '../accelerate_configs/cpu' (available: {CONFIG_NAMES})",
+        f"unknown config '../accelerate_configs/cpu' (available: {CONFIG_NAMES}, or the path of a YAML file)",
     ),
-    (["cifar", "--config", "cpu yaml"], {}, f"unknown config 'cpu yaml' (available: {CONFIG_NAMES})"),
-    (["cifar", "--config", ".yaml"], {}, f"unknown config '.yaml' (available: {CONFIG_NAMES})"),
+    (
+        ["cifar", "--config", "cpu yaml"],
+        {},
+        f"unknown config 'cpu yaml' (available: {CONFIG_NAMES}, or the path of a YAML file)",
+    ),
+    (
+        ["cifar", "--config", ".yaml"],
+        {},
+        f"unknown config '.yaml' (available: {CONFIG_NAMES}, or the path of a YAML file)",
+    ),
     (
         ["cifar", "--config", "broken"],
         {},
@@ -296,6 +331,23 @@ def test_a_config_accelerate_starts_as_fewer_processes_is_refused(tree, gpus, ti
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
     assert "for 2 processes and it started 1;" in line and "use_cpu: true in the config" in line
+    assert not out.exists()
+    # the same config by hand (or as accelerate's default config): the process reads what the config asked for
+    cmd = [
+        BIN / "accelerate",
+        "launch",
+        "--config_file",
+        tree / "accelerate_configs/mcpu.yaml",
+        REPO / "recipes/lm_finetune.py",
+        *args,
+    ]
+    proc = run(cmd, env=user_env(), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(
+        "error: accelerate launch with num_processes: 2 started one process: it starts several only with a "
+        "distributed_type such as MULTI_GPU, not MULTI_CPU; on a host without GPUs use ./launch.sh"
+    ), line
     assert not out.exists()
 
 

@@ -318,12 +318,15 @@ def test_another_norm_layer_is_another_model(digits, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config, extra, message",
-    [("cpu", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32")],
+    [
+        ("cpu", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32"),
+        ("zero2", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU"),  # DeepSpeed's ValueError else
+    ],
 )
 def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path, config, extra, message):
     """fp16 on CPU trains fp32 while reporting fp16: one line instead. (An FSDP config on CPU, which Accelerate would
     train as DDP, trains FSDP2 here: tests/test_fsdp.py.)"""
-    env = user_env(ACCELERATE_USE_CPU="true")
+    env = user_env(**({"ACCELERATE_USE_CPU": "true"} if config == "cpu" else {}))  # DeepSpeed's CPU path: without
     cmd = [BIN / "accelerate", "launch", "--config_file", REPO / f"accelerate_configs/{config}.yaml", *extra]
     cmd += ["--num_processes", "2", "--main_process_port", env["MASTER_PORT"], LM, *lm_args(tiny_lm, tmp_path / "r")]
     proc = run(cmd, env=env, check=False)
@@ -336,11 +339,12 @@ def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_written(tiny_lm, tmp_path, sig):
-    """Slurm's time-limit warning or preemption while the run claims its folder and reads its data: the process
-    ends at once with 75 (requeue.sbatch requeues it), saying nothing was saved, and leaves no output behind; a
-    signal that lands once training started stops at a checkpoint, 75 as well."""
+    """Slurm's time-limit warning, preemption, or the terminal closing (torch's agent passes its SIGHUP on) while the
+    run claims its folder and reads its data: the process ends at once with 75 (requeue.sbatch requeues it), saying
+    nothing was saved, and leaves no output behind; a signal that lands once training started stops at a
+    checkpoint, 75 as well."""
     out = tmp_path / "run"
     cmd = [BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "5")]
     with tempfile.TemporaryFile("w+") as err:
@@ -359,6 +363,19 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
         assert not out.exists(), sorted(p.name for p in out.iterdir())
     else:  # it landed in the loop: a checkpoint of the step it stopped at
         assert f"preempted: stopped by {name} " in stderr and ckpt.resolve_checkpoint(out, "latest") is not None
+
+
+def test_a_terminal_closing_stops_a_run_unless_nohup_said_otherwise():
+    """SIGHUP is a stop (a checkpoint, exit 75) like SIGTERM, except in a process started with it ignored (nohup),
+    which keeps running when the terminal closes."""
+    code = (
+        f"import signal, sys; sys.path.insert(0, {str(REPO)!r}); from common import preemption; "
+        "preemption.install_stop_handlers(); print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)"
+    )
+    for nohup in (False, True):
+        ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+        proc = subprocess.run([BIN / "python", "-c", code], preexec_fn=ignore, capture_output=True, text=True)
+        assert proc.stdout.strip() == str(nohup), proc.stderr
 
 
 @pytest.mark.slow
