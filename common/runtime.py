@@ -408,10 +408,8 @@ def _started_by_accelerate_launch(expected: int) -> bool:
         if not asked and expected == 1:  # the config's (accelerate's default file without --config_file)
             with contextlib.suppress(Exception):
                 config = load_config_from_file(given.config_file)
-                asked, why = (
-                    config.num_processes,
-                    f"a distributed_type such as MULTI_GPU, not {config.distributed_type}",
-                )
+                kind = getattr(config.distributed_type, "value", config.distributed_type)
+                asked, why = config.num_processes, f"a distributed_type such as MULTI_GPU, not {kind}"
         if expected == 1 and asked and asked > 1:
             raise RecipeError(
                 f"accelerate launch {'--num_processes' if given.num_processes else 'with num_processes:'} {asked} "

