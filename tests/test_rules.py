@@ -348,7 +348,10 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
     out = tmp_path / "run"
     cmd = [BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "5")]
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(), stderr=err, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd], cwd=REPO, env=user_env(), stderr=err, stdout=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL),  # CI may start us with it ignored (nohup)
+        )  # fmt: skip
         deadline = time.monotonic() + 120
         while not (out / outputs.LOCK_FILE).exists():  # the run has claimed its folder: data and model are next
             assert proc.poll() is None and time.monotonic() < deadline, "the run never claimed its folder"
@@ -373,8 +376,11 @@ def test_a_terminal_closing_stops_a_run_unless_nohup_said_otherwise():
         "preemption.install_stop_handlers(); print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)"
     )
     for nohup in (False, True):
-        ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
-        proc = subprocess.run([BIN / "python", "-c", code], preexec_fn=ignore, capture_output=True, text=True)
+        disposition = signal.SIG_IGN if nohup else signal.SIG_DFL  # set either way: CI may start us under nohup
+        proc = subprocess.run(
+            [BIN / "python", "-c", code], preexec_fn=lambda: signal.signal(signal.SIGHUP, disposition),
+            capture_output=True, text=True,
+        )  # fmt: skip
         assert proc.stdout.strip() == str(nohup), proc.stderr
 
 
