@@ -107,7 +107,11 @@ def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
     run.save_model(acc[1])
     (out / "fp32").mkdir()
     (out / "fp32" / "model.safetensors").write_bytes(b"weights")
+    (out / "fp32" / "model.safetensors").chmod(0o600)  # as DeepSpeed's converter writes it
     run.record_written("fp32")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (out / "fp32" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # the user's group reads it
     (out / "mine").mkdir()
     outputs._RunLock.release_all()  # the run ended
     outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
