@@ -11,7 +11,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ BIN = Path(sys.executable).parent
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from launcher import free_port  # noqa: E402  (launch.sh's own)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -95,12 +95,6 @@ def describe(m: dict) -> str:
 
 def median(values):
     return statistics.median(values) if values else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(nproc: int, **extra) -> dict:

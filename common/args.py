@@ -108,16 +108,16 @@ class ArgumentParser(argparse.ArgumentParser):
                 GIVEN[action.option_strings[0]] = value
         for check in self.checks:
             check(self, namespace)
-        given, actions = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}, set()
+        given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
+        UNUSED.clear()
         for options, applies, why, fix in self.unless:
-            if not applies(namespace):
-                actions.update(self._option_string_actions[o].dest for o in options)
-            if (named := [o for o in options if o in given]) and not applies(namespace):
+            if applies(namespace):
+                continue
+            UNUSED.update(self._option_string_actions[o].dest for o in options)
+            if named := [o for o in options if o in given]:
                 self.error(
                     f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}"
                 )
-        UNUSED.clear()
-        UNUSED.update(actions)
         return namespace
 
     def does_nothing_unless(self, options, applies, why: str, fix: str = "") -> None:

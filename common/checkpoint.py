@@ -361,16 +361,16 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
                 logger.warning(f"ignoring incomplete checkpoint {path} (no {STATE_FILE})")
         return complete_checkpoints(output_dir)[::-1]
 
-    newest_first = decide_on_main(accelerator, candidates)
+    newest_first, newest = decide_on_main(accelerator, candidates), None
     for path in newest_first:
         if not (damage := checkpoint_damage(path, accelerator)):
             return path
+        newest = newest or f"{path.name}: {damage}"
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
-    if newest_first:  # starting over would replace them: a copy still in progress, a disk's fault, is for a person
+    if newest:  # starting over would replace them: a copy still in progress, a disk's fault, is for a person
         raise RecipeError(
-            f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged (the newest, "
-            f"{newest_first[0].name}: {checkpoint_damage(newest_first[0])}); restore them from a copy, or pass "
-            "--overwrite_output_dir instead to start over"
+            f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged (the newest, {newest}); "
+            "restore them from a copy, or pass --overwrite_output_dir instead to start over"
         )
     logger.warning(f"--resume_from_checkpoint latest: no checkpoint yet in {output_dir}, starting at step 0")
     return None

@@ -4,6 +4,7 @@ models with a new head, loaded weights, a frozen backbone, the norm layer, and a
 import collections
 import contextlib
 import difflib
+import functools
 import os
 import pickle
 import unicodedata
@@ -107,19 +108,16 @@ def _image_sets(args):
 def _image_folder(flag, folder, classes=None):
     """An ImageFolder of one sub-folder per class; with `classes` (the training set's), labelled by them."""
     check_path(flag, folder, folder=True)
-    skipped = collections.Counter()
+    skipped, images_are = collections.Counter(), ", ".join(sorted(IMAGE_EXTENSIONS))
     try:
         images = ImageFolder(folder, classes, skipped)
     except OSError as err:  # torchvision's: no class folders, no images in them
         raise RecipeError(
             f"{flag} {folder}: {one_line(err)}{f' (skipped: {_tally(skipped)})' if skipped else ''}; --dataset "
-            f"imagefolder needs a folder with one sub-folder of images ({', '.join(sorted(IMAGE_EXTENSIONS))}) per "
-            "class"
+            f"imagefolder needs a folder with one sub-folder of images ({images_are}) per class"
         ) from err
     if skipped:
-        logger.warning(
-            f"{flag} {folder}: skipped {_tally(skipped)}, not images ({', '.join(sorted(IMAGE_EXTENSIONS))})"
-        )
+        logger.warning(f"{flag} {folder}: skipped {_tally(skipped)}, not images ({images_are})")
     seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
     for where in sorted({os.path.dirname(path) for path, _ in images.samples}):
         if (real := os.path.realpath(where)) in seen:
@@ -159,11 +157,10 @@ class ImageFolder(torchvision.datasets.ImageFolder):
             raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")  # torchvision's words
         if self.train_classes is None:
             return classes, {name: i for i, name in enumerate(classes)}
-        index = {unicodedata.normalize("NFC", name): i for i, name in enumerate(self.train_classes)}
-        self.unknown = [name for name in classes if unicodedata.normalize("NFC", name) not in index]
-        return self.train_classes, {
-            n: index[unicodedata.normalize("NFC", n)] for n in classes if n not in self.unknown
-        }
+        nfc = functools.partial(unicodedata.normalize, "NFC")
+        index = {nfc(name): i for i, name in enumerate(self.train_classes)}
+        self.unknown = [name for name in classes if nfc(name) not in index]
+        return self.train_classes, {name: index[nfc(name)] for name in classes if nfc(name) in index}
 
 
 # Model arguments ----------------------------------------------------------------------------------

@@ -237,12 +237,12 @@ def main(argv: list[str]) -> int:
     configs = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
     config = ours.get("--config", "")  # a name of accelerate_configs/, or the path of a YAML file (yours, say)
     if config.endswith((".yaml", ".yml")) and Path(config).is_file():
-        config = str(path) if (path := Path(config).resolve()).parent != CONFIGS.resolve() else path.stem
-    elif (
-        "--config" in ours
-        and (config := config.removeprefix("accelerate_configs/").removesuffix(".yaml")) not in configs
-    ):
-        die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)}, or the path of a YAML file)")
+        path = Path(config).resolve()
+        config = path.stem if path.parent == CONFIGS.resolve() else str(path)
+    else:
+        config = config.removeprefix("accelerate_configs/").removesuffix(".yaml")
+        if "--config" in ours and config not in configs:
+            die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)}, or the path of a YAML file)")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
     # Under Slurm: the nodes of this srun step (the batch script runs on the first node only); its head, once known.
@@ -386,9 +386,8 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     status = Path(status_file).read_text().strip()  # rank 0's: how the run ended
-    if status == "finished" and not (
-        err or stop
-    ):  # the last attempt (--max_restarts) finished: earlier lines are past
+    # the last attempt finished (under --max_restarts, what an earlier one said is past)
+    if status == "finished" and not (err or stop):
         return 0
     if (code := said_code()) is not None:  # a process said why the job ended (first_to_say): the others followed
         return code

@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -23,18 +22,13 @@ BIN = Path(sys.executable).parent  # the virtual environment's bin: accelerate, 
 sys.path.insert(0, str(REPO / "scripts"))
 
 import selftest  # noqa: E402
+from launcher import free_port  # noqa: E402, F401  (launch.sh's own: tests import it from here)
 from make_digits import write_digits  # noqa: E402
 from make_tiny_lm import write_tiny_lm  # noqa: E402
 
 # Small enough for a 2-core CI machine, large enough that a broken training shows: stock
 # torchvision ResNet-18 reaches ~0.9 on the digits in 3 epochs, chance is 0.1.
 FAST_MODEL = ["--model", "resnet18", "--per_device_train_batch_size", "32"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def user_env(**extra) -> dict:
