@@ -237,8 +237,22 @@ def _how_it_ended(err: BaseException) -> tuple:
         return HUNG_EXIT_CODE, None, f"stopped: {line}", False, False
     if os_line := os_error_line(err):
         return 2, "error", f"error: {os_line}", False, True
+    if deepspeed_line := _deepspeed_config_error(err):
+        return 2, "error", f"error: {deepspeed_line}", False, True
     traceback.print_exception(err)
     return 1, None, None, False, False
+
+
+def _deepspeed_config_error(err: BaseException) -> str | None:
+    """One line for a DeepSpeed config DeepSpeed's own models refuse (pydantic's errors, one per field), or None."""
+    found = next((e for e in causes(err) if str(getattr(e, "title", "")).startswith("DeepSpeed")), None)
+    if found is None or not hasattr(found, "errors"):
+        return None
+    fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in found.errors())
+    return (
+        f"DeepSpeed refuses its config ({found.title}: {fields}); correct it in the accelerate config's "
+        "deepspeed_config, or in its deepspeed_config_file"
+    )
 
 
 def exit_without_teardown(code: int) -> None:
@@ -293,9 +307,17 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 **kwargs,
             )
     except Exception as err:
-        if not _timed_out(err):
+        if _timed_out(err):
+            raise RecipeError(
+                f"the processes did not meet within --ddp_timeout {args.ddp_timeout} s: {_group()}"
+            ) from err
+        if isinstance(err, RecipeError) or os_error_line(err):
             raise
-        raise RecipeError(f"the processes did not meet within --ddp_timeout {args.ddp_timeout} s: {_group()}") from err
+        raise RecipeError(  # what accelerate launch passed on from the config, refused here (FSDP's, fp8 without TE)
+            f"Accelerate cannot set up the accelerate config's settings here ({type(err).__name__}: {one_line(err)}); "
+            "correct the config passed to accelerate launch (accelerate config writes one)",
+            same_on_every_rank=False,
+        ) from err
     logging.basicConfig(  # INFO from the main process, warnings from every process; libraries' chatter off
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",

@@ -145,12 +145,8 @@ def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
             die(f"{path}: {key} must be a whole number from 1, got {value!r}")
     if not isinstance(use_cpu, bool):
         die(f"{path}: use_cpu must be true or false, got {use_cpu!r}")
-    if str(config.get("mixed_precision", "no")).lower() not in ("no", "bf16", "fp16"):  # as --mixed_precision
-        die(f"{path}: mixed_precision must be no, bf16 or fp16, got {config['mixed_precision']!r}")
     if (port := config.get("main_process_port")) is not None and not (type(port) is int and 0 < port < 65536):
-        die(f"{path}: main_process_port must be a TCP port number from 1 to 65535, got {port!r}")
-    if not (isinstance(kind, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", kind)):
-        die(f"{path}: distributed_type must be a name such as MULTI_GPU or DEEPSPEED, got {kind!r}")
+        die(f"{path}: main_process_port must be a TCP port number from 1 to 65535, got {port!r}")  # launch.sh uses it
     return machines, processes, kind, use_cpu, config
 
 
@@ -413,6 +409,13 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
         die(
             f"port {args.main_process_port} on this node is in use by another process; set MASTER_PORT to a free "
             "port (the same on every node)"
+        )
+    if isinstance(err, (ValueError, TypeError, KeyError, RuntimeError)):  # accelerate launch refusing the config
+        from common.runtime import one_line
+
+        die(
+            f"{args.config_file}: accelerate launch refuses it: {one_line(err)}; correct the config, or pass another "
+            "--config"
         )
     if err:
         raise err

@@ -339,6 +339,37 @@ def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path,
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, change, said",
+    [  # accelerate launch refuses it, Accelerate's plugin does, DeepSpeed's config model does
+        ("cpu", {"dynamo_config": {"dynamo_backend": "FOO"}}, "launch.sh: error: {config}: accelerate launch "
+         "refuses it: Unknown dynamo backend: FOO"),
+        ("fsdp", {"fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": "sometimes"}}, "error: Accelerate "
+         "cannot set up the accelerate config's settings here (ValueError: invalid truth value sometimes)"),
+        ("zero2", {"deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "gpu0"}}, "error: DeepSpeed "
+         "refuses its config (DeepSpeedZeroConfig: offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme' "
+         "(got 'gpu0'))"),
+    ],
+    ids=["accelerate launch", "fsdp plugin", "deepspeed"],
+)  # fmt: skip
+def test_a_config_value_a_library_refuses_is_one_line_and_nothing_is_written(tiny_lm, tmp_path, config, change, said):
+    """A value of the accelerate config that accelerate, Accelerate's plugins or DeepSpeed refuse is one line
+    naming the value, wherever the library meets it, not a traceback."""
+    import yaml
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        yaml.safe_dump({**yaml.safe_load((REPO / f"accelerate_configs/{config}.yaml").read_text()), **change})
+    )
+    args = ["lm_finetune", "--config", path, *lm_args(tiny_lm, tmp_path / "r", "--max_train_steps", "1")]
+    proc = run([REPO / "launch.sh", *args], env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(said.format(config=path)) and "Traceback" not in proc.stderr, lines
+    assert not (tmp_path / "r").exists()
+
+
 # 5. Every stop is honoured ------------------------------------------------------------------------
 
 
