@@ -3,6 +3,7 @@
 # scripts/launcher.py does the work, in a process group of its own that neither a terminal's Ctrl-C nor a kill of
 # this shell's group (kill -9 -- -PGID) reaches: this shell passes stop signals on; killed outright, it leaves the
 # launcher a SIGTERM from Linux (a parent-death signal). Either way the training processes stop at a checkpoint.
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@"  # `sh launch.sh`: the shell it is written for
 set -u
 ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"  # through a link to it too
 python="$(dirname "$(command -v accelerate || echo "$ROOT/.venv/bin/accelerate")")/python"  # accelerate's environment

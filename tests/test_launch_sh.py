@@ -139,6 +139,9 @@ def test_a_config_by_its_path_and_launch_sh_by_a_link(gpus, tmp_path):
     (tmp_path / "bin" / "train").symlink_to(LAUNCH)
     proc = run([tmp_path / "bin" / "train", "cifar", "--dry_run"], env=gpus(0))
     assert f"{REPO}/recipes/cifar.py" in proc.stderr
+    if shutil.which("sh"):  # `sh launch.sh` (dash on Debian): it runs in the shell it is written for
+        proc = run(["sh", LAUNCH, "cifar", "--dry_run"], env=gpus(0))
+        assert f"{REPO}/recipes/cifar.py" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = run(["bash", "-c", f"{LAUNCH} cifar --dry_run >&-"], env=gpus(0), check=False)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     # a config of several machines needs the head's address: without it, one line (not accelerate's assertion)
