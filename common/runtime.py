@@ -474,6 +474,18 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             "for CPU processes use distributed_type: MULTI_GPU with use_cpu: true in the config, as "
             "accelerate_configs/cpu.yaml does (MULTI_CPU starts one process unless mpirun is set up)"
         )
+    copies = [
+        (os.environ[n], n) for n in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if n in os.environ
+    ]
+    if accelerator.num_processes == 1 and "WORLD_SIZE" not in os.environ and copies and copies[0][0] != "1":
+        srun = copies[0][1].startswith("SLURM")  # srun, mpirun: N copies of the command, which nothing joins
+        raise RecipeError(
+            f"{'srun' if srun else 'mpirun'} started this command as {copies[0][0]} processes ({copies[0][1]}) and "
+            "none of them starts a process group: each would train its own copy of the model; start "
+            f"{'one ./launch.sh per node: srun --ntasks-per-node=1 ./launch.sh ... (slurm/*.sbatch)' if srun else ''}"
+            f"{'' if srun else './launch.sh or accelerate launch on each node'}, which start and join the processes",
+            same_on_every_rank=False,
+        )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
         raise RecipeError(
             f"the launcher started {expected} processes but they formed a group of {accelerator.num_processes} "

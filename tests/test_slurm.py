@@ -212,3 +212,19 @@ def test_requeue_template_resumes_the_users_checkpoint_first_and_latest_once_req
         (line,) = sbatch(template, args, tmp_path, env=env)[0]
         assert line.count("--resume_from_checkpoint") == 1, line
         assert f"--resume_from_checkpoint {expected}" in line, (restarts, line)
+
+
+@pytest.mark.slow
+def test_a_recipe_srun_starts_as_several_tasks_is_refused_not_trained_as_copies(digits, tmp_path):
+    """`srun --ntasks-per-node=2 python recipes/cifar.py` (no launcher): two copies that never form a group, each
+    training its own model into one folder; each task says so in one line, exit 2, nothing written."""
+    from conftest import BIN, digits_args
+
+    env = slurm_env(tmp_path, nodes=1, gpus=0, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "run"
+    args = [*digits_args(digits, out), "--max_train_steps", "1"]
+    proc = run(["srun", "--ntasks-per-node=2", BIN / "python", REPO / "recipes/cifar.py", *args], env=env, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]  # fake srun: the first task's exit ends it
+    assert lines[0].startswith("error: srun started this command as 2 processes (SLURM_STEP_NUM_TASKS) and none")
+    assert "srun --ntasks-per-node=1 ./launch.sh" in lines[0] and not out.exists()
