@@ -55,6 +55,9 @@ def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_wor
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
         worker_init_fn=ignore_stop_signals,
+        # an iterator draws its workers' seed from here, not from torch's global RNG: a resumed run's dropout draws
+        # the masks the uninterrupted run drew, from the random state its checkpoint restored
+        generator=torch.Generator().manual_seed(seed or 0),
     )
 
 

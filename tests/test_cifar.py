@@ -311,6 +311,22 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
 
 
 @pytest.mark.slow
+def test_a_model_with_dropout_resumed_on_its_layout_ends_with_the_uninterrupted_weights_exactly(digits, tmp_path):
+    """Dropout draws from each process's random stream, which a checkpoint saves and a resume restores; nothing else
+    may draw from it in between (a DataLoader's iterator seeds its workers from a generator of its own), so the
+    resumed run draws the uninterrupted run's masks. 2 processes, loader workers, MobileNetV3's dropout."""
+    args = ["--model", "mobilenet_v3_small", "--per_device_train_batch_size", "8", "--dataloader_num_workers", "1"]
+    args += ["--max_train_steps", "6", "--checkpointing_steps", "3", "--hflip", "0"]
+    out = tmp_path / "run"
+    run(*accelerate_cpu(2, RECIPE, *digits_args(digits, out, *args)))
+    straight = load_file(out / "model.safetensors")
+    resume = ["--resume_from_checkpoint", out / "checkpoint-3"]  # mid epoch 0
+    run(*accelerate_cpu(2, RECIPE, *digits_args(digits, out, *args, *resume)))
+    resumed = load_file(out / "model.safetensors")
+    assert max((straight[k].float() - resumed[k].float()).abs().max().item() for k in straight) == 0.0
+
+
+@pytest.mark.slow
 def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_originals_checkpoint(digits, tmp_path):
     """The README's copy flow: train.py and common/ in a project of their own. A checkpoint names the
     recipe by its RECIPE constant, not its file name, so the copy continues a run of recipes/cifar.py."""
