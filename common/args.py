@@ -106,9 +106,12 @@ class ArgumentParser(argparse.ArgumentParser):
                 if value.startswith("~"):  # a shell expands ~ only at a word's start, not in --option=~/path
                     setattr(namespace, action.dest, value := os.path.expanduser(value))
                 GIVEN[action.option_strings[0]] = value
+        given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
+        self._check_defaults(
+            namespace, {self._option_string_actions[o].dest for o in given & self._option_string_actions.keys()}
+        )
         for check in self.checks:
             check(self, namespace)
-        given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
         UNUSED.clear()
         for options, applies, why, fix in self.unless:
             if applies(namespace):
@@ -120,12 +123,44 @@ class ArgumentParser(argparse.ArgumentParser):
                 )
         return namespace
 
+    def _check_defaults(self, namespace, given: set) -> None:
+        """The defaults (a recipe's HYPERPARAMETERS, edited in a copy) checked and converted as if typed: argparse
+        converts string defaults alone, and checks none against its choices."""
+        options = {a.dest: a for a in self._actions if a.option_strings}
+        if unknown := sorted(set(self._defaults) - set(options) - {"recipe"}):  # a key that would set nothing
+            near = difflib.get_close_matches(unknown[0], options, 1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            self.error(f"the recipe's HYPERPARAMETERS has {unknown[0]}, which is no option of it{hint}")
+        typed = []
+        for dest, action in options.items():
+            value = getattr(namespace, dest, None)
+            if dest in given or value is None or action.nargs == 0:  # a flag's default: True or False
+                continue
+            values = value if isinstance(value, list) else [value]
+            typed += (
+                [action.option_strings[0], *map(str, values)]
+                if action.nargs
+                else [f"{action.option_strings[0]}={value}"]
+            )
+        self._checking_defaults = True
+        try:
+            checked = super().parse_known_args(typed, argparse.Namespace())[0]
+        finally:
+            self._checking_defaults = False
+        for dest in options:
+            if dest not in given and getattr(namespace, dest, None) is not None and options[dest].nargs != 0:
+                setattr(namespace, dest, getattr(checked, dest))
+
     def does_nothing_unless(self, options, applies, why: str, fix: str = "") -> None:
         """Refuse `options` given on the command line where `applies(args)` is false (they would do nothing, `why`),
         naming `fix` (", or pass ...")."""
         self.unless = [*self.unless, (options, applies, why, fix)]
 
+    _checking_defaults = False
+
     def error(self, message):
+        if self._checking_defaults:
+            message += "; it is the recipe's default: correct it in HYPERPARAMETERS, or pass the option"
         # every process parses the same line: said once
         self.exit(2, f"error: {mask_secrets(message)}\n" if first_to_say(2) else None)
 

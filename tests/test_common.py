@@ -100,6 +100,11 @@ def accelerate_state():
     return PartialState()
 
 
+def shared_defaults(parser) -> dict:
+    """cifar's HYPERPARAMETERS of the options every recipe shares (`parser`'s)."""
+    return {k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k in {a.dest for a in parser._actions}}
+
+
 def make_checkpoint(root, step, complete=True):
     path = root / f"checkpoint-{step}"
     path.mkdir()
@@ -111,7 +116,7 @@ def make_checkpoint(root, step, complete=True):
 def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(tmp_path, accelerate_state):
     """Checkpoints written before positions were kept in samples hold `batches_in_epoch` instead."""
     parser = common.training_parser("t", "t")
-    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    parser.set_defaults(**shared_defaults(parser))
     args = parser.parse_args(["--output_dir", str(tmp_path)])
     checkpoint = make_checkpoint(tmp_path, 13)
     write_json(checkpoint / common.checkpoint.STATE_FILE, {"step": 13, "epoch": 1, "batches_in_epoch": 4})
@@ -123,7 +128,7 @@ def test_a_checkpoint_past_the_length_asked_is_refused(tmp_path, accelerate_stat
     """Resumed with fewer epochs or steps than it has trained, a checkpoint would only become the run's model; at
     the end of the last epoch asked (a save cut short) it is the run's end: nothing to train."""
     parser = common.training_parser("t", "t")
-    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    parser.set_defaults(**shared_defaults(parser))
     args = parser.parse_args(["--output_dir", str(tmp_path), "--num_train_epochs", "1"])
     plan, _ = plan_run(args, [0] * 1400, 2)  # 5 steps of 256 an epoch
     state = {
@@ -209,16 +214,59 @@ def test_a_recipe_that_leaves_a_shared_hyperparameter_without_a_default_cannot_p
     """Each recipe states every shared training default in its HYPERPARAMETERS block: one missing is the
     recipe's mistake, caught before any command line is read."""
     parser = common.training_parser("t", "t")
-    parser.set_defaults(**{k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k != "warmup_ratio"})
+    parser.set_defaults(**{k: v for k, v in shared_defaults(parser).items() if k != "warmup_ratio"})
     with pytest.raises(TypeError, match="HYPERPARAMETERS has no default for warmup_ratio"):
         parser.parse_args([])
+
+
+@pytest.mark.parametrize("recipe", ["cifar", "lm_finetune"])
+@pytest.mark.parametrize(
+    "edit, said",
+    [  # HYPERPARAMETERS edited in a copy: each value checked as the same value typed on the command line is
+        ({"optimizer": "adam"}, "argument --optimizer: invalid choice: 'adam'"),
+        ({"hflip": 1.5}, "argument --hflip: 1.5 is out of range"),
+        ({"learning_rate": -0.1}, "argument --learning_rate: -0.1 is out of range"),
+        ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "argument --lr_scheduler_type: invalid choice"),
+        ({"gradient_accumulation_steps": 0}, "argument --gradient_accumulation_steps: 0 is out of range"),
+        ({"lora_r": -8}, "argument --lora_r: -8 is out of range"),
+        (
+            {"learnin_rate": 0.1},
+            "the recipe's HYPERPARAMETERS has learnin_rate, which is no option of it (did you mean",
+        ),
+    ],
+)
+def test_a_default_edited_into_hyperparameters_is_checked_as_if_typed(capsys, monkeypatch, recipe, edit, said):
+    module = load_recipe(recipe)
+    if not set(edit) <= {*module.HYPERPARAMETERS, "learning_rate", "learnin_rate", "lr_scheduler_type"}:
+        pytest.skip(f"{recipe} has no {', '.join(edit)}")
+    monkeypatch.setattr(module, "HYPERPARAMETERS", {**module.HYPERPARAMETERS, **edit})
+    data = (
+        ["--dataset", "imagefolder", "--train_dir", "t", "--val_dir", "v"]
+        if recipe == "cifar"
+        else ["--train_file", "t.jsonl"]
+    )
+    with pytest.raises(SystemExit, match="2"):
+        module.parse_args(["--model_name_or_path", "m", *data] if recipe != "cifar" else data)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
+    assert "learnin_rate" in edit or err.endswith(
+        "it is the recipe's default: correct it in HYPERPARAMETERS, or pass the option\n"
+    )
+
+
+def test_a_string_default_of_an_option_of_several_values_is_one_value():
+    """lora_target_modules="q_proj" in HYPERPARAMETERS: one module's name, as --lora_target_modules q_proj is."""
+    parser = common.training_parser("t", "t")
+    parser.add_argument("--names", nargs="+")
+    parser.set_defaults(**shared_defaults(parser), names="q_proj")
+    assert parser.parse_args([]).names == ["q_proj"] and parser.parse_args(["--names", "a", "b"]).names == ["a", "b"]
 
 
 def test_an_epoch_that_ends_mid_accumulation_drops_its_remainder_and_the_counts_are_samples(tmp_path):
     """7 batches an epoch, accumulation 2: the 7th batch, too few for a step, is dropped, as a batch of 4 would drop
     its samples (every step trains the effective batch); 2 epochs are 6 steps of 4 samples."""
     parser = common.training_parser("t", "t")
-    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)
+    parser.set_defaults(**shared_defaults(parser))
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     args = parser.parse_args([*argv, "--num_train_epochs", "2", "--logging_steps", "1"])
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
