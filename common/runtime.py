@@ -212,8 +212,13 @@ def _say(code: int, status: str | None, line: str | None, everyone: bool) -> Non
 
 
 def _timed_out(err: BaseException) -> bool:
-    """Whether torch gave up waiting for the other processes (a collective, or the group's store)."""
-    return any("Timed out" in str(e) or "timeout" in type(e).__name__.lower() for e in causes(err))
+    """Whether torch gave up waiting for the other processes (a collective of gloo or NCCL, or the group's store),
+    not a timeout of the user's own code (a tracking server's, a dataset's network read: its traceback)."""
+    return any(
+        re.search(r"timed out|timeout", f"{type(e).__name__} {e}", re.I)
+        and (isinstance(e, torch.distributed.DistError) or re.search(r"gloo|NCCL|c10d|TCPStore", str(e)))
+        for e in causes(err)
+    )
 
 
 def _how_it_ended(err: BaseException) -> tuple:

@@ -464,6 +464,30 @@ def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch
     _refuse_known_bad_versions(1)
 
 
+def test_only_torchs_wait_for_other_processes_is_a_stuck_collective(capsys):
+    """Exit 124 and the collective's line for gloo's, NCCL's or the store's timeout; a timeout the user's own code
+    meets (a tracking server, a dataset read over the network) is its traceback and exit 1, even under a name with
+    "timeout" in it."""
+
+    class ReadTimeout(OSError):  # as requests', httpx's and botocore's are named
+        pass
+
+    from common.runtime import _how_it_ended
+
+    gloo = RuntimeError(
+        "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv"
+    )
+    store = torch.distributed.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cpu//0")
+    for err in (gloo, store):
+        assert _how_it_ended(err)[:2] == (124, "error")
+    for err in (
+        TimeoutError("tracking server at 10.0.0.5:8080 did not answer"),
+        ReadTimeout("The read operation timed out"),
+    ):
+        assert _how_it_ended(err)[:3] == (1, None, None)
+        assert capsys.readouterr().err.endswith(f"{type(err).__name__}: {err}\n")  # its traceback, printed
+
+
 def test_an_exit_without_teardown_runs_the_exit_handlers_and_keeps_the_code(tmp_path):
     """common.runtime.exit_without_teardown relies on atexit._run_exitfuncs: the handlers run (a tracker's flush, a
     line written at exit), then the process ends with the code given."""
