@@ -106,8 +106,13 @@ def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
         if sampler is None:
             raise TypeError("the training DataLoader needs an EpochSampler (common.make_dataloader(train=True))")
     sampler.resume_at(epoch, first_sample)
-    if hasattr(dataloader.dataset, "set_epoch"):
-        dataloader.dataset.set_epoch(epoch)
+    datasets = [dataloader.dataset]  # and those it wraps (a Subset, a ConcatDataset, a user's wrapper): each seeded
+    for dataset in datasets:  # transform augments this epoch, wherever it is
+        datasets += [
+            d for d in (getattr(dataset, "dataset", None), *getattr(dataset, "datasets", ())) if d is not None
+        ]
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
     return _Waited(iter(dataloader))
 
 

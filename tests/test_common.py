@@ -190,14 +190,20 @@ def test_seeded_transform_depends_on_seed_epoch_and_index_only():
     assert not torch.equal(SeededTransform(Indexed(), noise, seed=2)[0][0], first[0])
 
 
-def test_seeded_transform_epoch_reaches_persistent_workers():
+@pytest.mark.parametrize("wrap", ["none", "subset", "concat"])
+def test_seeded_transform_epoch_reaches_persistent_workers(wrap):
+    """Also where a user wrapped the recipe's training set (a Subset, a ConcatDataset): every epoch augments anew."""
     ds = SeededTransform(Indexed(), lambda x: x + torch.rand(4), seed=0)
-    loader = Accelerator(cpu=True).prepare(make_dataloader(ds, 8, train=True, seed=0, num_workers=1))
+    data = {"none": ds, "subset": torch.utils.data.Subset(ds, range(8))}.get(wrap) or torch.utils.data.ConcatDataset(
+        [torch.utils.data.Subset(ds, range(4)), torch.utils.data.Subset(ds, range(4, 8))]
+    )
+    loader = Accelerator(cpu=True).prepare(make_dataloader(data, 8, train=True, seed=0, num_workers=1))
     assert loader.persistent_workers
     for epoch in range(3):
         ((from_worker, index),) = list(epoch_batches(loader, epoch))
         assert index.tolist() == EpochSampler(8, seed=0).order(epoch).tolist()  # the epoch reached our sampler
-        expected = torch.stack([ds[int(i)][0] for i in index])  # computed here, in this process
+        ds.set_epoch(epoch)
+        expected = torch.stack([ds[int(i)][0] for i in index])  # computed here, in this process, for this epoch
         assert torch.equal(from_worker, expected), epoch
 
 
