@@ -231,8 +231,11 @@ def chat_example(tokenizer, messages) -> dict:
         text, spans = render(messages, tokenize=False), []
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                before = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
                 through = render(messages[: i + 1], tokenize=False)
+                if i:
+                    before = render(messages[:i], tokenize=False, add_generation_prompt=True)
+                else:  # the reply opens the conversation: what the template puts before it (a header, a system prompt)
+                    before = through[: max(through.rfind(message["content"]), 0)]
                 if not (text.startswith(before) and text.startswith(through)):
                     raise RecipeError(
                         "the tokenizer's chat template does not render conversations incrementally, so prompt "
@@ -242,8 +245,8 @@ def chat_example(tokenizer, messages) -> dict:
     except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first
         raise RecipeError(f"the chat template rejects the conversation ({err}): {_excerpt(messages)}") from err
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
-        token if any(start <= a and b <= end for start, end in spans) else IGNORE_INDEX
+    labels = [  # a token ending inside a reply is the reply's (" four" holds the space its prompt ends with)
+        token if any(start < b <= end for start, end in spans) else IGNORE_INDEX
         for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"])
     ]
     return {"input_ids": encoded["input_ids"], "labels": labels}

@@ -284,6 +284,42 @@ def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):
     assert [label for label in row["labels"] if label != IGNORE_INDEX] == tokenizer.convert_tokens_to_ids(trained)
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_chat_trains_a_replys_first_token_that_holds_the_prompts_last_space_and_no_header_before_a_first_reply(kind):
+    """Byte-level BPE (GPT-2, Qwen2, Llama 3) and sentencepiece-like tokenizers fold the space a generation prompt ends
+    with into the reply's first token (" four"): it is the reply's. A conversation the assistant opens trains neither
+    the template's header nor its default system prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "byte-level":
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)  # as GPT-2's and Qwen2's tokenizer.json
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if kind == "byte-level" else []
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
+    backend.train_from_iterator(["zero one two three four five six seven be brief"] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = (  # a default system prompt before the first message, unless one is given
+        "{% if messages[0].role != 'system' %}<|system|> be brief <|end|> {% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    for messages in (
+        [{"role": "user", "content": "one two three"}, {"role": "assistant", "content": "four five"}],
+        [{"role": "assistant", "content": "four five"}, {"role": "user", "content": "six"}],
+    ):
+        row = chat_example(tokenizer, messages)
+        tokens = tokenizer.convert_ids_to_tokens(
+            [t for t, label in zip(row["input_ids"], row["labels"]) if label >= 0]
+        )
+        trained = [word for token in tokens if (word := token.strip("\u0120\u2581"))]  # without the space markers
+        assert trained == ["four", "five", "<|end|>"], tokens
+
+
 @pytest.mark.floor
 @pytest.mark.slow
 def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
