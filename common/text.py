@@ -9,6 +9,7 @@ import difflib
 import json
 import logging
 import math
+import re
 import reprlib
 from functools import partial
 from itertools import chain
@@ -316,7 +317,11 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
             )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
-        ids = [tokens + eos for tokens in tokenizer(texts)["input_ids"]] if texts else []
+        ids = (
+            [tokens if tokens[-1:] == eos else tokens + eos for tokens in tokenizer(texts)["input_ids"]]
+            if texts
+            else []
+        )
         return {"input_ids": ids, "labels": ids}
 
     packed = DatasetDict()
@@ -405,12 +410,14 @@ def load_causal_lm(args, **model_kwargs):
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
             raise
-        attn = model_kwargs.get("attn_implementation", "sdpa")  # not installed, or a name transformers does not know
-        attn_failed = tokenizer is not None and (isinstance(err, ImportError) or "attn_impl" in str(err))
-        if attn not in ("eager", "sdpa") and attn_failed:
+        attn = model_kwargs.get("attn_implementation")  # not installed, unknown, or not the model's (Mamba's sdpa)
+        attn_failed = tokenizer is not None and (
+            isinstance(err, ImportError) or re.search("attn_impl|scaled_dot_product", str(err))
+        )
+        if attn not in (None, "eager") and attn_failed:
             raise RecipeError(
-                f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or pass "
-                "--attn_implementation sdpa"
+                f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or leave "
+                "the option out (transformers picks sdpa where the model has it, else eager)"
             ) from err
         if tokenizer is not None and args.config_overrides:  # config and tokenizer loaded: the overrides failed
             raise _overrides_error(config, args, err) from err

@@ -64,7 +64,10 @@ def parse_args(argv=None):
         default="float32",
         help="weights' dtype; keep float32 with a bf16 accelerate config for mixed precision",
     )
-    m.add_argument("--attn_implementation", default="sdpa", help="sdpa, flash_attention_2, eager, ...")
+    m.add_argument(
+        "--attn_implementation",
+        help="sdpa, flash_attention_2, eager, ... (default: transformers', sdpa where the model has it)",
+    )
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     m.add_argument("--lora_r", type="non_negative_int", help="LoRA rank; 0 trains all weights")
@@ -107,8 +110,10 @@ def load_model_and_tokenizer(args):
 
 def build_model(args, model):
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:
         try:
             from peft import LoraConfig, get_peft_model

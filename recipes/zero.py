@@ -70,7 +70,7 @@ def parse_args(argv=None):
 def build_model(args):
     """Called after make_accelerator: under ZeRO-3, transformers builds each layer straight into
     its shards (DeepSpeed's zero.Init), so a model larger than one device's memory can be created."""
-    model, tokenizer = load_causal_lm(args, dtype=torch.float32, attn_implementation="sdpa")
+    model, tokenizer = load_causal_lm(args, dtype=torch.float32)  # attention: transformers' choice, sdpa where it can
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

@@ -591,6 +591,26 @@ def test_data_files_that_are_not_files(tmp_path, tokenizer):
     assert len(data["train"]) > 0 and len(data["validation"]) > 0
 
 
+def test_a_tokenizer_that_ends_each_text_with_eos_gets_no_second_one(tmp_path, tiny_lm):
+    """A document ends with one EOS, whether the tokenizer appends it (Mistral's add_eos_token, a post-processor)
+    or the packing does."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    train = write(tmp_path / "train.jsonl", jsonl(COUNTS))
+    for appends in (False, True):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+        if appends:
+            eos = [(tokenizer.eos_token, tokenizer.eos_token_id)]
+            tokenizer._tokenizer.post_processor = TemplateProcessing(single="$A <eos>", special_tokens=eos)
+            assert tokenizer("one two")["input_ids"][-1] == tokenizer.eos_token_id
+        raw = load_raw_datasets(train_file=train, validation_file=train)
+        data = tokenize_and_pack(raw, tokenizer, data_format="text", text_column="text", block_size=7)
+        ids = [i for block in data["train"]["input_ids"] for i in block]
+        document = tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
+        assert ids[:14] == (document + [tokenizer.eos_token_id]) * 2, appends
+
+
 CONVERSATIONS = [  # (messages, the error's text)
     ("hello", "`messages` is 'hello', not a list of"),
     ([], "`messages` is [], not a list of"),
@@ -732,7 +752,30 @@ def test_an_attention_implementation_that_is_unknown_or_not_installed(tiny_lm, n
     with pytest.raises(RecipeError) as err:
         lm.load_model_and_tokenizer(args)
     assert str(err.value).startswith(f"--attn_implementation {name} cannot be used here (") and said in str(err.value)
-    assert str(err.value).endswith("; install what it needs, or pass --attn_implementation sdpa")
+    assert str(err.value).endswith(
+        "; install what it needs, or leave the option out (transformers picks sdpa where the model has it, else eager)"
+    )
+
+
+def test_a_model_without_sdpa_loads_with_the_attention_it_has_unless_sdpa_is_asked_for(tiny_lm, tmp_path):
+    """Mamba (as Bloom, GPT-Neo, MPT) has no sdpa: without --attn_implementation transformers picks what the model
+    has, in both LM recipes (zero.py has no such option); asked for sdpa, one line names the option."""
+    from transformers import AutoTokenizer, MambaConfig, MambaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    folder = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1)).save_pretrained(
+        folder
+    )
+    tokenizer.save_pretrained(folder)
+    base = ["--model_name_or_path", str(folder), "--train_file", "t.jsonl"]
+    model, _ = RECIPES["lm_finetune"].load_model_and_tokenizer(RECIPES["lm_finetune"].parse_args(base))
+    assert model.config._attn_implementation == "eager"
+    RECIPES["zero"].build_model(RECIPES["zero"].parse_args(base))
+    with pytest.raises(RecipeError, match="--attn_implementation sdpa cannot be used here .*leave the option out"):
+        RECIPES["lm_finetune"].load_model_and_tokenizer(
+            RECIPES["lm_finetune"].parse_args([*base, "--attn_implementation", "sdpa"])
+        )
 
 
 def test_lora_targets_separated_by_commas_or_spaces_are_the_same():

@@ -67,6 +67,8 @@ def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(ti
     res = results(out)
     assert res["world_size"] == 1 and res["eval_loss"] < 0.6 * eval_loss(tiny_lm["model"], tiny_lm)
     assert res["eval_loss"] == pytest.approx(eval_loss(out, tiny_lm), rel=1e-4)  # the same validation split
+    saved, given = (json.loads((folder / "config.json").read_text()) for folder in (out, tiny_lm["model"]))
+    assert saved["use_cache"] == given["use_cache"] is True  # checkpointing is training's: the model keeps its cache
 
 
 def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
