@@ -360,12 +360,15 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     from transformers import default_data_collator
 
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
-    limit = min((n for n in limits if n and n < 1_000_000_000), default=math.inf)  # what the model and tokenizer take
-    block_size = args.block_size or min(limit, 1024)
-    if block_size > limit:
+    positions, advised = (n if n and n < 1_000_000_000 else math.inf for n in limits)  # a tokenizer's: 1e30 if unset
+    block_size = args.block_size or min(positions, advised, 1024)
+    if block_size > positions:
         raise RecipeError(
-            f"--block_size {block_size} is larger than the model accepts ({limit}); pass --block_size {limit} or less"
+            f"--block_size {block_size} is larger than the model accepts ({positions}, its config's "
+            f"max_position_embeddings); pass --block_size {positions} or less"
         )
+    if block_size > advised:  # as run_clm, the model's positions decide
+        logger.warning(f"--block_size {block_size} is above the tokenizer's model_max_length ({advised})")
     with prepare_data_first(accelerator):
         raw = load_raw_datasets(
             dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,

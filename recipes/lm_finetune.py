@@ -120,7 +120,16 @@ def build_model(args, model):
         except ImportError as err:
             raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'") from err
         targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        head = model.get_output_embeddings()  # all-linear leaves it out: it is tied to the embeddings in many models
+        linear = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
+            }
+        )
         try:
             model = get_peft_model(
                 model,

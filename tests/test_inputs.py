@@ -23,7 +23,7 @@ from PIL import Image
 
 from common import vision
 from common.runtime import RecipeError
-from common.text import chat_example, data_sources, load_raw_datasets, tokenize_and_pack
+from common.text import chat_example, data_sources, lm_dataloaders, load_raw_datasets, tokenize_and_pack
 
 RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
 BASE = {  # the least each recipe's parser needs; paths are not read at parse time
@@ -778,6 +778,25 @@ def test_a_model_without_sdpa_loads_with_the_attention_it_has_unless_sdpa_is_ask
         )
 
 
+def test_a_block_size_above_the_tokenizers_limit_but_within_the_models_positions_is_said_not_refused(
+    tiny_lm, tmp_path, caplog
+):
+    """As run_clm: the model's max_position_embeddings is the limit; a tokenizer saved with a smaller model_max_length
+    gets a warning naming it."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"], model_max_length=16)
+    lm = RECIPES["lm_finetune"]
+    base = ["--model_name_or_path", str(tiny_lm["model"]), "--train_file", str(tiny_lm["train"])]
+    args = lm.parse_args([*base, "--validation_file", str(tiny_lm["validation"]), "--block_size", "32"])
+    with caplog.at_level("WARNING"):
+        block_size = lm_dataloaders(
+            args, Accelerator(cpu=True), tokenizer, AutoConfig.from_pretrained(tiny_lm["model"])
+        )[2]
+    assert block_size == 32 and "--block_size 32 is above the tokenizer's model_max_length (16)" in caplog.text
+
+
 def test_lora_targets_separated_by_commas_or_spaces_are_the_same():
     lm = RECIPES["lm_finetune"]
     for targets in (["q_proj,v_proj"], ["q_proj", "v_proj"], ["q_proj,", "v_proj"]):
@@ -804,8 +823,23 @@ def test_lora_targets_that_the_model_lacks(tiny_lm):
         with pytest.raises(RecipeError) as err:
             lm.build_model(args, model)
         assert f"--lora_target_modules {' '.join(targets)}: {found}" in str(err.value)
-        layers = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+        layers = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"  # the output head is all-linear's too
         assert f"name its linear layers ({layers}) or pass all-linear" in str(err.value)
+
+
+def test_lora_targets_a_gpt2_lacks_are_named_with_its_conv1d_layers(tiny_lm, tmp_path):
+    """GPT-2's linear layers are transformers' Conv1D, which LoRA wraps as well."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    lm = RECIPES["lm_finetune"]
+    base = ["--model_name_or_path", str(tmp_path / "gpt2"), "--train_file", "t.jsonl", "--lora_r", "4"]
+    args = lm.parse_args([*base, "--lora_target_modules", "q_proj"])
+    with pytest.raises(RecipeError, match=r"name its linear layers \(c_attn, c_fc, c_proj\) or pass all-linear"):
+        lm.build_model(args, lm.load_model_and_tokenizer(args)[0])
 
 
 @pytest.fixture

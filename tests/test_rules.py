@@ -503,7 +503,8 @@ def test_a_mistake_every_process_meets_is_one_line_and_exit_2_whichever_process_
         proc = run(cmd, env=user_env(), check=False, timeout=180)
         said = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "preempted:", "stopped:"))]
         assert proc.returncode == 2 and said == [
-            "error: --block_size 65 is larger than the model accepts (64); pass --block_size 64 or less"
+            "error: --block_size 65 is larger than the model accepts (64, its config's max_position_embeddings); "
+            "pass --block_size 64 or less"
         ], proc.stderr[-3000:]
 
 
