@@ -287,10 +287,13 @@ def _check_warmup(parser, args) -> None:
         )
 
 
-def training_parser(recipe: str, description: str) -> ArgumentParser:
-    """The shared arguments; `recipe` is the name checkpoints record (a copy renamed train.py still resumes them)."""
+def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
+    """The shared arguments; `recipe` is the name checkpoints record (a copy renamed train.py still resumes them),
+    `doc` the recipe's docstring, whose first line describes it."""
     p = ArgumentParser(
-        description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=(doc or recipe).strip().split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():

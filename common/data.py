@@ -173,7 +173,8 @@ def _bytes(value) -> bytes:
         return b"".join(_bytes(value[k]) for k in sorted(value))
     if isinstance(value, (tuple, list)):
         return b"".join(map(_bytes, value))
-    value = value.numpy(force=True) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):  # its bytes, of any dtype (numpy has no bfloat16)
+        value = value.detach().cpu().reshape(-1).view(torch.uint8).numpy()
     return value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()
 
 

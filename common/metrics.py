@@ -251,6 +251,7 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
     }
     path = Path(args.output_dir) / "results.json"  # the folder OutputDir claimed
     if accelerator.is_main_process:
-        write_json(path, json.loads(json.dumps(record, default=str), parse_constant=lambda nan: None))
+        number = lambda v: v.tolist() if hasattr(v, "tolist") else str(v)  # noqa: E731  a tensor's or numpy's
+        write_json(path, json.loads(json.dumps(record, default=number), parse_constant=lambda nan: None))
     accelerator.wait_for_everyone()
     return path

@@ -39,6 +39,7 @@ LOST_PEERS = (
     "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
 )
 PEER_GONE = re.compile(r"(gloo|NCCL).*(Connection (closed|reset) by peer|remote process exited)", re.S)
+
 CPU_FIX = (
     "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
     "(accelerate_configs/cpu.yaml)"
@@ -308,7 +309,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
                 log_with=None if args.report_to == "none" else args.report_to,
                 project_dir=args.output_dir,
-                kwargs_handlers=[InitProcessGroupKwargs(**group)],
+                kwargs_handlers=[InitProcessGroupKwargs(**group), *kwargs.pop("kwargs_handlers", [])],  # and a copy's
                 **kwargs,
             )
     except Exception as err:
@@ -440,7 +441,8 @@ def _started_by_accelerate_launch(expected: int) -> bool:
         if expected == 1 and asked and asked > 1:
             raise RecipeError(
                 f"accelerate launch {'--num_processes' if given.num_processes else 'with num_processes:'} {asked} "
-                f"started one process: it starts several only with {why}; {CPU_FIX}"
+                f"started one process: it starts several only with {why}; on a host without GPUs pass --multi_gpu "
+                "with ACCELERATE_USE_CPU=true exported (it starts the processes on the CPU), or use ./launch.sh"
             )
     return True
 
@@ -492,11 +494,18 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             same_on_every_rank=False,
         )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
+        formed = f"a group of {accelerator.num_processes}" if kind != DistributedType.NO.value else "no group"
         raise RecipeError(
-            f"the launcher started {expected} processes but they formed a group of {accelerator.num_processes} "
-            f"(distributed type {kind}): each process would train its own copy of the model; {CPU_FIX}"
+            f"the launcher started {expected} processes but they formed {formed} (distributed type {kind}): each "
+            f"process would train its own copy of the model; {CPU_FIX}"
         )
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if parse_flag_from_env(asked) and kind != name and parse_flag_from_env("ACCELERATE_USE_CPU"):
+            raise RecipeError(  # the variable the refusal below sends users to set (launch.sh sets it for cpu.yaml)
+                f"the accelerate config asks for {name}, which Accelerate leaves out under ACCELERATE_USE_CPU=true; "
+                f"unset it: {name} runs on CPU without it (./launch.sh --config "
+                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})"
+            )
         if parse_flag_from_env(asked) and kind != name:
             raise RecipeError(
                 f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "

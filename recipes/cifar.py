@@ -54,7 +54,7 @@ HYPERPARAMETERS = dict(
 
 
 def parse_args(argv=None):
-    p = common.training_parser("cifar", __doc__.split("\n")[0])
+    p = common.training_parser("cifar", __doc__)
     p.add_argument("--dataset", choices=["cifar10", "cifar100", "imagefolder"], default="cifar10")
     p.add_argument("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
     p.add_argument("--train_dir", help="ImageFolder training images (--dataset imagefolder)")

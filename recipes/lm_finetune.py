@@ -56,7 +56,7 @@ HYPERPARAMETERS = dict(
 
 
 def parse_args(argv=None):
-    p = common.training_parser("lm_finetune", __doc__.split("\n")[0])
+    p = common.training_parser("lm_finetune", __doc__)
     m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
     m.add_argument(
         "--torch_dtype",

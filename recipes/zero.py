@@ -54,7 +54,7 @@ HYPERPARAMETERS = dict(
 
 
 def parse_args(argv=None):
-    p = common.training_parser("zero", __doc__.split("\n")[0])
+    p = common.training_parser("zero", __doc__)
     m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")

@@ -207,6 +207,37 @@ def test_seeded_transform_epoch_reaches_persistent_workers(wrap):
         assert torch.equal(from_worker, expected), epoch
 
 
+def test_the_data_fingerprint_reads_samples_of_any_dtype_and_the_bytes_it_always_read():
+    """A user's dataset of bfloat16 tensors (numpy has no such dtype) has a fingerprint; float32's is the one earlier
+    checkpoints recorded (the same bytes)."""
+    from common.data import _bytes, fingerprint
+
+    half = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2).bfloat16(), torch.arange(4))
+    assert fingerprint(half) != fingerprint(torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2)))
+    single = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
+    assert _bytes(single) == single.numpy().tobytes() and _bytes(torch.tensor(3)) == torch.tensor(3).numpy().tobytes()
+
+
+def test_the_recipe_takes_a_copys_own_handlers_and_its_metrics_as_tensors_are_numbers(tmp_path):
+    """make_accelerator(args, kwargs_handlers=[...]) adds a copy's handlers to the recipe's; a metric a copy returns as
+    a tensor or a numpy number is a number in results.json."""
+    import json
+
+    import numpy as np
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from common.metrics import write_results
+
+    args = argparse.Namespace(ddp_timeout=60, gradient_accumulation_steps=1, report_to="none", output_dir=tmp_path)
+    handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    accelerator = common.make_accelerator(args, kwargs_handlers=[handler])
+    assert accelerator.ddp_handler is handler
+    args.recipe = "t"
+    path = write_results(accelerator, args, plan(64, 1), eval_error=1 - torch.tensor(0.25), eval_np=np.float32(0.5))
+    record = json.loads(path.read_text())
+    assert record["eval_error"] == 0.75 and record["eval_np"] == 0.5
+
+
 def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -214,6 +245,11 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
         common.make_accelerator(None)
+
+
+def test_a_recipe_is_described_by_its_docstrings_first_line_or_its_name():
+    assert common.training_parser("t", "\nFirst line.\n\nMore.").description == "First line."
+    assert common.training_parser("t", None).description == "t"  # a copy without a docstring (or python -OO)
 
 
 def test_a_recipe_that_leaves_a_shared_hyperparameter_without_a_default_cannot_parse():
