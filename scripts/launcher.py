@@ -3,12 +3,13 @@
        ./launch.sh doctor [--config NAME] [--num_processes N] [--dry_run] [--timeout S]
        ./launch.sh selftest [--config NAME] [--num_processes N] [--mixed_precision no|bf16]
 
-Runs recipes/RECIPE.py under `accelerate launch` with accelerate_configs/NAME.yaml (or --config PATH.yaml, a file of
-yours): by default the one for this host's GPUs, or N CPU processes (default 2) in one gloo group, where --config
-zero2/zero3/fsdp runs DeepSpeed or FSDP2 (fp32 unless --mixed_precision bf16). --num_processes: on this node;
---max_restarts: restarts when a process fails. Other arguments go to the recipe (./launch.sh cifar --help); its exit
-code is launch.sh's. Under Slurm: one launch.sh per node, by srun (slurm/*.sbatch). doctor: GPUs, versions, an
-all-reduce's speed. selftest: the README's promises, checked on this machine with a tiny model. Environment:
+Runs recipes/RECIPE.py (or RECIPE as a .py file's path: a copy of yours) under `accelerate launch` with
+accelerate_configs/NAME.yaml (or --config PATH.yaml, a file of yours): by default the one for this host's GPUs, or N
+CPU processes (default 2) in one gloo group, where --config zero2/zero3/fsdp runs DeepSpeed or FSDP2 (fp32 unless
+--mixed_precision bf16). --num_processes: on this node; --max_restarts: restarts when a process fails. Other arguments
+go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under Slurm: one launch.sh per node, by srun
+(slurm/*.sbatch). doctor: GPUs, versions, an all-reduce's speed. selftest: the README's promises, checked on this
+machine with a tiny model. Environment:
 MASTER_PORT (one node: a free one; several: 29500, under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node;
 default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other nodes, 60), TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 (seconds to save a checkpoint when stopped, 120). SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint
@@ -203,9 +204,12 @@ def main(argv: list[str]) -> int:
         os.execv(sys.executable, [sys.executable, str(ROOT / "scripts/selftest.py"), *argv[1:]])
     recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
     recipe = argv[0].removeprefix("recipes/").removesuffix(".py")
-    if recipe not in (*recipes, "doctor"):  # also a first argument that is an option
-        die(f"unknown recipe {recipe!r} (available: {' '.join(recipes)}, doctor)")
-    script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
+    if argv[0].endswith(".py") and Path(argv[0]).is_file():  # a recipe's file: this repo's, or a copy of yours
+        script = Path(argv[0]).resolve()
+    elif recipe in (*recipes, "doctor"):
+        script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
+    else:  # also a first argument that is an option
+        die(f"unknown recipe {argv[0]!r} (available: {' '.join(recipes)}, doctor, or a recipe's .py file)")
     ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
     for word in words:
         name, eq, value = word.partition("=")

@@ -356,6 +356,12 @@ def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_ori
     )
     assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
     assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
+    # launch.sh runs the copy, with the copy's common/ (a line of its own marks it), in 2 processes
+    with open(project / "common" / "__init__.py", "a") as f:
+        f.write("\nimport sys\n\nprint('the copy of common', file=sys.stderr)\n")
+    args = digits_args(digits, tmp_path / "by_launch_sh", *FAST_MODEL, "--max_train_steps", "2")
+    proc = run([REPO / "launch.sh", "./train.py", "--num_processes", "2", *args], cwd=project)
+    assert "the copy of common" in proc.stderr and results(tmp_path / "by_launch_sh")["world_size"] == 2
 
 
 @pytest.mark.slow

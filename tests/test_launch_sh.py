@@ -230,8 +230,16 @@ SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,
 
 # (arguments, environment, the error line's text). Each must stop before anything starts.
 INVALID = [
-    (["--config", "cpu"], {}, "unknown recipe '--config' (available: cifar lm_finetune zero, doctor)"),
-    (["imagenet"], {}, "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor)"),
+    (
+        ["--config", "cpu"],
+        {},
+        "unknown recipe '--config' (available: cifar lm_finetune zero, doctor, or a recipe's .py file)",
+    ),
+    (
+        ["imagenet"],
+        {},
+        "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor, or a recipe's .py file)",
+    ),
     (["../recipes/cifar"], {}, "unknown recipe '../recipes/cifar'"),
     (["cifar", "--num_processes"], {}, "--num_processes needs a value (see ./launch.sh --help)"),
     (["cifar", "--num_processes", "--dry_run"], {}, "--num_processes needs a value"),
