@@ -279,14 +279,6 @@ def _check_timeouts(parser, args) -> None:
         )
 
 
-def _check_warmup(parser, args) -> None:
-    if args.warmup_steps and args.max_train_steps and args.warmup_steps >= args.max_train_steps:
-        parser.error(
-            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of --max_train_steps "
-            f"{args.max_train_steps}; pass fewer warmup steps"
-        )
-
-
 def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     """The shared arguments; `recipe` is the name checkpoints record (a copy renamed train.py still resumes them),
     `doc` the recipe's docstring, whose first line describes it."""
@@ -298,7 +290,11 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     p.set_defaults(recipe=recipe)
     for name, kind in TYPES.items():
         p.register("type", name, kind)
-    p.checks = [_check_warmup, _check_timeouts]
+    p.checks = [_check_timeouts]
+    p.does_nothing_unless(
+        ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant",
+        "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
+    )  # fmt: skip
     p.does_nothing_unless(
         ["--reference_batch_size"], lambda a: a.lr_scaling != "none",
         "with --lr_scaling none (no rate is scaled from it)", ", or pass --lr_scaling linear or sqrt",

@@ -13,7 +13,7 @@ from accelerate import PartialState
 from .args import LR_SCALING_RULES
 from .checkpoint import changed_settings, read_state
 from .data import fingerprint
-from .runtime import RecipeError, decide_on_main, logger
+from .runtime import RecipeError, decide_on_main, logger, one_line
 
 
 def effective_batch_size(per_device_batch_size: int, num_processes: int, gradient_accumulation_steps: int) -> int:
@@ -117,13 +117,34 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     warmup_steps = args.warmup_steps
     if warmup_steps is None:
         warmup_steps = math.ceil(args.warmup_ratio * max_train_steps)
-    return replace(
+    length = "--max_train_steps" if args.max_train_steps else f"--num_train_epochs {args.num_train_epochs}"
+    if args.warmup_steps and args.warmup_steps >= max_train_steps:
+        raise RecipeError(
+            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of the {max_train_steps} steps of "
+            f"{length}; pass fewer warmup steps"
+        )
+    if args.lr_scheduler_type == "inverse_sqrt" and not warmup_steps:  # transformers' 10,000 of its steps: ours?
+        raise RecipeError(
+            "--lr_scheduler_type inverse_sqrt decays over its warmup's length, and there is no warmup; pass "
+            "--warmup_steps or --warmup_ratio above 0"
+        )
+    if args.lr_scheduler_type == "constant":  # transformers' constant has none (constant_with_warmup has)
+        warmup_steps = 0
+    plan = replace(
         plan,
         max_train_steps=max_train_steps,
         warmup_steps=warmup_steps,
         warmup_samples=plan.walk(Position(), steps=warmup_steps)[1],
         total_samples=plan.walk(Position(), steps=max_train_steps)[1],
     )
+    try:  # transformers builds the schedule now: what it refuses (polynomial's lr_end above the rate) before training
+        plan.lr_at(0)
+    except ValueError as err:
+        raise RecipeError(
+            f"--lr_scheduler_type {args.lr_scheduler_type}: {one_line(err)}; pass another --learning_rate or "
+            "--lr_scheduler_type"
+        ) from err
+    return plan
 
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:

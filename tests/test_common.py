@@ -69,9 +69,26 @@ def test_plan_counts_optimizer_steps_per_process():
 
 
 def test_plan_max_train_steps_and_warmup():
-    p = plan(max_train_steps=50, warmup_ratio=0.1)
+    p = plan(max_train_steps=50, warmup_ratio=0.1, lr_scheduler_type="linear")
     assert p.max_train_steps == 50 and p.warmup_steps == 5
-    assert plan(max_train_steps=50, warmup_steps=7, warmup_ratio=0.1).warmup_steps == 7
+    assert plan(max_train_steps=50, warmup_steps=7, warmup_ratio=0.1, lr_scheduler_type="linear").warmup_steps == 7
+
+
+def test_plan_holds_the_schedules_warmup_to_what_the_schedule_and_the_run_have():
+    """A warmup as long as the run (its length given in steps or epochs) is refused; constant has none (its log says
+    0); inverse_sqrt without one would decay on transformers' 10,000 steps, here samples: refused; what transformers
+    refuses when it builds a schedule (polynomial's fixed lr_end above the scaled rate) is one line before training."""
+    with pytest.raises(RecipeError, match="--warmup_steps 70 leaves no step after the warmup of the 63 steps of "):
+        plan(warmup_steps=70)  # --num_train_epochs 3: 63 steps
+    with pytest.raises(RecipeError, match="of the 50 steps of --max_train_steps; pass fewer"):
+        plan(max_train_steps=50, warmup_steps=50)
+    constant = plan(max_train_steps=50, warmup_steps=5)
+    assert constant.warmup_steps == 0 and constant.lr_at(0) == constant.learning_rate
+    with pytest.raises(RecipeError, match="inverse_sqrt decays over its warmup's length, and there is no warmup"):
+        plan(lr_scheduler_type="inverse_sqrt")
+    assert plan(lr_scheduler_type="inverse_sqrt", warmup_steps=5).warmup_steps == 5
+    with pytest.raises(RecipeError, match=r"--lr_scheduler_type polynomial: lr_end \(1e-07\) must be smaller"):
+        plan(lr_scheduler_type="polynomial", learning_rate=1e-7)
 
 
 def test_plan_refuses_a_batch_larger_than_the_data():

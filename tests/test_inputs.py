@@ -75,9 +75,13 @@ SHARED = [  # arguments of common.training_parser: every recipe checks them the 
         "--dataloader_num_workers: -1 is out of range: pass a whole number at least 0",
     ),
     (["--warmup_steps", "-1"], "--warmup_steps: -1 is out of range"),
+    (
+        ["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"],
+        "--warmup_ratio would do nothing with --lr_scheduler_type constant (it has no warmup): drop it, or pass "
+        "--lr_scheduler_type constant_with_warmup",
+    ),
     (["--hang_timeout", "-1"], "--hang_timeout: -1 is out of range: pass a whole number at least 0"),
     (["--hang_timeout", "600"], "--hang_timeout 600 is not below --ddp_timeout 600: a stuck collective would fail"),
-    (["--warmup_steps", "10", "--max_train_steps", "10"], "--warmup_steps 10 leaves no step after the warmup"),
     (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
     (["--seed", str(2**32)], "below 4294967296"),
     (["--seed", "abc"], "'abc' is not a whole number"),
