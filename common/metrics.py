@@ -38,7 +38,7 @@ class TrainLog:
             if items:  # every process's sums, added once; the others add nothing, as every process must log then
                 share = items if accelerator.is_main_process else 0
                 self._added.append((torch.tensor(loss / items), share, share))
-            self._offset = self.history[-1]["train_seconds"] if self.history else 0.0
+            self._offset = state.get("train_seconds", self.history[-1]["train_seconds"] if self.history else 0.0)
         self._start = self._at = (start.step, start.seen, None)  # this run's start, its last step: (step, seen, lr)
         self._first = None  # (train_seconds, seen) after the first step
         self.train_seconds, self.data_seconds, self._waited, self._clock = 0.0, 0.0, 0.0, time.perf_counter()
@@ -68,6 +68,13 @@ class TrainLog:
         self._bar.update(1)
         if step % self.logging_steps == 0 or step >= self.plan.max_train_steps:
             self._flush()
+        if step >= self.plan.max_train_steps:  # its rate is training's: the final evaluation and save are not
+            self._bar.close()
+
+    @property
+    def seconds(self) -> float:
+        """The run's training time so far, its stopped attempts' included (a checkpoint keeps it)."""
+        return self._offset + self.train_seconds
 
     def _flush(self) -> None:
         """The loss since the last log into the history; train_seconds is read after the loss reached the host (a
@@ -81,7 +88,7 @@ class TrainLog:
             raise _diverged(step, f"the training loss became {self.train_loss}")
         record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss}
         record.update(lr=self.plan.lr_at(seen) if lr is None else lr, **self._stragglers(times))
-        self.history.append({**record, "train_seconds": round(self._offset + self.train_seconds, 4)})
+        self.history.append({**record, "train_seconds": round(self.seconds, 4)})
         self.accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
         self._bar.set_postfix(loss="n/a" if self.train_loss is None else f"{self.train_loss:.4f}")
 
@@ -138,7 +145,7 @@ class TrainLog:
         """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
         self._flush()
         self._waited = 0.0  # the next epoch's batches count their wait from 0
-        self.accelerator.log({**metrics, "epoch": epoch}, step=step)
+        self.accelerator.log({**metrics, "epoch": epoch + 1}, step=step)  # epochs done, as transformers counts
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
         logger.info(f"epoch {epoch}: step {step}, train_loss {loss}, {shown}")

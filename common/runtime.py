@@ -328,6 +328,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+        handlers=[_BelowTheBar()],
     )
     for noisy in ("torch.distributed", "torch.nn.parallel", "datasets", "httpx", "urllib3", "accelerate.checkpointing",
                   "accelerate.utils.fsdp_utils", "accelerate.accelerator"):  # fmt: skip
@@ -353,6 +354,16 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         if config.get("gradient_clipping", "auto") == "auto":
             config["gradient_clipping"] = args.max_grad_norm
     return accelerator
+
+
+class _BelowTheBar(logging.Handler):
+    """Each log line on a line of its own, below this process's progress bar (tqdm.write clears and redraws it)."""
+
+    def emit(self, record) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
 
 
 def _group() -> str:

@@ -355,32 +355,36 @@ def test_an_epoch_that_ends_mid_accumulation_drops_its_remainder_and_the_counts_
 
 def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path):
     """Stopped at step 3 of a 4-step log window and resumed: results.json's history and loss are those of a run never
-    stopped (as transformers' Trainer keeps log_history in its trainer_state.json)."""
+    stopped (as transformers' Trainer keeps log_history in its trainer_state.json), and its train_seconds count the
+    stopped attempt's steps since its last log."""
+    import time
     from types import SimpleNamespace
 
     accelerator, model = Accelerator(cpu=True), torch.nn.Linear(2, 2)
     plan = SimpleNamespace(max_train_steps=8, lr_at=lambda seen: 0.1, steps_per_epoch=8, effective_batch_size=1)
 
-    def train(log, steps, losses):
+    def train(log, steps, losses, pause=0.0):
         for step in steps:
+            time.sleep(pause)
             log.add(torch.tensor(losses[step - 1]), 1)
             log.step(step, step)
         return log
 
     losses = [float(i) for i in range(1, 9)]
     straight = train(common.TrainLog(accelerator, plan, Position(), 4), range(1, 9), losses)
-    stopped = train(common.TrainLog(accelerator, plan, Position(), 4), range(1, 4), losses)
+    stopped = train(common.TrainLog(accelerator, plan, Position(), 4), range(1, 4), losses, pause=0.1)
     stopped.check_finite(3, model)  # as save_checkpoint does, before it records the log
     (tmp_path / "checkpoint-3").mkdir()
     write_json(
         tmp_path / "checkpoint-3" / "trainer_state.json",
-        {"log_history": stopped.history, "log_window": stopped.window},
+        {"log_history": stopped.history, "log_window": stopped.window, "train_seconds": stopped.seconds},
     )
     resumed = train(
         common.TrainLog(accelerator, plan, Position(3, 0, 3, 3), 4, tmp_path / "checkpoint-3"), range(4, 9), losses
     )
     assert [h["step"] for h in resumed.history] == [h["step"] for h in straight.history] == [4, 8]
     assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history] == [2.5, 6.5]
+    assert resumed.history[0]["train_seconds"] >= stopped.seconds >= 0.3  # steps 1-3, never logged, are counted
     straight.check_finite(8, model)  # saved at the end: resumed with nothing left, its loss is the last logged
     (tmp_path / "checkpoint-8").mkdir()
     write_json(
