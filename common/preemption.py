@@ -53,7 +53,9 @@ def install_stop_handlers() -> None:
 
 
 def _record(signum, frame) -> None:
-    if os.getpid() != _owner:  # a forked DataLoader or datasets worker: the stop is the training process's
+    if os.getpid() != _owner:  # a forked worker (datasets' map): the signal does what it does to a process of its own,
+        signal.signal(signum, signal.SIG_DFL)  # so that its pool's terminate() ends it now, not once its work is done
+        os.kill(os.getpid(), signum)
         return
     _received.append(signum)
     if signum == signal.SIGINT and _received.count(signum) > 1:

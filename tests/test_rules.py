@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from accelerate import Accelerator
@@ -401,6 +402,46 @@ def test_a_stop_before_training_ends_the_process_with_75_and_nothing_half_writte
         assert not out.exists(), sorted(p.name for p in out.iterdir())
     else:  # it landed in the loop: a checkpoint of the step it stopped at
         assert f"preempted: stopped by {name} " in stderr and ckpt.resolve_checkpoint(out, "latest") is not None
+
+
+DATASETS_MAP = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import common
+
+def work(batch):
+    print("working", flush=True)
+    time.sleep(120)  # a tokenizer over a large shard
+    return batch
+
+with common.exit_codes():
+    import datasets
+    datasets.Dataset.from_dict({{"x": list(range(8))}}).map(work, batched=True, num_proc=2, load_from_cache_file=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_while_datasets_map_workers_run_ends_the_process_at_once(tmp_path):
+    """--preprocessing_num_workers: datasets' map forks workers, which inherit the stop handlers; a stop ends them
+    with the process (their pool's terminate() sends SIGTERM), not when their shard is done (or never)."""
+    script = tmp_path / "map.py"
+    script.write_text(DATASETS_MAP.format(repo=str(REPO)))
+    proc = subprocess.Popen([BIN / "python", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        assert "working" in proc.stdout.readline()
+        time.sleep(1)  # both workers at work
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert code == 75 and time.monotonic() - stopped < 20, proc.stderr.read()[-3000:]
+        assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for process in [*workers, proc]:
+            with contextlib.suppress(psutil.Error, OSError):
+                process.kill()
+        proc.wait()
 
 
 def test_a_terminal_closing_stops_a_run_unless_nohup_said_otherwise():
