@@ -80,7 +80,9 @@ def bare_accelerate(steps, accelerator):
 
 def recipe_args(steps, out):
     parser = common.training_parser("step_cost", "step cost")
-    parser.set_defaults(**load_recipe("cifar").HYPERPARAMETERS)  # the shared arguments' values, a recipe's
+    from common.args import TRAINING_HYPERPARAMETERS as shared  # the shared arguments' values, a recipe's
+
+    parser.set_defaults(**{k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k in shared})
     argv = ["--output_dir", str(out), "--per_device_train_batch_size", str(BATCH), "--max_train_steps", str(steps)]
     return parser.parse_args([*argv, "--num_train_epochs", "1000", "--logging_steps", "20"])
 

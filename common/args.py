@@ -291,8 +291,9 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     for name, kind in TYPES.items():
         p.register("type", name, kind)
     p.checks = [_check_timeouts]
+    warmup = lambda a: a.warmup_ratio if a.warmup_steps is None else a.warmup_steps  # noqa: E731  --warmup_steps wins
     p.does_nothing_unless(
-        ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant",
+        ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant" or not warmup(a),
         "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
     )  # fmt: skip
     p.does_nothing_unless(

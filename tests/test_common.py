@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 import common
 from common import RecipeError
-from common.args import public_args
+from common.args import TRAINING_HYPERPARAMETERS, public_args
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import EpochSampler, SeededTransform, epoch_batches, make_dataloader
 from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
@@ -117,9 +117,9 @@ def accelerate_state():
     return PartialState()
 
 
-def shared_defaults(parser) -> dict:
-    """cifar's HYPERPARAMETERS of the options every recipe shares (`parser`'s)."""
-    return {k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k in {a.dest for a in parser._actions}}
+def shared_defaults(parser=None) -> dict:
+    """cifar's HYPERPARAMETERS of the options every recipe shares."""
+    return {k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k in TRAINING_HYPERPARAMETERS}
 
 
 def make_checkpoint(root, step, complete=True):
