@@ -131,11 +131,12 @@ class ArgumentParser(argparse.ArgumentParser):
             near = difflib.get_close_matches(unknown[0], options, 1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             self.error(f"the recipe's HYPERPARAMETERS has {unknown[0]}, which is no option of it{hint}")
-        typed = []
+        typed, defaults = [], []
         for dest, action in options.items():
             value = getattr(namespace, dest, None)
             if dest in given or value is None or action.nargs == 0:  # a flag's default: True or False
                 continue
+            defaults.append(dest)
             values = value if isinstance(value, list) else [value]
             typed += (
                 [action.option_strings[0], *map(str, values)]
@@ -147,9 +148,8 @@ class ArgumentParser(argparse.ArgumentParser):
             checked = super().parse_known_args(typed, argparse.Namespace())[0]
         finally:
             self._checking_defaults = False
-        for dest in options:
-            if dest not in given and getattr(namespace, dest, None) is not None and options[dest].nargs != 0:
-                setattr(namespace, dest, getattr(checked, dest))
+        for dest in defaults:
+            setattr(namespace, dest, getattr(checked, dest))
 
     def does_nothing_unless(self, options, applies, why: str, fix: str = "") -> None:
         """Refuse `options` given on the command line where `applies(args)` is false (they would do nothing, `why`),

@@ -39,7 +39,6 @@ LOST_PEERS = (
     "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
 )
 PEER_GONE = re.compile(r"(gloo|NCCL).*(Connection (closed|reset) by peer|remote process exited)", re.S)
-
 CPU_FIX = (
     "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
     "(accelerate_configs/cpu.yaml)"
@@ -496,12 +495,15 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         (os.environ[n], n) for n in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if n in os.environ
     ]
     if accelerator.num_processes == 1 and "WORLD_SIZE" not in os.environ and copies and copies[0][0] != "1":
-        srun = copies[0][1].startswith("SLURM")  # srun, mpirun: N copies of the command, which nothing joins
+        (count, variable), srun = copies[0], copies[0][1].startswith("SLURM")  # N copies nothing joins
+        who, fix = (
+            ("srun", "one ./launch.sh per node: srun --ntasks-per-node=1 ./launch.sh ... (slurm/*.sbatch)")
+            if srun
+            else ("mpirun", "./launch.sh or accelerate launch on each node")
+        )
         raise RecipeError(
-            f"{'srun' if srun else 'mpirun'} started this command as {copies[0][0]} processes ({copies[0][1]}) and "
-            "none of them starts a process group: each would train its own copy of the model; start "
-            f"{'one ./launch.sh per node: srun --ntasks-per-node=1 ./launch.sh ... (slurm/*.sbatch)' if srun else ''}"
-            f"{'' if srun else './launch.sh or accelerate launch on each node'}, which start and join the processes",
+            f"{who} started this command as {count} processes ({variable}) and none of them starts a process group: "
+            f"each would train its own copy of the model; start {fix}, which start and join the processes",
             same_on_every_rank=False,
         )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
