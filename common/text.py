@@ -389,6 +389,15 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
 # Models and tokenizers ----------------------------------------------------------------------------
 
 
+def checkpoint_activations(model) -> None:
+    """--gradient_checkpointing: activations recomputed in the backward pass (transformers' activation_checkpointing,
+    named gradient_checkpointing before 5.2x); the config's use_cache stays the model's."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_causal_lm(args, **model_kwargs):
     """(model, tokenizer) as add_lm_args' arguments say. Called once the Accelerator exists: under ZeRO-3,
     transformers then creates or loads the weights straight into their shards."""

@@ -25,6 +25,7 @@ import common
 from common import RecipeError
 from common.text import (
     add_lm_args,
+    checkpoint_activations,
     evaluate_causal_lm,
     flops_per_token,
     lm_dataloaders,
@@ -110,10 +111,7 @@ def load_model_and_tokenizer(args):
 
 def build_model(args, model):
     if args.gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     if args.lora_r:
         try:
             from peft import LoraConfig, get_peft_model

@@ -28,6 +28,7 @@ import common
 from common import logger
 from common.text import (
     add_lm_args,
+    checkpoint_activations,
     evaluate_causal_lm,
     lm_dataloaders,
     load_causal_lm,
@@ -72,7 +73,7 @@ def build_model(args):
     its shards (DeepSpeed's zero.Init), so a model larger than one device's memory can be created."""
     model, tokenizer = load_causal_lm(args, dtype=torch.float32)  # attention: transformers' choice, sdpa where it can
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     return model, tokenizer
 
 
