@@ -32,9 +32,11 @@ from safetensors.torch import save_file
 from .args import public_args
 from .runtime import RecipeError, causes, decide_on_main, library_versions, logger, one_line
 
-CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # with ".tmp-" before it, a save in progress
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+RUN_FOLDER_RE = re.compile(rf"(\.tmp-|\.universal-)?{CHECKPOINT_RE.pattern}")  # or a save, a conversion in progress
 STATE_FILE, RESULTS_FILE, MODEL_FILES = "trainer_state.json", "results.json", ".model-files.json"
 HASH = "sha256"  # over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions
+MARKER_HASH = f"{STATE_FILE} {HASH}"  # the marker's own, over the rest of it (older checkpoints lack it)
 
 
 def write_json(path, data: dict) -> None:
@@ -173,6 +175,12 @@ def _share(files: dict, accelerator) -> list:
     return sorted(files, key=lambda name: (-files[name], name))[rank::world]
 
 
+def marker_digest(state: dict) -> str:
+    """The sha256 of a checkpoint's marker (trainer_state.json) less this digest, which it records (MARKER_HASH)."""
+    rest = json.dumps({k: v for k, v in state.items() if k != MARKER_HASH}, sort_keys=True, default=str)
+    return hashlib.new(HASH, rest.encode()).hexdigest()
+
+
 def _size_damage(path: Path) -> tuple:
     """(why the checkpoint at `path` is damaged or None, its files' sizes, their checksums)."""
     try:
@@ -180,6 +188,8 @@ def _size_damage(path: Path) -> tuple:
         files, digests = dict(state.get("files", {})), dict(state.get(HASH, {}))
     except (OSError, ValueError, TypeError, AttributeError) as err:
         return f"{STATE_FILE} is unreadable ({one_line(err)})", {}, {}
+    if MARKER_HASH in state and state[MARKER_HASH] != marker_digest(state):  # the position, the data's identity
+        return f"{STATE_FILE} does not match the {HASH} written with it", {}, {}
     for name, size in files.items():
         if not (path / name).is_file():
             return f"{name} is missing", files, digests
@@ -264,6 +274,7 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
     digests = {k: v for share in shares for k, v in share.items()}
     marker = {"step": step, **state, "saved_at": time.time(), "files": files, HASH: digests}
     marker["versions"] = library_versions()
+    marker[MARKER_HASH] = marker_digest(json.loads(json.dumps(marker, default=str)))  # of the form read back
     together(lambda: (write_json(tmp / STATE_FILE, marker), _install(tmp, final)), main_only=True)
     if accelerator.is_main_process:
         logger.info(f"saved checkpoint {final}")
@@ -281,26 +292,34 @@ def _install(tmp: Path, final: Path) -> None:
         remove_checkpoint(final)
         logger.info(f"replacing the earlier {final.name} with this run's")
     if final.exists():  # what remove_checkpoint left: a user's files move into tmp, the rest (names tmp has too) goes
-        for item in list(final.iterdir()):
-            if not (tmp / item.name).exists():
-                os.replace(item, tmp / item.name)
+        _move_theirs(final, tmp)
         shutil.rmtree(final)
     os.replace(tmp, final)
 
 
-def remove_checkpoint(path: Path) -> None:
+def _move_theirs(old: Path, new: Path) -> None:
+    """What is in folder `old` and not in `new` moves there, at any depth (a note in a shard folder too)."""
+    for item in list(old.iterdir()):
+        if not (new / item.name).exists():
+            os.replace(item, new / item.name)
+        elif item.is_dir() and not item.is_symlink() and (new / item.name).is_dir():
+            _move_theirs(item, new / item.name)
+
+
+def remove_checkpoint(path: Path) -> bool:
     """Delete the files the marker of `path` lists, the marker, and the folders left empty: a file someone added
-    stays, and a folder without a marker is not ours."""
+    stays, and a folder without a readable marker is not ours (False)."""
     try:
         listed = [Path(name) for name in read_state(path).get("files", {})]
     except (OSError, ValueError, TypeError, AttributeError):
-        return
+        return False
     for name in [*listed, Path(STATE_FILE)]:  # the marker last: a removal cut short leaves a damaged checkpoint
         if not name.is_absolute() and ".." not in name.parts:
             (path / name).unlink(missing_ok=True)
     for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [path]:
         with contextlib.suppress(OSError):
             folder.rmdir()
+    return True
 
 
 def saved_at(path: Path) -> float:
@@ -323,8 +342,10 @@ def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
     keep = {final, *[p for p in written if p == final or not _size_damage(p)[0]][-total_limit:]}
     for old in written[: written.index(final)]:
         if old not in keep:
-            remove_checkpoint(old)
-            logger.info(f"deleted {old} (--save_total_limit {total_limit})")
+            if remove_checkpoint(old):
+                logger.info(f"deleted {old} (--save_total_limit {total_limit})")
+            else:  # which files are a run's, its marker no longer says
+                logger.warning(f"kept {old} (--save_total_limit {total_limit}): its {STATE_FILE} is unreadable")
 
 
 # Resuming -----------------------------------------------------------------------------------------
@@ -431,7 +452,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
         if _resharded(accelerator, state):
-            _load_resharded_deepspeed(accelerator, model, Path(path), state["world_size"])
+            _load_resharded_deepspeed(accelerator, model, Path(path), state)
         else:
             accelerator.load_state(str(path))
     except Exception as err:  # a truncated file, another model's weights, a missing shard; or what this run changed
@@ -449,31 +470,32 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
     return state
 
 
-def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) -> None:
-    """A ZeRO checkpoint of another process count, which DeepSpeed refuses: the main process converts it with
-    DeepSpeed's ds_to_universal into .universal-checkpoint-<step>/ beside it (deleted once loaded), which every
+def _load_resharded_deepspeed(accelerator, engine, path: Path, state: dict) -> None:
+    """A ZeRO checkpoint of another process count or precision, which DeepSpeed refuses: the main process converts it
+    with DeepSpeed's ds_to_universal into .universal-checkpoint-<step>/ beside it (deleted once loaded), which every
     process loads with DeepSpeed's universal loader into this run's partitions."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    view = path.parent / f".universal-{path.name}"
+    view = path.parent / f".universal-{path.name}"  # removed however this ends (a stop during the conversion)
     tags = sorted(d.name for d in path.iterdir() if d.is_dir() and any(d.glob("*model_states.pt")))
-    if accelerator.is_main_process:
-        shutil.rmtree(view, ignore_errors=True)
-        view.mkdir()
-        for item in path.iterdir():  # the rest (RNG states, ...) as it is
-            if item.name not in tags:
-                (view / item.name).symlink_to(item.resolve())
-        logger.warning(
-            f"{path.name} was written by {written_by} processes, this run has {accelerator.num_processes}: "
-            "converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it"
-        )
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            for tag in tags:  # inject_missing_state: ZeRO-1/2 checkpoints lack its metadata
-                options = dict(num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True)
-                convert = dict(input_folder=str(path / tag), output_folder=str(view / tag), inject_missing_state=True)
-                ds_to_universal(Namespace(**options, **convert))
-    accelerator.wait_for_everyone()
     try:
+        if accelerator.is_main_process:
+            shutil.rmtree(view, ignore_errors=True)
+            view.mkdir()
+            for item in path.iterdir():  # the rest (RNG states, ...) as it is
+                if item.name not in tags:
+                    (view / item.name).symlink_to(item.resolve())
+            logger.warning(
+                f"{path.name} was written by {state['world_size']} processes in {state.get('mixed_precision')}, "
+                f"this run has {accelerator.num_processes} in {accelerator.mixed_precision}: "
+                "converting its ZeRO state with DeepSpeed's ds_to_universal to repartition it"
+            )
+            with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+                for tag in tags:  # inject_missing_state: ZeRO-1/2 checkpoints lack its metadata
+                    options = dict(num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True)
+                    convert = dict(input_folder=str(path / tag), output_folder=str(view / tag))
+                    ds_to_universal(Namespace(**options, **convert, inject_missing_state=True))
+        accelerator.wait_for_everyone()
         accelerator.load_state(str(view))  # as a universal one: see universal_load_if_resharded
         # DeepSpeed's ZeRO-3 universal load gives every parameter group's state one and the same `step` tensor,
         # which torch's Adam increments in place: with two groups it would count two steps a step. One each.
@@ -487,8 +509,11 @@ def _load_resharded_deepspeed(accelerator, engine, path: Path, written_by: int) 
 
 
 def _resharded(accelerator, state: dict) -> bool:
-    """Whether a checkpoint's trainer state is a ZeRO checkpoint of another process count."""
-    return accelerator.state.deepspeed_plugin is not None and state.get("world_size", 1) != accelerator.num_processes
+    """Whether a checkpoint's trainer state is a ZeRO checkpoint of another process count or mixed precision (ZeRO
+    names its optimizer files by their precision)."""
+    layout = (state.get("world_size", 1), state.get("mixed_precision", accelerator.mixed_precision))
+    ours = (accelerator.num_processes, accelerator.mixed_precision)
+    return accelerator.state.deepspeed_plugin is not None and layout != ours
 
 
 def universal_load_if_resharded(accelerator, path) -> None:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil  # accelerate's dependency
 from accelerate.utils import gather_object
 
 from .args import UNUSED
@@ -26,6 +27,7 @@ from .checkpoint import (
     HASH,
     MODEL_FILES,
     RESULTS_FILE,
+    RUN_FOLDER_RE,
     STATE_FILE,
     complete_checkpoints,
     load_checkpoint,
@@ -51,7 +53,8 @@ MODEL_NAMES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json", "generation_config.json",
     "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "fp32",
 )  # fmt: skip
-TMP_FILES = (".tmp-model", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")  # of an interrupted final save
+# of an interrupted final save (zero.py's fp32 export too), or of a ZeRO checkpoint's conversion to another layout
+TMP_FILES = (".tmp-model", ".tmp-zero-shards", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")
 
 
 class OutputDir:
@@ -73,7 +76,8 @@ class OutputDir:
                     "would become part of its input, or replace it; pass an --output_dir outside it"
                 )
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restarts > 0 and (not spec or complete_checkpoints(output_dir)):  # else as the first attempt began
+        # else as the first attempt began; decided on the main process alone (NFS shows files late)
+        if restarts > 0 and (not spec or decide_on_main(accelerator, lambda: _saved_by_this_job(output_dir))):
             logger.warning(f"restart {restarts} of this job (--max_restarts): resuming from the latest checkpoint")
             spec, overwrite = "latest", False  # the first attempt's own: it started over, or from `spec`, already
         _check_writable(output_dir)
@@ -108,6 +112,13 @@ class OutputDir:
             for name in names:
                 publish(output_dir / name)
             write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
+
+
+def _saved_by_this_job(output_dir: Path) -> bool:
+    """Whether a checkpoint in output_dir was saved since torch's agent, this process's parent through every restart,
+    started the job (not one of an earlier run's, newer than the one the job began from)."""
+    began = psutil.Process(os.getppid()).create_time()
+    return any(saved_at(path) >= began for path in complete_checkpoints(output_dir))
 
 
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
@@ -168,11 +179,7 @@ def _run_outputs(output_dir: Path) -> list:
     """What runs wrote in output_dir (its lock aside), checkpoints first: checkpoint folders (a complete one's
     marker lists its files), a save's temporary forms, results.json and the files save_model recorded."""
     names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
-    found = [
-        p
-        for p in output_dir.iterdir()
-        if p.name in names or (p.is_dir() and CHECKPOINT_RE.fullmatch(p.name.removeprefix(".tmp-")))
-    ]
+    found = [p for p in output_dir.iterdir() if p.name in names or (p.is_dir() and RUN_FOLDER_RE.fullmatch(p.name))]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
 

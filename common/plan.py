@@ -193,21 +193,25 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
     start = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["samples_seen"])
-    if args.max_train_steps is not None:  # past the length asked: it would only save these weights
-        flag, limit, enough = "--max_train_steps", args.max_train_steps, start.step
-        past = start.step > limit
+    # past the length asked: it would only save these weights. The length the checkpoint's run was given is never
+    # past: it means samples, whatever steps of other layouts took them (a resume with another batch, resumed again)
+    same_length = args.max_train_steps is not None and saved_args.get("max_train_steps") == args.max_train_steps
+    if args.max_train_steps is not None:
+        flag, limit, enough = "--max_train_steps", args.max_train_steps, start.step + 1
+        past = start.step > limit and not same_length
     else:  # the end of epoch e is epoch e+1 at sample 0
-        flag, limit, enough = "--num_train_epochs", args.num_train_epochs, start.epoch + (start.sample > 0)
+        flag, limit, enough = "--num_train_epochs", args.num_train_epochs, start.epoch + 1
         past = (start.epoch, start.sample) > (limit, 0)
     if past:
+        trained = f"{start.epoch} epoch(s){f' and {start.sample:,} samples' if start.sample else ''} trained"
         raise RecipeError(
-            f"checkpoint {resume} is at step {start.step} (epoch {start.epoch + 1}), past {flag} {limit}: there is "
-            f"nothing to train, and the run's model would become this checkpoint's; pass {flag} {enough} or more, or "
-            "an earlier checkpoint"
+            f"checkpoint {resume} is at step {start.step} ({trained}), past {flag} {limit}: there is nothing to "
+            f"train, and the run's model would become this checkpoint's; pass {flag} {enough} or more, or an earlier "
+            "checkpoint"
         )
     if args.max_train_steps is None:
         steps, samples = plan.walk(start, epochs=args.num_train_epochs)
-    elif saved_args.get("max_train_steps") == args.max_train_steps:  # the samples it meant for that run
+    elif same_length:  # the samples it meant for that run
         steps, samples = plan.walk(start, samples=state["total_samples"] - start.seen)
     else:
         steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)

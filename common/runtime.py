@@ -39,6 +39,10 @@ LOST_PEERS = (
     "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
 )
 PEER_GONE = re.compile(r"(gloo|NCCL).*(Connection (closed|reset) by peer|remote process exited)", re.S)
+NO_COMPILER = (
+    "torch.compile (--torch_compile, --dynamo_backend inductor) needs a C++ compiler for inductor's CPU code, and it "
+    "found none (or not $CXX); install g++ (apt install g++, conda install gxx), or train without compiling"
+)
 CPU_FIX = (
     "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
     "(accelerate_configs/cpu.yaml)"
@@ -244,6 +248,8 @@ def _how_it_ended(err: BaseException) -> tuple:
         return 2, "error", f"error: {os_line}", False, True
     if deepspeed_line := _deepspeed_config_error(err):
         return 2, "error", f"error: {deepspeed_line}", False, True
+    if any("InvalidCxxCompiler" in f"{type(e).__name__} {e}" for e in causes(err)):  # inductor's, at the first step
+        return 2, "error", f"error: {NO_COMPILER}", False, True
     traceback.print_exception(err)
     return 1, None, None, False, False
 
@@ -369,8 +375,9 @@ def _group() -> str:
     env = {name: os.environ.get(name, "?") for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     return (
         f"the {env['WORLD_SIZE']} processes of WORLD_SIZE={env['WORLD_SIZE']} (this one RANK={env['RANK']}) at "
-        f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}: a process that did not start or cannot reach that address, or "
-        "variables left from another job (unset them: python alone runs one process)"
+        f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}: a process still starting (a first DeepSpeed run on CPU builds "
+        "its ops), one that did not start or cannot reach that address, or variables left from another job (unset "
+        "them: python alone runs one process)"
     )
 
 
@@ -525,9 +532,12 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
                 f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"
             )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        fix = "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.deepspeed_config.get("fp16", {}).get("enabled") is True:  # it decides
+            fix = 'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file the accelerate config names'
         raise RecipeError(
-            "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; pass "
-            "--mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+            f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}"
         )
 
 

@@ -64,11 +64,14 @@ class Watchdog:
 
     def _watch(self) -> None:
         """Until the main thread stalls; then this rank's report, the line, and the exit."""
+        slow_seen = 0.0  # when a slow phase was last seen: the time it took is not the next phase's
         while True:
             time.sleep(min(5.0, self.timeout / 4))
-            idle = time.monotonic() - self.last
             phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
+            now = time.monotonic()
+            slow_seen = now if slow else slow_seen
+            idle = now - (self.last if slow else max(self.last, slow_seen))
             if idle >= (self.slow_timeout if slow else self.timeout):
                 break
         limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"

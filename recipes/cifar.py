@@ -93,10 +93,11 @@ def parse_args(argv=None):
         p.error(f"--image_size applies to --dataset imagefolder; {args.dataset} images are 32 px")
     if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
         p.error("--nesterov needs --momentum above 0; pass --no-nesterov for plain SGD")
-    if parse_flag_from_env("ACCELERATE_USE_FSDP"):  # set by accelerate launch from the config
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # the config's
         p.error(
-            "FSDP (accelerate_configs/fsdp.yaml) shards a model by its transformer layers, which an image model does "
-            "not have; train it under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml) or ZeRO (zero2.yaml)"
+            "this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards a model by its "
+            "transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps BatchNorm's statistics "
+            "apart on each process and casts the model alone to bf16"
         )
     if args.data_on_device and args.image_size > 64:
         p.error(

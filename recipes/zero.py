@@ -16,6 +16,7 @@ through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a 
 """
 
 import contextlib
+import copy
 import itertools
 import os
 import shutil
@@ -139,7 +140,9 @@ def export_fp32(accelerator, model, output_dir):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         convert_zero_checkpoint_to_fp32_state_dict(str(shards), str(target), safe_serialization=True)
-        accelerator.unwrap_model(model).config.save_pretrained(target)
+        config = copy.deepcopy(accelerator.unwrap_model(model).config)
+        config.dtype = torch.float32  # what from_pretrained loads it as (a bf16 run's config says bfloat16)
+        config.save_pretrained(target)
         shutil.rmtree(shards)
         logger.info(f"saved fp32 weights to {target}")
     accelerator.wait_for_everyone()

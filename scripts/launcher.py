@@ -16,7 +16,6 @@ default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other node
 and launch.sh exits 75 (README.md, "Stopping").
 """
 
-import difflib
 import glob
 import logging
 import os
@@ -32,12 +31,10 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
-from importlib.metadata import version
 from pathlib import Path
 
-import psutil  # these three are accelerate's dependencies, and import no torch
+import psutil  # these two are accelerate's dependencies, and import no torch
 import yaml
-from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -109,18 +106,9 @@ def number(name: str, value: str | None, low: int, what: str, high: int = 999999
     return int(value) if value else None
 
 
-# accelerate's ClusterConfig fields, listed so that checking a YAML imports no torch (tests/test_launcher.py keeps
-# them equal); RETIRED_KEYS: keys older releases write (`accelerate config`), with the first release that refuses them.
-RETIRED_KEYS = {"ipex_config": "1.13"}
-CONFIG_KEYS = """command_file commands compute_environment debug deepspeed_config distributed_type downcast_bf16
-dynamo_config enable_cpu_affinity fp8_config fsdp_config gpu_ids machine_rank main_process_ip main_process_port
-main_training_function megatron_lm_config mixed_precision mpirun_config num_machines num_processes parallelism_config
-rdzv_backend same_network tpu_env tpu_name tpu_use_cluster tpu_use_sudo tpu_vm tpu_zone use_cpu""".split()
-
-
 def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
-    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, and the YAML; a key accelerate
-    does not read would do nothing, silently, and a bad value would surface as a traceback of accelerate or torch."""
+    """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, and the YAML; a bad value of
+    those launch.sh reads would surface as a traceback (what accelerate launch refuses itself, `ending` says)."""
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
@@ -128,14 +116,6 @@ def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
         die(f"{path}: not a readable YAML file ({reason}{f' at line {mark.line + 1}' if mark else ''})")
     if not isinstance(config, dict):
         die(f"{path}: not an accelerate config (a YAML mapping of keys such as distributed_type)")
-    for key in sorted(set(config) - set(CONFIG_KEYS)):
-        since, installed = RETIRED_KEYS.get(key), version("accelerate")
-        if since and Version(installed) < Version(since):
-            continue  # the accelerate installed reads it
-        if since:
-            die(f"{path}: {key} is read by accelerate < {since} only (installed: {installed}); delete it")
-        close = [f" (did you mean {match}?)" for match in difflib.get_close_matches(key, CONFIG_KEYS, n=1)]
-        die(f"{path}: {key} is not a key accelerate reads{''.join(close)}")
     deepspeed_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if deepspeed_file and not Path(deepspeed_file).is_file():
         die(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")

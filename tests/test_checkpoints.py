@@ -86,11 +86,14 @@ def damage(path, how):
         data = bytearray(file.read_bytes())
         data[-7] ^= 0xFF
         file.write_bytes(bytes(data))
+    elif how == "position altered":  # the marker itself: where a resume would start
+        marker = path / ckpt.STATE_FILE
+        marker.write_text(marker.read_text().replace('"samples_in_epoch": 6', '"samples_in_epoch": 7'))
     else:  # a folder without its marker (an old copy cut short)
         (path / ckpt.STATE_FILE).unlink()
 
 
-@pytest.mark.parametrize("how", ["truncated", "bytes altered", "no marker"])
+@pytest.mark.parametrize("how", ["truncated", "bytes altered", "position altered", "no marker"])
 def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(
     acc, tmp_path, how, caplog
 ):
@@ -113,6 +116,36 @@ def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-6"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no .tmp- or .old- folder left
+
+
+def test_a_checkpoint_replaced_keeps_a_users_file_inside_its_shard_folder(tmp_path, acc):  # acc: the logger's state
+    """DeepSpeed and FSDP checkpoints keep their shards in a folder (pytorch_model/): a note put there stays when a
+    save of the same step replaces the checkpoint, as one beside the shards does."""
+    final, tmp = tmp_path / "checkpoint-5", tmp_path / ".tmp-checkpoint-5"
+    for folder, shard in ((final, b"old"), (tmp, b"new")):
+        (folder / "pytorch_model").mkdir(parents=True)
+        (folder / "pytorch_model" / "shard.pt").write_bytes(shard)
+    ckpt.write_json(final / ckpt.STATE_FILE, {"files": {"pytorch_model/shard.pt": 3}})
+    ckpt.write_json(tmp / ckpt.STATE_FILE, {"files": {"pytorch_model/shard.pt": 3}})
+    for note in (final / "NOTES.txt", final / "pytorch_model" / "NOTES.txt"):
+        note.write_text("mine")
+    ckpt._install(tmp, final)
+    files = ["NOTES.txt", "pytorch_model/NOTES.txt", "pytorch_model/shard.pt", ckpt.STATE_FILE]
+    assert sorted(snapshot(tmp_path)) == sorted(f"checkpoint-5/{name}" for name in files)
+    assert [(final / name).read_text() for name in files[:3]] == ["mine", "mine", "new"]
+
+
+def test_the_limit_keeps_and_says_so_a_checkpoint_whose_marker_is_unreadable(acc, tmp_path, caplog):
+    """Which files of a checkpoint are a run's only its marker says: one cut short is kept, with a warning, not
+    reported deleted."""
+    out = tmp_path / "run"
+    save(acc, out, 2)
+    marker = out / "checkpoint-2" / ckpt.STATE_FILE
+    marker.write_text(marker.read_text()[:50])
+    with caplog.at_level(logging.INFO, logger="recipes"):
+        save(acc, out, 4, limit=1)
+    assert marker.is_file() and "deleted" not in caplog.text
+    assert f"kept {out / 'checkpoint-2'} (--save_total_limit 1): its trainer_state.json is unreadable" in caplog.text
 
 
 def test_the_limit_keeps_the_intact_checkpoints_written_last_and_latest_is_the_one_written_last(acc, tmp_path):
@@ -251,6 +284,15 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     resumed = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint=str(out / "checkpoint-4")))
     assert resumed.resume_from == out / "checkpoint-3"
+    outputs._RunLock.release_all()
+    # A restart of a job that began from checkpoint-4 and has saved nothing yet starts from checkpoint-4 again: the
+    # newer checkpoints and the finished run were saved before torch's agent, its parent, started the job.
+    for i, path in enumerate(ckpt.complete_checkpoints(out)):
+        state = {**ckpt.read_state(path), "saved_at": 1e9 + i}
+        ckpt.write_json(path / ckpt.STATE_FILE, {**state, ckpt.MARKER_HASH: ckpt.marker_digest(state)})
+    ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}, "finished_at": 1e9})
+    resumed = outputs.OutputDir(acc[0], options(out, resume_from_checkpoint=str(out / "checkpoint-4")))
+    assert resumed.resume_from == out / "checkpoint-4"
 
 
 def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_path, tiny_lm):
@@ -265,6 +307,9 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written)
     ckpt.write_json(out / "results.json", {"steps": 4, "versions": {}})
     (out / ".tmp-checkpoint-6").mkdir()  # a save that crashed
+    for stopped in (".universal-checkpoint-4", ".tmp-zero-shards"):  # a stopped ZeRO conversion or fp32 export
+        (out / stopped / "global_step4").mkdir(parents=True)
+        (out / stopped / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(os.urandom(64))
     # The user's own things, some named like ours but not as we name them.
     for folder in ("best-checkpoint-final", "checkpoint-best", "my-checkpoint-3", "lm_finetune"):
         (out / folder).mkdir()
@@ -274,7 +319,7 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     users = {
         k: v
         for k, v in snapshot(out).items()
-        if not k.startswith(("checkpoint-2", "checkpoint-4"))
+        if not k.startswith(("checkpoint-2", "checkpoint-4", ".universal-checkpoint-4", ".tmp-zero-shards"))
         and Path(k).name not in written
         and k not in ("results.json", ckpt.MODEL_FILES)
     }

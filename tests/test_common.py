@@ -156,12 +156,40 @@ def test_a_checkpoint_past_the_length_asked_is_refused(tmp_path, accelerate_stat
     checkpoint = make_checkpoint(tmp_path, 7)
     write_json(checkpoint / "trainer_state.json", {**state, "step": 7, "epoch": 1, "samples_in_epoch": 512,
                                                    "samples_seen": 1792})  # fmt: skip
-    with pytest.raises(RecipeError, match=r"at step 7 \(epoch 2\), past --num_train_epochs 1: there is nothing to "
-                       r"train.*; pass --num_train_epochs 2 or more, or an earlier checkpoint"):  # fmt: skip
+    with pytest.raises(RecipeError, match=r"at step 7 \(1 epoch\(s\) and 512 samples trained\), past "
+                       r"--num_train_epochs 1: there is nothing to train.*; pass --num_train_epochs 2 or more, or an "
+                       r"earlier checkpoint"):  # fmt: skip
         plan_run(args, [0] * 1400, 2, checkpoint)
+    write_json(checkpoint / "trainer_state.json", {**state, "step": 10, "epoch": 2, "samples_in_epoch": 0,
+                                                   "samples_seen": 2560})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"\(2 epoch\(s\) trained\), past --num_train_epochs 1: .*; pass "
+                       r"--num_train_epochs 3 or more"):  # fmt: skip
+        plan_run(args, [0] * 1400, 2, checkpoint)  # 2 would train nothing either
     write_json(checkpoint / "trainer_state.json", {**state, "step": 5, "epoch": 1, "samples_in_epoch": 0,
                                                    "samples_seen": 1280})  # fmt: skip
     assert plan_run(args, [0] * 1400, 2, checkpoint)[0].max_train_steps == 5
+
+
+def test_a_run_resumed_in_a_smaller_batch_resumes_again_to_the_samples_its_max_train_steps_meant(
+    tmp_path, accelerate_state
+):
+    """--max_train_steps 10 at batch 16 means 160 samples; resumed at batch 8 from step 5 it ends at step 15.
+    Resumed again from its step 12 with the same --max_train_steps, 3 steps are left, not "past 10"."""
+    parser = common.training_parser("t", "t")
+    parser.set_defaults(**shared_defaults(parser))
+    argv = ["--output_dir", str(tmp_path), "--max_train_steps", "10", "--per_device_train_batch_size", "8"]
+    args = parser.parse_args(argv)
+    plan, _ = plan_run(args, [0] * 1000, 1)
+    state = {
+        "data_fingerprint": plan.data_fingerprint, "args": public_args(args), "num_samples": 1000, "world_size": 1,
+        "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "effective_batch_size": 8,
+        "learning_rate": plan.learning_rate, "total_samples": 160, "warmup_samples": 16,
+        "step": 12, "epoch": 0, "samples_in_epoch": 136, "samples_seen": 136,
+    }  # fmt: skip
+    checkpoint = make_checkpoint(tmp_path, 12)
+    write_json(checkpoint / "trainer_state.json", state)
+    plan, start = plan_run(args, [0] * 1000, 1, checkpoint)
+    assert (start.step, plan.max_train_steps, plan.total_samples) == (12, 15, 160)
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path, accelerate_state):

@@ -390,9 +390,8 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, out, *past)],
         out,
-        "is at step 2 (epoch 1), past --max_train_steps 1: there is nothing to train, and the run's model would "
-        "become this "
-        "checkpoint's; pass --max_train_steps 2 or more, or an earlier checkpoint",
+        "trained), past --max_train_steps 1: there is nothing to train, and the run's model would become this "
+        "checkpoint's; pass --max_train_steps 3 or more, or an earlier checkpoint",
     )
     proc = run(
         [

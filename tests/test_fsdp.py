@@ -123,7 +123,8 @@ def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_pa
 @pytest.mark.slow
 def test_fsdp_trains_the_zero_recipe_too_and_the_image_recipe_is_refused_in_one_line(tiny_lm, digits, tmp_path):
     """./launch.sh zero --config fsdp on CPU: FSDP2, half the parameters a process, a save from_pretrained loads.
-    The image recipe has no transformer layers to shard: one line, exit 2, nothing written."""
+    The image recipe has no transformer layers to shard, nor is it right under ZeRO: one line, exit 2, nothing
+    written."""
     out = tmp_path / "zero"
     run([LAUNCH, "zero", "--config", "fsdp", *lm_args(tiny_lm, out, "--max_train_steps", "4")], env=cpu_env())
     res = results(out)
@@ -131,9 +132,12 @@ def test_fsdp_trains_the_zero_recipe_too_and_the_image_recipe_is_refused_in_one_
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
     images = tmp_path / "cifar"
     data = ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"]]
-    proc = run([LAUNCH, "cifar", "--config", "fsdp", *data, "--output_dir", images], env=cpu_env(), check=False)
-    assert proc.returncode == 2 and not images.exists(), proc.stderr[-2000:]
-    assert error_lines(proc.stderr) == [
-        "error: FSDP (accelerate_configs/fsdp.yaml) shards a model by its transformer layers, which an image model "
-        "does not have; train it under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml) or ZeRO (zero2.yaml)"
-    ]
+    for config in ("fsdp", "zero2"):  # ZeRO: BatchNorm statistics per process, a bf16 model fed fp32 images
+        cmd = [LAUNCH, "cifar", "--config", config, *data, "--output_dir", images]
+        proc = run(cmd, env=cpu_env(), check=False)
+        assert proc.returncode == 2 and not images.exists(), proc.stderr[-2000:]
+        assert error_lines(proc.stderr) == [
+            "error: this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards a model "
+            "by its transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps BatchNorm's "
+            "statistics apart on each process and casts the model alone to bf16"
+        ]

@@ -54,6 +54,30 @@ def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer(tmp_path):
     assert list(dog._reports()) == [0]
 
 
+def test_the_time_a_slow_save_took_is_not_counted_against_the_step_after_it(tmp_path):
+    """A save gets --ddp_timeout less the time to report; the step after it gets --hang_timeout of its own, not what
+    is left of it after the save (a save of 6 s, then a step of 2 s, --hang_timeout 4: no hang)."""
+    script = """if True:
+        import sys, time
+        from accelerate import Accelerator
+        from common.watchdog import Watchdog
+        dog = Watchdog(Accelerator(cpu=True), hang_timeout=4, ddp_timeout=100, output_dir=sys.argv[1])
+        dog.beat(1)
+        def save_checkpoint():
+            time.sleep(6)
+        def forward():
+            time.sleep(2)
+        save_checkpoint()
+        forward()
+        dog.beat(2)
+        print("no hang")
+    """
+    proc = subprocess.run(
+        [BIN / "python", "-c", script, tmp_path], cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (0, "no hang\n"), proc.stderr[-2000:]
+
+
 def launch(args, out, until=None, then=None, timeout=240, **env_extra):
     """2 CPU processes of cifar.py; `until(out)` polled, then `then(proc)`. Returns the exit code, stderr, the seconds
     from `then` to the end, and any process of the run left behind."""

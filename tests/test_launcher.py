@@ -4,7 +4,6 @@ signals (each process gets one SIGTERM, later signals wait, a stop under --max_r
 which exit code a failed or stopped launch ends with. launch.sh through real launches: tests/test_launch_sh.py."""
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -314,37 +313,3 @@ def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def test_the_config_keys_launch_sh_knows_are_the_installed_accelerates():
-    """launcher.CONFIG_KEYS is accelerate's ClusterConfig, listed so that checking a YAML imports no torch: a new
-    accelerate that reads other keys fails here first."""
-    import dataclasses
-
-    import accelerate
-    from accelerate.commands.config.config_args import ClusterConfig
-
-    installed = {f.name for f in dataclasses.fields(ClusterConfig)}
-    from packaging.version import Version
-
-    retired = {
-        key for key, since in launcher.RETIRED_KEYS.items() if Version(accelerate.__version__) >= Version(since)
-    }
-    assert set(launcher.CONFIG_KEYS) == installed - set(launcher.RETIRED_KEYS)
-    assert installed & set(launcher.RETIRED_KEYS) == set(launcher.RETIRED_KEYS) - retired
-
-
-def test_a_key_only_older_accelerates_read_is_accepted_by_them_and_refused_with_the_fix_by_newer(tmp_path, capfd):
-    """`accelerate config` of accelerate < 1.13 writes ipex_config; a newer one raises on it with a traceback."""
-    import accelerate
-
-    config = tmp_path / "old.yaml"
-    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nipex_config: {}\n")
-    if tuple(int(part) for part in accelerate.__version__.split(".")[:2]) < (1, 13):
-        assert launcher.read_config(config)[:4] == (1, 2, "MULTI_CPU", True)
-    else:
-        with pytest.raises(SystemExit):
-            launcher.read_config(config)
-        assert re.search(
-            r"old.yaml: ipex_config is read by accelerate < 1.13 only .*; delete it$", capfd.readouterr().err
-        )

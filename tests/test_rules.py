@@ -341,6 +341,47 @@ def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path,
 
 
 @pytest.mark.slow
+def test_fp16_a_deepspeed_config_file_enables_on_cpu_is_refused_naming_that_file(tiny_lm, tmp_path):
+    """A DeepSpeed JSON config's fp16 section decides the precision, whatever --mixed_precision says: fix it there."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+        )
+    )
+    env = user_env()
+    cmd = [BIN / "accelerate", "launch", "--use_deepspeed", "--deepspeed_config_file", ds, "--num_processes", "2"]
+    cmd += [
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        env["MASTER_PORT"],
+        LM,
+        *lm_args(tiny_lm, tmp_path / "r"),
+    ]
+    proc = run(cmd, env=env, check=False)
+    assert proc.returncode != 0 and error_lines(proc.stderr) == [
+        "error: mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; set "
+        'fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file the accelerate config names'
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_torch_compile_without_a_cpp_compiler_is_one_line_and_nothing_is_written(digits, tmp_path):
+    """inductor's CPU code needs a C++ compiler: without one the first step failed in a 135-line traceback."""
+    out = tmp_path / "run"
+    cmd = [BIN / "python", REPO / "recipes/cifar.py", *digits_args(digits, out, "--max_train_steps", "2")]
+    proc = run([*cmd, "--torch_compile"], env=user_env(CXX="/nonexistent/g++"), check=False, timeout=600)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "error: torch.compile (--torch_compile, --dynamo_backend inductor) needs a C++ compiler for inductor's CPU "
+        "code, and it found none (or not $CXX); install g++ (apt install g++, conda install gxx), or train without "
+        "compiling"
+    ], proc.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, change, said",
     [  # accelerate launch refuses it, Accelerate's plugin does, DeepSpeed's config model does
@@ -486,8 +527,9 @@ def test_a_process_waiting_for_a_group_that_never_forms_honours_a_stop_and_its_t
     proc = run([*cmd, "--ddp_timeout", "5"], env=env, check=False)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "error: the processes did not meet within --ddp_timeout 5 s: the 2 processes of WORLD_SIZE=2 (this one "
-        f"RANK=0) at 127.0.0.1:{port}: a process that did not start or cannot reach that address, or variables left "
-        "from another job (unset them: python alone runs one process)"
+        f"RANK=0) at 127.0.0.1:{port}: a process still starting (a first DeepSpeed run on CPU builds its ops), one "
+        "that did not start or cannot reach that address, or variables left from another job (unset them: python "
+        "alone runs one process)"
     ], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 

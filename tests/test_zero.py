@@ -92,6 +92,21 @@ def test_zero_trains_the_model_one_process_trains_and_saves_it_loadable(tiny_lm,
     assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-4)
 
 
+def test_a_zero_checkpoint_resumes_in_another_mixed_precision(tiny_lm, tmp_path):
+    """ZeRO names its optimizer files by their precision (bf16_zero_pp_rank_...): a checkpoint resumed with another
+    --mixed_precision is converted as one of another process count, and the run goes on (it failed on a file
+    that is not there, with a fix that could not work)."""
+    out = tmp_path / "run"
+    deepspeed("zero2", 2, *lm_args(tiny_lm, out, "--max_train_steps", "4", "--checkpointing_steps", "2"))
+    resume = ["--max_train_steps", "6", "--resume_from_checkpoint", out / "checkpoint-4"]
+    launch = [REPO / "launch.sh", "lm_finetune", "--config", "zero2", "--mixed_precision", "bf16"]
+    proc = run([*launch, *lm_args(tiny_lm, out, *resume)], env=cpu_env())
+    assert "checkpoint-4 was written by 2 processes in no, this run has 2 in bf16: converting" in proc.stderr
+    res = results(out)
+    assert (res["steps"], res["mixed_precision"], res["world_size"]) == (6, "bf16", 2)
+    assert not list(out.glob(".universal-*"))
+
+
 @pytest.mark.floor
 def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterrupted_run(tiny_lm, tmp_path):
     """ZeRO-3 partitions the weights and the optimizer state by process, and DeepSpeed refuses another
@@ -116,7 +131,9 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
         1,
         *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"),
     )
-    assert f"{checkpoint.name} was written by 2 processes, this run has 1: converting its ZeRO state" in proc.stderr
+    assert (
+        f"{checkpoint.name} was written by 2 processes in no, this run has 1 in no: converting its ZeRO" in proc.stderr
+    )
     assert snapshot(checkpoint) == before and not list(resumed.glob(".universal-*"))
     a, b = results(straight), results(resumed)
     assert a["effective_batch_size"] == b["effective_batch_size"] == 32 and b["world_size"] == 1
@@ -222,6 +239,15 @@ def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_an
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
     for (name, a), (_, b) in zip(gathered.state_dict().items(), fp32.state_dict().items()):
         torch.testing.assert_close(a, b, msg=name)  # trained in fp32 here, so both exports are the same weights
+
+
+def test_a_bf16_runs_fp32_export_loads_as_fp32(tiny_lm, tmp_path):
+    """--save_fp32 writes DeepSpeed's fp32 master weights; the config beside them said the run's bfloat16, so
+    from_pretrained loaded them as bf16."""
+    out = tmp_path / "run"
+    launch = [REPO / "launch.sh", "zero", "--config", "zero2", "--mixed_precision", "bf16"]
+    run([*launch, "--model_name_or_path", tiny_lm["model"], "--save_fp32", *zero_args(tiny_lm, out)], env=cpu_env())
+    assert AutoModelForCausalLM.from_pretrained(out / "fp32").dtype == torch.float32
 
 
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
