@@ -141,14 +141,14 @@ class TrainLog:
         if sums[2] > 0:
             raise _diverged(step, "the weights hold NaN or inf")
 
-    def end_epoch(self, epoch: int, step: int, metrics: dict) -> None:
+    def end_epoch(self, at, metrics: dict) -> None:
         """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
         self._flush()
         self._waited = 0.0  # the next epoch's batches count their wait from 0
-        self.accelerator.log({**metrics, "epoch": epoch + 1}, step=step)  # epochs done, as transformers counts
+        self.accelerator.log({**metrics, "epoch": self.plan.epochs(at)}, step=at.step)
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
-        logger.info(f"epoch {epoch}: step {step}, train_loss {loss}, {shown}")
+        logger.info(f"epoch {at.epoch}: step {at.step}, train_loss {loss}, {shown}")
         self._clock = time.perf_counter()
 
     def summary(self, at, tokens_per_sample: int | None = None) -> dict:
@@ -157,7 +157,6 @@ class TrainLog:
         self._bar.close()
         atexit.unregister(self._bar.close)
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
-        epoch_samples = self.plan.steps_per_epoch * self.plan.effective_batch_size  # less its remainder
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
         steady = None
@@ -165,7 +164,7 @@ class TrainLog:
             steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
         summary = {
             "steps": at.step,
-            "epochs": round(at.seen / epoch_samples, 2),
+            "epochs": round(self.plan.epochs(at), 2),
             "samples_seen": at.seen,
             "train_loss": self.train_loss,
             "samples_per_second": rate,

@@ -66,14 +66,21 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
-        for name, value in vars(args).items():  # an input folder the run reads: what it writes would become input
-            if name in ("output_dir", "resume_from_checkpoint", *UNUSED) or not isinstance(value, str):
+        for name, value in vars(args).items():  # what the run reads and where it writes, apart
+            if name in ("output_dir", "resume_from_checkpoint", *UNUSED) or not isinstance(value, str) or not value:
                 continue
-            if Path(value).is_dir() and output_dir.resolve().is_relative_to(Path(value).resolve()):
-                where = "is" if output_dir.resolve() == Path(value).resolve() else "lies inside"
+            path, out = Path(value).resolve(), output_dir.resolve()
+            if path.is_dir() and out.is_relative_to(path):
                 raise RecipeError(
-                    f"--output_dir {output_dir} {where} --{name} {value}, which the run reads: what it writes there "
-                    "would become part of its input, or replace it; pass an --output_dir outside it"
+                    f"--output_dir {output_dir} {'is' if out == path else 'lies inside'} --{name} {value}, which the "
+                    "run reads: what it writes there would become part of its input, or replace it; pass an "
+                    "--output_dir outside it"
+                )
+            if path.exists() and path.is_relative_to(out):  # an earlier run's model, say
+                raise RecipeError(
+                    f"--{name} {value} lies inside --output_dir {output_dir}, where the run saves, and which "
+                    "--overwrite_output_dir empties of runs' files: it could replace or delete what it reads; pass an "
+                    "--output_dir apart from the run's inputs"
                 )
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         # else as the first attempt began; decided on the main process alone (NFS shows files late)
@@ -208,12 +215,12 @@ def _finished(output_dir: Path) -> str | None:
     record = json.loads(results.read_text())  # a run's (_claim refused another's)
     if checkpoints and saved_at(checkpoints[-1]) > record.get("finished_at", results.stat().st_mtime):
         return None
-    steps = f", {record['steps']} steps" if "steps" in record else ""
-    further = (
-        f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]} with a larger --max_train_steps"
-        if checkpoints
-        else ""
-    )
+    steps, further = f", {record['steps']} steps" if "steps" in record else "", ""
+    if checkpoints:  # the last one may be short of the end: the steps after it would be trained again
+        step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
+        again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
+        further = f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger "
+        further += "--max_train_steps"
     return (
         f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train{further}; to start over, "
         "pass --overwrite_output_dir instead of --resume_from_checkpoint"

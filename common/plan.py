@@ -73,6 +73,17 @@ class TrainingPlan:
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.round_samples // self.gradient_accumulation_steps
 
+    def epoch_done(self, at: Position) -> bool:
+        """Whether epoch `at.epoch` has no whole step left after sample `at.sample` of its order."""
+        return self.num_samples - at.sample < self.effective_batch_size
+
+    def epochs(self, at: Position) -> float:
+        """Epochs trained at `at`, as transformers counts them: the whole ones and the share of the current one's
+        steps (one trained in several layouts is whole once no step is left in it)."""
+        if self.epoch_done(at):
+            return at.epoch + 1.0
+        return at.epoch + at.sample / (self.steps_per_epoch * self.effective_batch_size)
+
     def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
         """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
         at least `samples` trained (in whole steps), or epoch `epochs` is reached."""
@@ -104,12 +115,14 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     batch, k = args.per_device_train_batch_size, args.gradient_accumulation_steps
     rounds = num_samples // (batch * num_processes)
     if rounds < k:  # no step would train the effective batch the rate is scaled for
-        fix = f"--gradient_accumulation_steps to {rounds} or less" if rounds else "--per_device_train_batch_size"
-        fix += "" if rounds or num_processes == 1 else " or the number of processes"
+        lower = [f"--gradient_accumulation_steps to {rounds} or less"] if rounds else []
+        lower += [] if rounds or batch == 1 else ["--per_device_train_batch_size"]
+        lower += [] if rounds or num_processes == 1 else ["the number of processes"]
+        fix = f"lower {' or '.join(lower)}, or " if lower else ""
         raise RecipeError(
             f"the training set holds {num_samples} samples: {rounds} batch(es) of {batch} for each of the "
             f"{num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps {k}, so no optimizer "
-            f"step would see the effective batch the learning rate is scaled for; lower {fix}, or use more data"
+            f"step would see the effective batch the learning rate is scaled for; {fix}use more data"
         )
     lr = scale_lr(args.learning_rate, batch * num_processes * k, args.reference_batch_size, args.lr_scaling)
     plan = TrainingPlan(num_samples, batch, num_processes, k, lr, 0, 0, 0, 0, args.lr_scheduler_type)
@@ -117,12 +130,6 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     warmup_steps = args.warmup_steps
     if warmup_steps is None:
         warmup_steps = math.ceil(args.warmup_ratio * max_train_steps)
-    length = "--max_train_steps" if args.max_train_steps else f"--num_train_epochs {args.num_train_epochs}"
-    if args.warmup_steps and args.warmup_steps >= max_train_steps:
-        raise RecipeError(
-            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of the {max_train_steps} steps of "
-            f"{length}; pass fewer warmup steps"
-        )
     if args.lr_scheduler_type == "inverse_sqrt" and not warmup_steps:  # transformers' 10,000 of its steps: ours?
         raise RecipeError(
             "--lr_scheduler_type inverse_sqrt decays over its warmup's length, and there is no warmup; pass "
@@ -154,6 +161,12 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     start = Position()
     if resume is not None:
         plan, start = _resumed(args, plan, read_state(resume), resume)
+    if args.warmup_steps and plan.warmup_samples >= plan.total_samples:  # resumed: the warmup it keeps (samples)
+        length = "--max_train_steps" if args.max_train_steps else f"--num_train_epochs {args.num_train_epochs}"
+        raise RecipeError(
+            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of the {plan.max_train_steps} steps "
+            f"of {length}; pass fewer warmup steps"
+        )
     logger.info(
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
         f"accumulation = effective batch {plan.effective_batch_size}; learning rate {args.learning_rate} at batch "
@@ -216,6 +229,10 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     else:
         steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)
     plan = replace(plan, max_train_steps=start.step + steps, total_samples=start.seen + samples)
+    if not steps:  # a run stopped in its final evaluation or save, or one resumed into another folder
+        logger.info(
+            f"checkpoint {resume} is at the end of {flag} {limit}: nothing left to train, its model is the run's"
+        )
     warmup = state["warmup_samples"]  # the checkpoint's, unless --warmup_steps or --warmup_ratio changed
     if warmup != plan.warmup_samples and all(saved_args.get(k) == getattr(args, k) for k in WARMUP_ARGS):
         plan = replace(plan, warmup_samples=warmup, warmup_steps=round(warmup / plan.effective_batch_size))

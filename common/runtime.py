@@ -36,7 +36,7 @@ from .preemption import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, install_
 logger = get_logger("recipes")
 LOST_PEERS = (
     "a collective operation did not complete within --ddp_timeout: a process stalled, died, or the job was suspended "
-    "for longer; the checkpoints already saved are intact: resume with --resume_from_checkpoint latest (exit 124)"
+    "for longer; any checkpoint already saved is intact: resume with --resume_from_checkpoint latest (exit 124)"
 )
 PEER_GONE = re.compile(r"(gloo|NCCL).*(Connection (closed|reset) by peer|remote process exited)", re.S)
 NO_COMPILER = (

@@ -81,9 +81,12 @@ def _image_sets(args):
         try:
             return [CIFAR[args.dataset](args.data_dir, train=split, download=True) for split in (True, False)]
         except (OSError, RuntimeError) as err:
+            folder = Path(args.data_dir, CIFAR[args.dataset].base_folder)  # torchvision checks its files' checksums
+            where = f"is damaged or incomplete in {folder}" if folder.exists() else f"is not in {args.data_dir}"
+            hint = f" (the folder holding {folder.name})" if Path(args.data_dir).name == folder.name else ""
             raise RecipeError(
-                f"{args.dataset} is not in {args.data_dir} and could not be downloaded ({err}); download it where "
-                "there is network and pass --data_dir, or use --dataset imagefolder"
+                f"{args.dataset} {where} and could not be downloaded ({err}); download it where there is network and "
+                f"pass --data_dir{hint}, or use --dataset imagefolder"
             ) from err
     train = _image_folder("--train_dir", args.train_dir)
     if len(train.classes) < 2:
@@ -118,6 +121,9 @@ def _image_folder(flag, folder, classes=None):
         ) from err
     if skipped:
         logger.warning(f"{flag} {folder}: skipped {_tally(skipped)}, not images ({images_are})")
+    if loose := [p.name for p in Path(folder).iterdir() if not p.name.startswith(".") and not p.is_dir()]:
+        logger.warning(f"{flag} {folder}: skipped {len(loose)} file(s) outside the class folders, of no class, such "
+                       f"as {loose[0]}")  # fmt: skip
     seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
     for where in sorted({os.path.dirname(path) for path, _ in images.samples}):
         if (real := os.path.realpath(where)) in seen:
@@ -294,6 +300,9 @@ def build_model(args, num_classes: int, on_gpu: bool):
     return model if group else set_norm_layer(model, args.norm_layer, on_gpu)
 
 
+AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # Inception's and GoogLeNet's, which the models here are built without
+
+
 def new_model(name, num_classes, pretrained=False):
     """--model `name` with `num_classes` outputs: random, or (`pretrained`) its published weights and a new head."""
     if name.startswith("timm/"):
@@ -314,17 +323,20 @@ def new_model(name, num_classes, pretrained=False):
         model = torchvision.models.resnet18(num_classes=num_classes)
         model.conv1, model.maxpool = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.Identity()
         return model
-    # Inception, GoogLeNet: no auxiliary heads (a plain cross-entropy cannot take them); inputs as their weights want
+    # Inception, GoogLeNet: no auxiliary heads (AUX_HEADS: a plain cross-entropy cannot take them); inputs as their
+    # weights want
     extra = {"aux_logits": False, "init_weights": True, "transform_input": pretrained}
     extra = extra if name in ("inception_v3", "googlenet") else {}
     model = torchvision.models.get_model(name, num_classes=num_classes, **extra)
     if not pretrained:
         return model
     weights = torchvision.models.get_model_weights(name).DEFAULT
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
     try:  # as torchvision's builders read them, but as weights only: no pickled code runs
-        state = weights.get_state_dict(weights_only=True, check_hash=True)
+        state = weights.get_state_dict(weights_only=True, check_hash=True)  # torch checks a download's hash alone
+        if bad := _not_finite(state):  # a cached file damaged since
+            raise RuntimeError(f"{len(bad)} tensor(s) hold NaN or inf, such as {bad[0]}")
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # offline, damaged, pickled code
-        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
         why = "not plain weights" if isinstance(err, pickle.UnpicklingError) else one_line(err)
         state = "cannot be loaded" if os.path.isfile(path) else "are not in the cache and could not be downloaded"
         raise RecipeError(
@@ -332,11 +344,15 @@ def new_model(name, num_classes, pretrained=False):
             f"{weights.url} where there is network and put it at {path} (TORCH_HOME sets the folder), or pass "
             "--pretrained_path"
         ) from err
-    new = (*(f"{head}." for head in head_names(model)), "AuxLogits.", "aux1.", "aux2.")  # a new head, no aux ones
+    new = (*(f"{head}." for head in head_names(model)), *AUX_HEADS)  # a new head, no auxiliary ones
     missing = model.load_state_dict({k: v for k, v in state.items() if not k.startswith(new)}, strict=False)
     if unloaded := [k for k in missing.missing_keys if not k.startswith(new)] + missing.unexpected_keys:
         raise RuntimeError(f"torchvision's {weights} do not fit its {name}: {unloaded[:3]}")  # silently random else
     return model
+
+
+def _not_finite(state: dict) -> list:
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
 
 
 def head_names(model) -> list:
@@ -355,6 +371,7 @@ def load_weights(model, path, name):
         if nested := [key for key in ("state_dict", "model") if isinstance(state.get(key), dict)]:
             state = state[nested[0]]  # a training checkpoint's weights (the keys timm's load_checkpoint reads)
         state = {k.removeprefix("module."): v.detach() for k, v in state.items()}  # DDP's names; tensors only
+        state = {k: v for k, v in state.items() if not k.startswith(AUX_HEADS)}  # torchvision's Inception files'
     except Exception as err:  # safetensors', zip's and pickle's errors, a dict of other things: not weights
         why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
         raise RecipeError(
@@ -383,6 +400,11 @@ def load_weights(model, path, name):
                     f"its norm layers are {'BatchNorm' if norm == 'batch' else 'GroupNorm'}: pass --norm_layer {norm}"
                 )
         raise RecipeError(f"--pretrained_path {path}: does not fit --model {name} ({found}); {fix}")
+    if bad := _not_finite(fits):
+        raise RecipeError(
+            f"--pretrained_path {path}: {len(bad)} tensor(s) hold NaN or inf, such as {bad[0]}; pass weights of a run "
+            "that did not diverge"
+        )
     model.load_state_dict(fits, strict=False)
     new = sorted(head - fits.keys())
     logger.info(f"loaded {path}" + (f"; {', '.join(new)} new: the file's head has other classes" if new else ""))

@@ -261,8 +261,9 @@ def main(argv=None):
         if metrics is None:
             saved = out.save_checkpoint(model, plan, at, log)
             raise stop.preempted(at.step, saved, "evaluation")
-        log.end_epoch(at.epoch, at.step, metrics)
-        at.epoch, at.sample = at.epoch + 1, 0
+        log.end_epoch(at, metrics)
+        if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
+            at.epoch, at.sample = at.epoch + 1, 0
         if every == "epoch":
             out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train

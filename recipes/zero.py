@@ -18,6 +18,7 @@ through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a 
 import contextlib
 import copy
 import itertools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -61,12 +62,22 @@ def parse_args(argv=None):
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     p.set_defaults(**HYPERPARAMETERS)
+    p.does_nothing_unless(["--lr_scheduler_type"], lambda a: "scheduler" not in deepspeed_config_file(),
+                          "with a DeepSpeed config that defines its scheduler (it sets every step's rate)",
+                          ", or delete the config's scheduler")  # fmt: skip
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     if args.save_fp32 and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # set by accelerate launch
         p.error(
             "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)"
         )
     return args
+
+
+def deepspeed_config_file() -> dict:
+    """The DeepSpeed config file accelerate launch names (ACCELERATE_DEEPSPEED_CONFIG_FILE), or {}."""
+    with contextlib.suppress(KeyError, OSError, ValueError):  # a file DeepSpeed reads later says its error there
+        return json.loads(Path(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
+    return {}
 
 
 def build_model(args):
@@ -124,10 +135,9 @@ def build_optimizer(args, accelerator, model, plan):
         optimizer = DummyOptim(groups, lr=plan.learning_rate)
     else:
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)  # one kernel: CUDA and CPU
-    if "scheduler" in ds_config:
-        return optimizer, DummyScheduler(
-            optimizer, total_num_steps=plan.max_train_steps, warmup_num_steps=plan.warmup_steps
-        )
+    if "scheduler" in ds_config:  # Accelerate divides total_num_steps by the processes (steps of the whole data)
+        total = plan.max_train_steps * accelerator.num_processes  # the plan's are optimizer steps already
+        return optimizer, DummyScheduler(optimizer, total_num_steps=total, warmup_num_steps=plan.warmup_steps)
     return optimizer, None
 
 
@@ -206,8 +216,9 @@ def main(argv=None):
         if metrics is None:
             saved = out.save_checkpoint(model, plan, at, log)
             raise stop.preempted(at.step, saved, "evaluation")
-        log.end_epoch(at.epoch, at.step, metrics)
-        at.epoch, at.sample = at.epoch + 1, 0
+        log.end_epoch(at, metrics)
+        if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
+            at.epoch, at.sample = at.epoch + 1, 0
         if every == "epoch":
             out.save_checkpoint(model, plan, at, log)
     if not metrics:  # resumed from the final checkpoint: nothing left to train

@@ -29,6 +29,7 @@ from make_tiny_lm import write_tiny_lm  # noqa: E402
 # Small enough for a 2-core CI machine, large enough that a broken training shows: stock
 # torchvision ResNet-18 reaches ~0.9 on the digits in 3 epochs, chance is 0.1.
 FAST_MODEL = ["--model", "resnet18", "--per_device_train_batch_size", "32"]
+NO_NETWORK = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}  # a download fails at once
 
 
 def user_env(**extra) -> dict:

@@ -245,6 +245,16 @@ def test_checksums_are_written_and_a_changed_byte_is_found(acc, tmp_path, caplog
         ckpt.resolve_checkpoint(out, str(out / "checkpoint-4"))
 
 
+def test_a_finished_runs_last_checkpoint_short_of_its_end_is_said_as_such(acc, tmp_path):
+    """Resuming it with a larger --max_train_steps trains the steps after it again, on the longer schedule."""
+    out = tmp_path / "run"
+    save(acc, out, 4)
+    ckpt.write_json(out / "results.json", {"steps": 6, "versions": {}, "finished_at": time.time()})
+    with pytest.raises(RunFinished, match=rf"pass --resume_from_checkpoint {out / 'checkpoint-4'} \(step 4 of 6: the "
+                       r"steps after it train again\) with a larger --max_train_steps"):  # fmt: skip
+        outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest"))
+
+
 def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     save(acc, out, 4)

@@ -12,6 +12,7 @@ from accelerate.utils import set_seed
 from conftest import (
     BIN,
     FAST_MODEL,
+    NO_NETWORK,
     REPO,
     accelerate_cpu,
     digits_args,
@@ -483,7 +484,6 @@ def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digit
 # --- fine-tuning: pretrained weights, a frozen backbone, the head's learning rate; augmentation switches ---
 
 TORCHVISION_RESNET18 = "hub/checkpoints/resnet18-f37072fd.pth"  # the file torchvision's ResNet18_Weights.DEFAULT names
-NO_NETWORK = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}  # a download fails at once
 
 
 def imagenet_resnet18(seed=0):
@@ -523,6 +523,11 @@ def test_pretrained_reads_torchvisions_cache_safely_and_offline_without_it_says_
         if not name.startswith("fc."):
             torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
     assert model.fc.out_features == 10 and all(p.requires_grad for p in model.parameters())  # a new head, all trained
+
+    weights["layer3.0.conv1.weight"][0, 0, 0, 0] = float("nan")  # the cached file damaged since its download
+    torch.save(weights, cached)
+    with pytest.raises(RecipeError, match=r"cannot be loaded \(1 tensor\(s\) hold NaN or inf, such as layer3.0.conv1"):
+        vision.build_model(args, 10, on_gpu=False)  # else a loss of NaN at the first step, blamed on the rate
 
     class Code:  # a cached file that would run code when unpickled
         def __reduce__(self):

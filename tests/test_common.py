@@ -74,14 +74,10 @@ def test_plan_max_train_steps_and_warmup():
     assert plan(max_train_steps=50, warmup_steps=7, warmup_ratio=0.1, lr_scheduler_type="linear").warmup_steps == 7
 
 
-def test_plan_holds_the_schedules_warmup_to_what_the_schedule_and_the_run_have():
-    """A warmup as long as the run (its length given in steps or epochs) is refused; constant has none (its log says
-    0); inverse_sqrt without one would decay on transformers' 10,000 steps, here samples: refused; what transformers
-    refuses when it builds a schedule (polynomial's fixed lr_end above the scaled rate) is one line before training."""
-    with pytest.raises(RecipeError, match="--warmup_steps 70 leaves no step after the warmup of the 63 steps of "):
-        plan(warmup_steps=70)  # --num_train_epochs 3: 63 steps
-    with pytest.raises(RecipeError, match="of the 50 steps of --max_train_steps; pass fewer"):
-        plan(max_train_steps=50, warmup_steps=50)
+def test_plan_holds_the_schedules_warmup_to_what_the_schedule_has():
+    """Constant has no warmup (its log says 0); inverse_sqrt without one would decay on transformers' 10,000 steps,
+    here samples: refused; what transformers refuses when it builds a schedule (polynomial's fixed lr_end above the
+    scaled rate) is one line before training."""
     constant = plan(max_train_steps=50, warmup_steps=5)
     assert constant.warmup_steps == 0 and constant.lr_at(0) == constant.learning_rate
     with pytest.raises(RecipeError, match="inverse_sqrt decays over its warmup's length, and there is no warmup"):
@@ -96,6 +92,8 @@ def test_plan_refuses_a_batch_larger_than_the_data():
         plan(num_samples=63, num_processes=2)  # batch 1 may not be possible (batch norm), fewer processes is
     with pytest.raises(RecipeError, match="lower --per_device_train_batch_size, or use more data"):
         plan(num_samples=31, num_processes=1)
+    with pytest.raises(RecipeError, match="is scaled for; lower the number of processes, or use more data"):
+        plan(num_samples=1, num_processes=2, per_device_train_batch_size=1)  # a batch of 1 is not lowered
     # 21 batches per process: accumulating 22 would make every step the whole epoch, at a rate scaled for 22
     assert plan(gradient_accumulation_steps=21).steps_per_epoch == 1
     too_many = "fewer than --gradient_accumulation_steps 22, .* lower --gradient_accumulation_steps to 21 or less"
@@ -168,6 +166,46 @@ def test_a_checkpoint_past_the_length_asked_is_refused(tmp_path, accelerate_stat
     write_json(checkpoint / "trainer_state.json", {**state, "step": 5, "epoch": 1, "samples_in_epoch": 0,
                                                    "samples_seen": 1280})  # fmt: skip
     assert plan_run(args, [0] * 1400, 2, checkpoint)[0].max_train_steps == 5
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_and_a_resume_keeps_the_checkpoints_warmup(tmp_path, accelerate_state):
+    """Fresh, --warmup_steps as long as the run (in steps or epochs) is refused. Resumed in a larger batch, the run
+    keeps the checkpoint's warmup in samples: the same --warmup_steps is not re-counted in the new layout's steps
+    (10 warmup steps of batch 4 are 40 samples, 2.5 steps of batch 16 in an epoch of 6)."""
+    parser = common.training_parser("t", "t")
+    parser.set_defaults(**shared_defaults(parser))
+    base = ["--output_dir", str(tmp_path), "--lr_scaling", "none", "--lr_scheduler_type", "linear"]
+    parse = lambda *a: parser.parse_args([*base, *a])  # noqa: E731
+    with pytest.raises(RecipeError, match="--warmup_steps 70 leaves no step after the warmup of the 63 steps of "
+                       "--num_train_epochs 3; pass fewer warmup steps"):  # fmt: skip
+        plan_run(parse("--num_train_epochs", "3", "--per_device_train_batch_size", "32", "--warmup_steps", "70"),
+                 [0] * 1400, 2)  # fmt: skip
+    with pytest.raises(RecipeError, match="of the 50 steps of --max_train_steps; pass fewer"):
+        plan_run(parse("--max_train_steps", "50", "--warmup_steps", "50"), [0] * 1000, 1)
+    first = parse("--num_train_epochs", "1", "--per_device_train_batch_size", "4", "--warmup_steps", "10")
+    plan, _ = plan_run(first, [0] * 98, 1)
+    state = {
+        "data_fingerprint": plan.data_fingerprint, "args": public_args(first), "num_samples": 98, "world_size": 1,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "effective_batch_size": 4,
+        "learning_rate": plan.learning_rate, "total_samples": plan.total_samples, "warmup_samples": 40,
+        "step": 6, "epoch": 0, "samples_in_epoch": 24, "samples_seen": 24,
+    }  # fmt: skip
+    checkpoint = make_checkpoint(tmp_path, 6)
+    write_json(checkpoint / "trainer_state.json", state)
+    larger = parse("--num_train_epochs", "1", "--per_device_train_batch_size", "16", "--warmup_steps", "10")
+    plan, start = plan_run(larger, [0] * 98, 1, checkpoint)
+    assert (start.step, plan.max_train_steps, plan.warmup_samples, plan.total_samples) == (6, 10, 40, 88)
+    assert plan.lr_at(24) == pytest.approx(plan.learning_rate * 24 / 40)  # warming up where it was
+
+
+def test_epochs_count_whole_epochs_and_the_share_of_one_cut_short():
+    """An epoch is whole once no step is left in it (whatever layouts trained it); --max_train_steps cutting one
+    short leaves its share of the steps, as transformers counts."""
+    p = plan(num_samples=1000, num_processes=1)  # 31 steps of 32 an epoch, 8 samples dropped
+    assert p.epochs(Position(31, 0, 992, 992)) == 1.0 and p.epochs(Position(31, 1, 0, 992)) == 1.0
+    assert p.epochs(Position(0, 1, 980, 1980)) == 2.0  # resumed from another layout's sample 980: none left
+    assert p.epochs(Position(10, 2, 320, 2304)) == pytest.approx(2 + 10 / 31)
+    assert p.epoch_done(Position(0, 0, 969, 0)) and not p.epoch_done(Position(0, 0, 968, 0))
 
 
 def test_a_run_resumed_in_a_smaller_batch_resumes_again_to_the_samples_its_max_train_steps_meant(

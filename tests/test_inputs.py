@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, error_lines, lm_args, load_recipe, run
+from conftest import BIN, NO_NETWORK, REPO, error_lines, lm_args, load_recipe, run
 from PIL import Image
 
 from common import vision
@@ -359,6 +359,20 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
             ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
         )
     assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
+
+
+def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch, tmp_path):
+    """A DeepSpeed config's scheduler sets every step's rate: --lr_scheduler_type would do nothing."""
+    argv = ["--lr_scheduler_type", "linear"]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
+    assert RECIPES["zero"].parse_args([*BASE["zero"], *argv]).lr_scheduler_type == "linear"
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {}}}))
+    line = parse_error(capsys, "zero", argv)
+    assert "--lr_scheduler_type would do nothing with a DeepSpeed config that defines its scheduler" in line
+    assert line.endswith("drop it, or delete the config's scheduler")
+    assert RECIPES["zero"].parse_args(BASE["zero"]).lr_scheduler_type == "cosine"  # the default asks for nothing
 
 
 def test_the_values_accepted_without_asking_transformers_are_ones_the_installed_transformers_has():
@@ -988,6 +1002,12 @@ def test_a_validation_folder_is_labelled_by_the_training_classes(tmp_path, caplo
     ]  # fmt: skip
     assert f"--val_dir {val}: skipped 1 .txt, not images (" in caplog.text
     assert f"--val_dir {val} has no image of 2 class(es) (a, b)" in caplog.text
+    assert "outside the class folders" not in caplog.text
+    shutil.copy(train / "a" / "0.png", train / "stray.png")  # ImageFolder reads class folders alone
+    vision.load_images(RECIPES["cifar"].parse_args(argv))
+    assert f"--train_dir {train}: skipped 1 file(s) outside the class folders, of no class, such as stray.png" in (
+        caplog.text
+    )
     for name in ("0.png", "1.GIF"):  # a class whose files are none of them images
         (val / "d" / name).unlink()
     (val / "cafe\u0301" / "0.png").rename(val / "cafe\u0301" / "0.heic-not")
@@ -999,6 +1019,25 @@ def test_a_validation_folder_is_labelled_by_the_training_classes(tmp_path, caplo
     with pytest.raises(RecipeError) as err:
         vision.load_images(RECIPES["cifar"].parse_args(argv))
     assert f"--train_dir {train}: Found no valid file for the classes a (skipped: 1 .svg); --dataset" in str(err.value)
+
+
+def test_a_damaged_local_cifar_copy_is_said_as_damaged(tmp_path, monkeypatch):
+    """torchvision checks the files' checksums and else downloads: offline, a damaged copy is not a missing one, and
+    --data_dir at the batches folder itself names the folder holding it."""
+    from accelerate import PartialState
+
+    PartialState()
+    for key, value in NO_NETWORK.items():
+        monkeypatch.setenv(key, value)
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    (batches / "data_batch_1").write_bytes(b"not a batch")
+    for data_dir, said in ((tmp_path, f"cifar10 is damaged or incomplete in {batches} and could not be downloaded"),
+                           (batches, "pass --data_dir (the folder holding cifar-10-batches-py), or")):  # fmt: skip
+        with pytest.raises(RecipeError) as err:
+            vision.load_images(RECIPES["cifar"].parse_args(["--data_dir", str(data_dir)]))
+        assert said in str(err.value)
+    assert [p.name for p in batches.iterdir()] == ["data_batch_1"] and list(tmp_path.iterdir()) == [batches]
 
 
 def test_hidden_entries_of_an_image_folder_are_no_data(tmp_path):
@@ -1101,6 +1140,7 @@ def weight_files(tmp_path_factory):
     torch.save({"conv1.weight": _Code()}, root / "code.pt")
     torch.save([torch.zeros(3)], root / "list.pt")
     torch.save({"model": resnet18, "epoch": 3}, root / "nested.pt")  # a training checkpoint of the user's
+    torch.save({**resnet18, "layer3.0.conv1.weight": resnet18["layer3.0.conv1.weight"] / 0}, root / "nan.pt")
     group = vision.set_norm_layer(torchvision.models.resnet18(num_classes=10), "group", False).state_dict()
     save_file({k: v.contiguous() for k, v in group.items()}, root / "group.safetensors")  # --norm_layer group's
     (root / "folder.pt").mkdir()
@@ -1125,6 +1165,7 @@ def weight_files(tmp_path_factory):
         ("code.pt", "not a file of weights (not plain tensors)"),
         ("list.pt", "not a file of weights (not plain tensors)"),
         ("folder.pt", "is a directory; pass a file in it"),
+        ("nan.pt", "1 tensor(s) hold NaN or inf, such as layer3.0.conv1.weight; pass weights of a run that did not"),
         ("missing.pt", "no such file"),
     ],
 )
@@ -1178,3 +1219,19 @@ def test_pretrained_path_takes_a_ddp_state_dict_or_one_without_a_head(weight_fil
     saved = {k.removeprefix("module."): v for k, v in saved.get("model", saved).items()}
     loaded = model.state_dict()
     assert set(saved) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in saved.items())
+
+
+def test_pretrained_path_takes_torchvisions_googlenet_file_with_its_auxiliary_heads(tmp_path):
+    """torchvision's GoogLeNet and Inception files hold auxiliary heads, which the models here are built without (as
+    --pretrained drops them): the rest loads."""
+    import torch
+    import torchvision
+    from accelerate import PartialState
+
+    PartialState()
+    published = torchvision.models.googlenet(aux_logits=True, init_weights=True).state_dict()  # its file's layout
+    torch.save(published, tmp_path / "googlenet.pth")
+    args = RECIPES["cifar"].parse_args(["--model", "googlenet", "--pretrained_path", str(tmp_path / "googlenet.pth")])
+    loaded = vision.build_model(args, 10, on_gpu=False).state_dict()
+    assert any(k.startswith("aux1.") for k in published) and not any(k.startswith("aux") for k in loaded)
+    assert all(torch.equal(loaded[k], v) for k, v in published.items() if k in loaded and not k.startswith("fc."))

@@ -263,6 +263,26 @@ def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_ep
     assert b["log_history"][-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine ends where the data ends
 
 
+@pytest.mark.slow
+def test_an_epoch_checkpoint_of_a_run_that_max_train_steps_cut_short_resumes_where_it_stopped(tiny_lm, tmp_path):
+    """--checkpointing_steps epoch, --max_train_steps ending mid-epoch: the checkpoint is at the sample reached (it
+    said the next epoch, and a longer run resumed from it skipped the rest of this one), results.json and the
+    trackers count the epoch's share; resumed with a longer --max_train_steps, the run is the longer run."""
+    steps = ["--lr_scheduler_type", "constant", "--logging_steps", "1", "--checkpointing_steps", "epoch"]
+    short, longer = tmp_path / "short", tmp_path / "long"
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, short, *steps, "--max_train_steps", "3")])
+    state = json.loads((short / "checkpoint-3" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["samples_in_epoch"], state["samples_seen"]) == (0, 24, 24)
+    per_epoch = state["num_samples"] // 8  # steps an epoch
+    assert per_epoch > 6 and results(short)["epochs"] == round(3 / per_epoch, 2)
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, longer, *steps, "--max_train_steps", "6")])
+    resume = ["--max_train_steps", "6", "--resume_from_checkpoint", short / "checkpoint-3"]  # `latest`: finished
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, short, *steps, *resume)])
+    a, b = results(longer), results(short)
+    assert [h["train_loss"] for h in b["log_history"]] == pytest.approx([h["train_loss"] for h in a["log_history"]])
+    assert update_distance(short, longer, tiny_lm["model"]) < 1e-6
+
+
 def test_chat_masks_everything_but_the_assistant_reply(tiny_lm):
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
     messages = [{"role": "user", "content": "count from one two three"}, {"role": "assistant", "content": "four five"}]

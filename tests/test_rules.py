@@ -246,6 +246,20 @@ def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["cat"]
 
 
+def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(acc, tmp_path):
+    """--pretrained_path (or --model_name_or_path) in the --output_dir of a finished run, with --overwrite_output_dir:
+    the earlier run's model, which this run reads, was deleted and then reported missing."""
+    out = tmp_path / "run"
+    ckpt.save_model(acc[0], acc[1], out)
+    before = snapshot(out)
+    for name in ("pretrained_path", "model_name_or_path"):
+        args = options(out, overwrite_output_dir=True, **{name: str(out / "model.safetensors")})
+        with pytest.raises(RecipeError, match=rf"--{name} .*/run/model.safetensors lies inside --output_dir .*/run, "
+                           "where the run saves.*pass an --output_dir apart from the run's inputs"):  # fmt: skip
+            outputs.OutputDir(acc[0], args)
+        assert snapshot(out) == before
+
+
 @pytest.mark.slow
 def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(tiny_lm, tmp_path):
     model = tmp_path / "model"

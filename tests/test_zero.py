@@ -251,8 +251,11 @@ def test_a_bf16_runs_fp32_export_loads_as_fp32(tiny_lm, tmp_path):
 
 
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
-    """torch_adam: DeepSpeed's own CPU Adam is a C++ op it builds on first use (a minute in CI);
-    this test is about who drives training, not which kernel does the update."""
+    """The config's scheduler runs over the run's steps ("auto": the plan's 6, which Accelerate would have divided
+    by the 2 processes, decaying to 0 halfway). torch_adam: DeepSpeed's own CPU Adam is a C++ op it builds on first
+    use (a minute in CI); this test is about who drives training, not which kernel does the update."""
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
     config = tmp_path / "ds.json"
     config.write_text(
         json.dumps(
@@ -264,8 +267,14 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
                 "zero_optimization": {"stage": 2},
                 "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
                 "scheduler": {
-                    "type": "WarmupLR",
-                    "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3},
+                    "type": "WarmupDecayLR",
+                    "params": {
+                        "warmup_min_lr": 0,
+                        "warmup_max_lr": 3e-3,
+                        "warmup_num_steps": 3,
+                        "warmup_type": "linear",
+                        "total_num_steps": "auto",
+                    },  # fmt: skip
                 },
             }
         )
@@ -276,7 +285,9 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
     lrs = [h["lr"] for h in res["log_history"]]
     assert res["world_size"] == 2 and len(lrs) == 6
     assert res["parameters_per_process"] == [res["parameters"]] * 2  # ZeRO-2 replicates the weights
-    assert lrs[0] < lrs[1] < lrs[2] and lrs[3:] == [3e-3] * 3  # DeepSpeed's WarmupLR, not the recipe's cosine
+    schedule = WarmupDecayLR(torch.optim.SGD([torch.zeros(1)], lr=1), 6, 0, 3e-3, 3, warmup_type="linear")
+    expected = [(schedule.step(), schedule.get_last_lr()[0])[1] for _ in range(6)]  # after each step, as logged
+    assert lrs == pytest.approx(expected) and lrs[-2] > 0  # DeepSpeed's schedule, not the recipe's cosine
     assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
 
 
