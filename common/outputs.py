@@ -57,6 +57,11 @@ MODEL_NAMES = (
 TMP_FILES = (".tmp-model", ".tmp-zero-shards", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")
 
 
+# The options the recipes read files from (a copy's own: add it here), which --output_dir is kept apart from
+INPUTS = ("data_dir", "train_dir", "val_dir", "pretrained_path", "model_name_or_path", "config_name", "tokenizer_name",
+          "dataset_name", "train_file", "validation_file")  # fmt: skip
+
+
 class OutputDir:
     """--output_dir, claimed for this run before any work there, and what the run writes there. An earlier run there
     is refused unless this one continues it or passes --overwrite_output_dir; `latest` on a finished run raises
@@ -66,8 +71,8 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
-        for name, value in vars(args).items():  # what the run reads and where it writes, apart
-            if name in ("output_dir", "resume_from_checkpoint", *UNUSED) or not isinstance(value, str) or not value:
+        for name in INPUTS:  # what the run reads and where it writes, apart
+            if name in UNUSED or not isinstance(value := getattr(args, name, None), str) or not value:
                 continue
             path, out = Path(value).resolve(), output_dir.resolve()
             if path.is_dir() and out.is_relative_to(path):

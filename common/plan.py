@@ -161,11 +161,15 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     start = Position()
     if resume is not None:
         plan, start = _resumed(args, plan, read_state(resume), resume)
-    if args.warmup_steps and plan.warmup_samples >= plan.total_samples:  # resumed: the warmup it keeps (samples)
+    # resumed, the warmup it keeps (in samples; a ratio's of the checkpoint's length): all of a --warmup_ratio 1 run
+    if plan.warmup_samples > plan.total_samples or args.warmup_steps and plan.warmup_samples >= plan.total_samples:
         length = "--max_train_steps" if args.max_train_steps else f"--num_train_epochs {args.num_train_epochs}"
+        flag, fix = f"--warmup_steps {args.warmup_steps}", "fewer warmup steps"
+        if not args.warmup_steps:
+            flag = f"--warmup_ratio {args.warmup_ratio} (its {plan.warmup_samples:,} samples, of the checkpoint's run)"
+            fix = "--warmup_steps, or another --warmup_ratio, for this length"
         raise RecipeError(
-            f"--warmup_steps {args.warmup_steps} leaves no step after the warmup of the {plan.max_train_steps} steps "
-            f"of {length}; pass fewer warmup steps"
+            f"{flag} leaves no step after the warmup of the {plan.max_train_steps} steps of {length}; pass {fix}"
         )
     logger.info(
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "

@@ -196,6 +196,19 @@ def test_a_warmup_as_long_as_the_run_is_refused_and_a_resume_keeps_the_checkpoin
     plan, start = plan_run(larger, [0] * 98, 1, checkpoint)
     assert (start.step, plan.max_train_steps, plan.warmup_samples, plan.total_samples) == (6, 10, 40, 88)
     assert plan.lr_at(24) == pytest.approx(plan.learning_rate * 24 / 40)  # warming up where it was
+    # a ratio's warmup, kept from a longer run, would outlast a shorter one (a ratio of 1 fills its own run: allowed)
+    ratio = parse("--max_train_steps", "20", "--per_device_train_batch_size", "4", "--warmup_ratio", "0.5")
+    assert plan_run(ratio, [0] * 98, 1)[0].warmup_samples == 40
+    write_json(checkpoint / "trainer_state.json", {**state, "args": public_args(ratio), "total_samples": 80})
+    shorter = parse("--max_train_steps", "8", "--per_device_train_batch_size", "4", "--warmup_ratio", "0.5")
+    with pytest.raises(
+        RecipeError,
+        match=r"--warmup_ratio 0.5 \(its 40 samples, of the checkpoint's run\) leaves no "
+        r"step after the warmup of the 8 steps of --max_train_steps; pass --warmup_steps, or another",
+    ):
+        plan_run(shorter, [0] * 98, 1, checkpoint)
+    full = parse("--max_train_steps", "8", "--per_device_train_batch_size", "4", "--warmup_ratio", "1")
+    assert plan_run(full, [0] * 98, 1)[0].warmup_samples == 32  # fmt: skip
 
 
 def test_epochs_count_whole_epochs_and_the_share_of_one_cut_short():

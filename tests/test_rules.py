@@ -246,7 +246,7 @@ def test_an_output_dir_inside_an_input_folder_is_refused(acc, tmp_path):
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["cat"]
 
 
-def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(acc, tmp_path):
+def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(acc, tmp_path, monkeypatch):
     """--pretrained_path (or --model_name_or_path) in the --output_dir of a finished run, with --overwrite_output_dir:
     the earlier run's model, which this run reads, was deleted and then reported missing."""
     out = tmp_path / "run"
@@ -258,6 +258,11 @@ def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(ac
                            "where the run saves.*pass an --output_dir apart from the run's inputs"):  # fmt: skip
             outputs.OutputDir(acc[0], args)
         assert snapshot(out) == before
+    monkeypatch.chdir(
+        out
+    )  # a value that is no path but names a file there (an option's choice, the recipe's name) is no input
+    (out / "t").mkdir()  # options()'s recipe, as a tracker's folder under a run started in its --output_dir
+    outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True, report_to="t", lr_scheduler_type="t"))
 
 
 @pytest.mark.slow
