@@ -246,6 +246,9 @@ def _how_it_ended(err: BaseException) -> tuple:
         return HUNG_EXIT_CODE, None, f"stopped: {line}", False, False
     if os_line := os_error_line(err):
         return 2, "error", f"error: {os_line}", False, True
+    if auto := next((m for e in causes(err) if (m := re.search(r"`?([\w.]+)`? not found in kwargs", str(e)))), None):
+        line = f'the DeepSpeed config sets {auto[1]} to "auto", which nothing here fills; set its value in the config'
+        return 2, "error", f"error: {line}", False, True  # Accelerate's ValueError
     if deepspeed_line := _deepspeed_config_error(err):
         return 2, "error", f"error: {deepspeed_line}", False, True
     if any("InvalidCxxCompiler" in f"{type(e).__name__} {e}" for e in causes(err)):  # inductor's, at the first step
@@ -340,15 +343,22 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _cache_missing_optional_packages()
     _check_what_formed(accelerator, expected)
-    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's
-        config, k = accelerator.state.deepspeed_plugin.deepspeed_config, args.gradient_accumulation_steps
-        if config.get("gradient_accumulation_steps", "auto") not in ("auto", k):
-            raise RecipeError(
-                f"the DeepSpeed config sets gradient_accumulation_steps={config['gradient_accumulation_steps']} but "
-                f"the recipe has {k}; remove it from the config (the recipe's value is used) or pass "
-                f"--gradient_accumulation_steps {config['gradient_accumulation_steps']}"
-            )
-        config["gradient_accumulation_steps"] = k
+    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's and ours
+        config, batch = accelerator.state.deepspeed_plugin.deepspeed_config, args.per_device_train_batch_size
+        k, n = args.gradient_accumulation_steps, accelerator.num_processes
+        for key, value, flag in (  # a value the config sets is the recipe's flag's, or the two would train apart
+            ("gradient_accumulation_steps", k, "--gradient_accumulation_steps"),
+            ("train_micro_batch_size_per_gpu", batch, "--per_device_train_batch_size"),
+            ("train_batch_size", batch * n * k, f"batch ({batch} per device x {n} processes x {k} accumulation)"),
+            ("gradient_clipping", args.max_grad_norm, "--max_grad_norm"),
+        ):
+            if config.get(key, "auto") not in ("auto", value):
+                fix = f"pass {flag} {config[key]}" if flag.startswith("--") else "pass flags that make it"
+                raise RecipeError(
+                    f"the DeepSpeed config sets {key}={config[key]} but the recipe's {flag} is {value}; set it to "
+                    f'"auto" in the config (the recipe\'s value is then used), or {fix}'
+                )
+            config[key] = value
         zero = config.get("zero_optimization", {})
         if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
             raise RecipeError(  # else training runs to its end and then accelerate refuses to gather the weights
@@ -356,8 +366,6 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 "accelerate config's deepspeed_config (stage3_gather_16bit_weights_on_model_save in a DeepSpeed "
                 "config file); set it, as accelerate_configs/zero3.yaml does"
             )
-        if config.get("gradient_clipping", "auto") == "auto":
-            config["gradient_clipping"] = args.max_grad_norm
     return accelerator
 
 

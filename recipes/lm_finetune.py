@@ -169,6 +169,12 @@ def build_model(args, model):
 def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
+    deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
+    if {"optimizer", "scheduler"} & set(deepspeed):  # else DeepSpeed's refusal, or the scheduler silently unused
+        raise RecipeError(
+            "the DeepSpeed config defines an optimizer or scheduler, and this recipe trains with its own AdamW and "
+            "schedule; remove them from the config, or use recipes/zero.py, which takes them"
+        )
     set_seed(args.seed)
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 

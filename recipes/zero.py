@@ -132,6 +132,18 @@ def build_optimizer(args, accelerator, model, plan):
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
     if "optimizer" in ds_config:
+        params = ds_config["optimizer"].get("params", {})
+        ours = {
+            "weight_decay": (args.weight_decay, "--weight_decay")
+        }  # each group's, which DeepSpeed's optimizer takes
+        if "scheduler" not in ds_config:  # the recipe's schedule sets every step's rate from --learning_rate
+            ours["lr"] = (plan.learning_rate, "--learning_rate (scaled to the batch)")
+        for key, (value, flag) in ours.items():
+            if params.get(key, "auto") not in ("auto", value):
+                raise common.RecipeError(
+                    f"the DeepSpeed config sets the optimizer's {key}={params[key]} but the recipe's {flag} is "
+                    f'{value:g}, which it trains with; set it to "auto" in the config, or pass the flag'
+                )
         optimizer = DummyOptim(groups, lr=plan.learning_rate)
     else:
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)  # one kernel: CUDA and CPU

@@ -187,6 +187,41 @@ def test_a_deepspeed_config_the_recipe_cannot_honour_is_refused_before_training(
 ZERO_RECIPE = REPO / "recipes" / "zero.py"
 
 
+@pytest.mark.parametrize(
+    "recipe, config, message",
+    [
+        ("lm_finetune", {"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu=4 but the recipe's "
+         "--per_device_train_batch_size is 8; set it to \"auto\" in the config (the recipe's value is then used), or "
+         "pass --per_device_train_batch_size 4"),
+        ("lm_finetune", {"train_batch_size": 16}, "train_batch_size=16 but the recipe's batch (8 per device x 1 "
+         "processes x 1 accumulation) is 8"),
+        ("lm_finetune", {"gradient_clipping": 0.01}, "gradient_clipping=0.01 but the recipe's --max_grad_norm is 1.0"),
+        ("lm_finetune", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 3}}},
+         "defines an optimizer or scheduler, and this recipe trains with its own AdamW and schedule; remove them"),
+        ("zero", {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "torch_adam": True}}},
+         'the DeepSpeed config sets optimizer.params.betas to "auto", which nothing here fills; set its value'),
+        ("zero", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, "the DeepSpeed config "
+         "sets the optimizer's lr=0.001 but the recipe's --learning_rate (scaled to the batch) is 0.003, which it "
+         'trains with; set it to "auto" in the config, or pass the flag'),
+    ],
+)  # fmt: skip
+def test_a_deepspeed_file_at_odds_with_the_recipe_is_one_line_before_training(tiny_lm, tmp_path, recipe, config,
+                                                                              message):  # fmt: skip
+    """A value a user's DeepSpeed file sets is the recipe's flag's, or refused: the clipping, micro-batch and batch
+    were the file's or the flag's in silence (one trained what the other reported); "auto" where nothing fills it;
+    a scheduler lm_finetune would leave unused."""
+    ds = tmp_path / "ds.json"
+    auto = dict.fromkeys(["train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"], "auto")
+    ds.write_text(json.dumps({**auto, "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, **config}))
+    out = tmp_path / "run"
+    proc = deepspeed(ds, 1, *lm_args(tiny_lm, out, "--max_train_steps", "2"), recipe=REPO / f"recipes/{recipe}.py",
+                     check=False)  # fmt: skip
+    assert proc.returncode != 0
+    (line,) = error_lines(proc.stderr)
+    assert message in line, line
+    assert snapshot(out) == {}
+
+
 def zero_recipe(config, nproc, *args, check=True):
     return deepspeed(config, nproc, *args, recipe=ZERO_RECIPE, check=check)
 
