@@ -122,8 +122,9 @@ def _image_folder(flag, folder, classes=None):
     if skipped:
         logger.warning(f"{flag} {folder}: skipped {_tally(skipped)}, not images ({images_are})")
     if loose := [p.name for p in Path(folder).iterdir() if not p.name.startswith(".") and not p.is_dir()]:
-        logger.warning(f"{flag} {folder}: skipped {len(loose)} file(s) outside the class folders, of no class, such "
-                       f"as {loose[0]}")  # fmt: skip
+        logger.warning(
+            f"{flag} {folder}: skipped {len(loose)} file(s) outside the class folders, of no class, such as {loose[0]}"
+        )
     seen = {}  # each image one sample, of one class: no folder reached twice (a symbolic link to one above it)
     for where in sorted({os.path.dirname(path) for path, _ in images.samples}):
         if (real := os.path.realpath(where)) in seen:
