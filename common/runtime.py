@@ -355,8 +355,8 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             if config.get(key, "auto") not in ("auto", value):
                 fix = f"pass {flag} {config[key]}" if flag.startswith("--") else "pass flags that make it"
                 raise RecipeError(
-                    f"the DeepSpeed config sets {key}={config[key]} but the recipe's {flag} is {value}; set it to "
-                    f'"auto" in the config (the recipe\'s value is then used), or {fix}'
+                    f"the DeepSpeed config sets {key}={config[key]} but the recipe's {flag} is {value}; remove it "
+                    f'from the config or set it to "auto" (the recipe\'s value is then used), or {fix}'
                 )
             config[key] = value
         zero = config.get("zero_optimization", {})

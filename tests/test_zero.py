@@ -165,7 +165,8 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
     "config, edit, message",
     [
         ("zero2", ("  zero_stage: 2\n", "  zero_stage: 2\n  gradient_accumulation_steps: 4\n"),
-         "gradient_accumulation_steps=4 but the recipe has 1"),
+         "gradient_accumulation_steps=4 but the recipe's --gradient_accumulation_steps is 1; remove it from the "
+         "config"),
         ("zero3", ("  zero3_save_16bit_model: true\n", ""), "zero3_save_16bit_model: true"),
     ],
 )  # fmt: skip
@@ -191,8 +192,8 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
     "recipe, config, message",
     [
         ("lm_finetune", {"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu=4 but the recipe's "
-         "--per_device_train_batch_size is 8; set it to \"auto\" in the config (the recipe's value is then used), or "
-         "pass --per_device_train_batch_size 4"),
+         "--per_device_train_batch_size is 8; remove it from the config or set it to \"auto\" (the recipe's value is "
+         "then used), or pass --per_device_train_batch_size 4"),
         ("lm_finetune", {"train_batch_size": 16}, "train_batch_size=16 but the recipe's batch (8 per device x 1 "
          "processes x 1 accumulation) is 8"),
         ("lm_finetune", {"gradient_clipping": 0.01}, "gradient_clipping=0.01 but the recipe's --max_grad_norm is 1.0"),
