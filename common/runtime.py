@@ -246,9 +246,6 @@ def _how_it_ended(err: BaseException) -> tuple:
         return HUNG_EXIT_CODE, None, f"stopped: {line}", False, False
     if os_line := os_error_line(err):
         return 2, "error", f"error: {os_line}", False, True
-    if auto := next((m for e in causes(err) if (m := re.search(r"`?([\w.]+)`? not found in kwargs", str(e)))), None):
-        line = f'the DeepSpeed config sets {auto[1]} to "auto", which nothing here fills; set its value in the config'
-        return 2, "error", f"error: {line}", False, True  # Accelerate's ValueError
     if deepspeed_line := _deepspeed_config_error(err):
         return 2, "error", f"error: {deepspeed_line}", False, True
     if any("InvalidCxxCompiler" in f"{type(e).__name__} {e}" for e in causes(err)):  # inductor's, at the first step
@@ -258,7 +255,10 @@ def _how_it_ended(err: BaseException) -> tuple:
 
 
 def _deepspeed_config_error(err: BaseException) -> str | None:
-    """One line for a DeepSpeed config DeepSpeed's own models refuse (pydantic's errors, one per field), or None."""
+    """One line for a DeepSpeed config DeepSpeed's own models refuse (pydantic's errors, one per field), or with an
+    "auto" Accelerate cannot fill (its ValueError), or None."""
+    if auto := next((m for e in causes(err) if (m := re.search(r"`?([\w.]+)`? not found in kwargs", str(e)))), None):
+        return f'the DeepSpeed config sets {auto[1]} to "auto", which nothing here fills; set its value in the config'
     found = next((e for e in causes(err) if str(getattr(e, "title", "")).startswith("DeepSpeed")), None)
     if found is None or not hasattr(found, "errors"):
         return None

@@ -133,9 +133,8 @@ def build_optimizer(args, accelerator, model, plan):
     groups = common.decay_groups(model, args.weight_decay)
     if "optimizer" in ds_config:
         params = ds_config["optimizer"].get("params", {})
-        ours = {
-            "weight_decay": (args.weight_decay, "--weight_decay")
-        }  # each group's, which DeepSpeed's optimizer takes
+        # each group's weight decay, which DeepSpeed's optimizer takes
+        ours = {"weight_decay": (args.weight_decay, "--weight_decay")}
         if "scheduler" not in ds_config:  # the recipe's schedule sets every step's rate from --learning_rate
             ours["lr"] = (plan.learning_rate, "--learning_rate (scaled to the batch)")
         for key, (value, flag) in ours.items():
