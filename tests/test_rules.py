@@ -266,6 +266,34 @@ def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(ac
 
 
 @pytest.mark.slow
+def test_weights_inside_the_output_dir_through_launch_sh_are_one_line_and_left_as_they_were(digits, tmp_path):
+    """In 2 processes, with --overwrite_output_dir: refused before the folder is claimed, nothing deleted."""
+    import torchvision
+    from safetensors.torch import save_file
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in torchvision.models.resnet18().state_dict().items()}, out / "w.safetensors"
+    )
+    before = snapshot(out)
+    extra = [
+        *FAST_MODEL,
+        "--pretrained_path",
+        out / "w.safetensors",
+        "--overwrite_output_dir",
+        "--max_train_steps",
+        "1",
+    ]
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "2", *digits_args(digits, out, *extra)],
+               env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)  # fmt: skip
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"--pretrained_path {out / 'w.safetensors'} lies inside --output_dir {out}, where the run saves" in lines[0]
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
 def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(tiny_lm, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_lm["model"], model)
