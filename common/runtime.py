@@ -43,10 +43,6 @@ NO_COMPILER = (
     "torch.compile (--torch_compile, --dynamo_backend inductor) needs a C++ compiler for inductor's CPU code, and it "
     "found none (or not $CXX); install g++ (apt install g++, conda install gxx), or train without compiling"
 )
-CPU_FIX = (
-    "on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true before accelerate launch "
-    "(accelerate_configs/cpu.yaml)"
-)
 
 
 class RecipeError(Exception):
@@ -90,8 +86,7 @@ def one_line(err: BaseException) -> str:
 PATH_VARIABLES = ("TMPDIR", "HF_DATASETS_CACHE", "HF_HOME", "TORCH_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
 OS_FIXES = {
     errno.ENOENT: "check the path",
-    errno.EACCES: "give this user access to it (chmod, chown) or use another path",
-    errno.EPERM: "give this user access to it (chmod, chown) or use another path",
+    **dict.fromkeys((errno.EACCES, errno.EPERM), "give this user access to it (chmod, chown) or use another path"),
     errno.EROFS: "it is on a read-only filesystem: use a path on a writable one",
     errno.ENOSPC: "free space there or use another filesystem",
     errno.EDQUOT: "free space there (your quota) or use another filesystem",
@@ -525,7 +520,8 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         formed = f"a group of {accelerator.num_processes}" if kind != DistributedType.NO.value else "no group"
         raise RecipeError(
             f"the launcher started {expected} processes but they formed {formed} (distributed type {kind}): each "
-            f"process would train its own copy of the model; {CPU_FIX}"
+            "process would train its own copy of the model; on a host without GPUs use ./launch.sh, or export "
+            "ACCELERATE_USE_CPU=true before accelerate launch (accelerate_configs/cpu.yaml)"
         )
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if parse_flag_from_env(asked) and kind != name and parse_flag_from_env("ACCELERATE_USE_CPU"):

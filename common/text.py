@@ -60,6 +60,9 @@ def add_lm_args(parser):
     parser.checks.append(_check_lm_args)
     parser.does_nothing_unless(["--text_column"], lambda a: a.data_format == "text", "with --data_format chat (its "
                                "conversations are read from the messages column)")  # fmt: skip
+    parser.does_nothing_unless(["--config_overrides"], lambda a: a.config_name, "without --config_name (they change "
+                               "its config, not pretrained weights)", ", or pass --config_name")  # fmt: skip
+    parser.does_nothing_unless(["--dataset_config_name"], lambda a: a.dataset_name, "without --dataset_name")
     parser.does_nothing_unless(["--validation_split_percentage"], lambda a: not a.validation_file, "with "
                                "--validation_file (nothing is held out of --train_file)")  # fmt: skip
     return group
@@ -68,17 +71,10 @@ def add_lm_args(parser):
 def _check_lm_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
         parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
-    if args.config_overrides and not args.config_name:
-        parser.error(
-            "--config_overrides changes the config of --config_name (from scratch), not pretrained weights; "
-            "pass --config_name instead of --model_name_or_path, or drop the overrides"
-        )
     if args.dataset_name and (args.train_file or args.validation_file):
         parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
     if not args.dataset_name and not args.train_file:
         parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)")
-    if args.dataset_config_name and not args.dataset_name:
-        parser.error("--dataset_config_name needs --dataset_name")
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
             parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
@@ -449,8 +445,6 @@ def load_causal_lm(args, **model_kwargs):
             )
         logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
         model.resize_token_embeddings(len(tokenizer))
-    elif args.resize_token_embeddings:
-        logger.info(f"--resize_token_embeddings: the model's {vocab} embeddings hold the tokenizer's {len(tokenizer)}")
     if not causal(model):
         raise RecipeError(
             f"{flag} {source}: {type(model).__name__} lets each position see the ones after it (an encoder such as "

@@ -250,7 +250,7 @@ RECIPE_ONLY = [
         ["--dataset_name", "wikitext"],
         "pass --dataset_name or --train_file (with --validation_file), not both",
     ),
-    ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name needs --dataset_name"),
+    ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name would do nothing without --dataset_name"),
     ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
     (
         "lm_finetune",
@@ -263,7 +263,7 @@ RECIPE_ONLY = [
     (
         "lm_finetune",
         ["--config_overrides", "hidden_size=64"],
-        "--config_overrides changes the config of --config_name (from scratch), not pretrained weights",
+        "--config_overrides would do nothing without --config_name (they change its config, not pretrained weights)",
     ),
     (
         "lm_finetune",
@@ -358,7 +358,7 @@ def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
         RECIPES["zero"].parse_args(
             ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
         )
-    assert "pass --config_name instead of --model_name_or_path" in capsys.readouterr().err
+    assert "--config_overrides would do nothing without --config_name" in capsys.readouterr().err
 
 
 def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch, tmp_path):
