@@ -11,9 +11,9 @@ go to the recipe (./launch.sh cifar --help); its exit code is launch.sh's. Under
 (slurm/*.sbatch). doctor: GPUs, versions, an all-reduce's speed. selftest: the README's promises, checked on this
 machine with a tiny model. Environment:
 MASTER_PORT (one node: a free one; several: 29500, under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node;
-default: the first Slurm node), RDZV_TIMEOUT (seconds to wait for the other nodes, 60), TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-(seconds to save a checkpoint when stopped, 120). SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint
-and launch.sh exits 75 (README.md, "Stopping").
+default: the first Slurm node), NNODES and NODE_RANK (several nodes without Slurm, as torchrun), RDZV_TIMEOUT (seconds
+to wait for the other nodes, 60), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120).
+SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (README.md, "Stopping").
 """
 
 import glob
@@ -189,7 +189,8 @@ def main(argv: list[str]) -> int:
     elif recipe in (*recipes, "doctor"):
         script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
     else:  # also a first argument that is an option
-        die(f"unknown recipe {argv[0]!r} (available: {' '.join(recipes)}, doctor, or a recipe's .py file)")
+        first = "; the recipe comes first: ./launch.sh RECIPE [options]" if argv[0].startswith("-") else ""
+        die(f"unknown recipe {argv[0]!r} (available: {' '.join(recipes)}, doctor, or a recipe's .py file){first}")
     ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
     for word in words:
         name, eq, value = word.partition("=")
@@ -225,25 +226,49 @@ def main(argv: list[str]) -> int:
             die(f"unknown config {ours['--config']!r} (available: {' '.join(configs)}, or the path of a YAML file)")
     if "--help" in ours:  # the recipe's options, from one process (every process of a launch would print them)
         os.execv(sys.executable, [sys.executable, str(script), "--help"])
-    # Under Slurm: the nodes of this srun step (the batch script runs on the first node only); its head, once known.
+    # The job's nodes, this one's rank and the head node: from Slurm (one launch.sh a node, by srun; the batch script
+    # runs on the first node only), from torchrun's NNODES and NODE_RANK, or below from a multi-node config.
     nodes, rank, head = 1, 0, None
     if env("SLURM_JOB_ID"):
         nodes = number("SLURM_NNODES", env("SLURM_STEP_NUM_NODES", "SLURM_NNODES", default="1"), 1, "a node count")
         if port is None and re.fullmatch(r"[0-9]{1,12}", env("SLURM_JOB_ID")):  # the same on every node of a job
             port = 20000 + int(env("SLURM_JOB_ID")) % 10000
+        if nodes > 1 and not env("SLURM_STEP_ID"):  # in the batch script SLURM_NODEID is 0 on every node
+            die(
+                f"this Slurm job has {nodes} nodes but launch.sh runs outside srun, on one node; start one launch.sh "
+                "per node: srun --ntasks-per-node=1 ./launch.sh ... (see slurm/multi_node.sbatch)"
+            )
+        if env("SLURM_STEP_ID"):  # srun --ntasks-per-node=GPUs would start a launch.sh (a job) per GPU
+            one_a_node = f"{nodes}, one launch.sh a node (it starts the processes): use srun --ntasks-per-node=1"
+            number("SLURM_STEP_NUM_TASKS", env("SLURM_STEP_NUM_TASKS", default=str(nodes)), nodes, one_a_node, nodes)
+        if nodes > 1:
+            rank = number(
+                "SLURM_NODEID", env("SLURM_NODEID", "SLURM_PROCID", default="?"), 0, f"0 to {nodes - 1}", nodes - 1
+            )
+            head = env("MASTER_ADDR") or head_node(env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+            if not head:
+                die("no head node: SLURM_JOB_NODELIST is empty and MASTER_ADDR unset; set MASTER_ADDR")
+    elif env("NNODES", default="1") != "1":  # one launch.sh a node, by hand
+        nodes = number("NNODES", env("NNODES"), 1, "a node count")
+        rank = number("NODE_RANK", env("NODE_RANK", default="?"), 0, f"0 to {nodes - 1}", nodes - 1)
+        head = env("MASTER_ADDR") or die(f"NNODES={nodes} needs MASTER_ADDR, the head node's address (NODE_RANK 0)")
     gpus = count_gpus()
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
         num_processes = num_processes or (gpus if config == "2gpu" else None)
     config_file = Path(config) if config.endswith((".yaml", ".yml")) else CONFIGS / f"{config}.yaml"
     machines, processes, kind, use_cpu, yaml_config = read_config(config_file)
-    if nodes == 1 and machines > 1 and not (env("MASTER_ADDR") or yaml_config.get("main_process_ip")):
-        die(
-            f"{config_file}: num_machines: {machines} starts one launch.sh on each machine, and they meet at the "
-            "first one's main_process_ip (each its machine_rank), which the config lacks; add them, or use "
-            "num_machines: 1 on one machine (under Slurm launch.sh sets them)"
-        )
-    per_node = num_processes if nodes > 1 and num_processes else max((num_processes or processes) // machines, 1)
+    if nodes == 1 and machines > 1:  # a multi-node config: one launch.sh a machine, by hand
+        nodes, rank = machines, yaml_config.get("machine_rank", 0)
+        head = str(env("MASTER_ADDR") or yaml_config.get("main_process_ip") or "")
+        port = port or yaml_config.get("main_process_port")
+        if not head or type(rank) is not int or not 0 <= rank < machines:
+            die(
+                f"{config_file}: num_machines: {machines} starts one launch.sh on each machine, and they meet at the "
+                f"first one's main_process_ip, each with its machine_rank (0 to {machines - 1}); set them, or use "
+                "num_machines: 1 on one machine (under Slurm launch.sh sets them)"
+            )
+    per_node = num_processes or max(processes // machines, 1)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(config_file)]
     variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
@@ -260,17 +285,8 @@ def main(argv: list[str]) -> int:
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
-    if nodes > 1:  # read inside the srun step: in the batch script SLURM_NODEID is 0 on every node
-        if not env("SLURM_STEP_ID"):
-            die(
-                f"this Slurm job has {nodes} nodes but launch.sh runs outside srun, on one node; start one launch.sh "
-                "per node: srun --ntasks-per-node=1 ./launch.sh ... (see slurm/multi_node.sbatch)"
-            )
-        one_a_node = f"{nodes}, one launch.sh a node (it starts the processes): use srun --ntasks-per-node=1"
-        number("SLURM_STEP_NUM_TASKS", env("SLURM_STEP_NUM_TASKS", default=str(nodes)), nodes, one_a_node, nodes)
-        rank = number("SLURM_NODEID", env("SLURM_NODEID", "SLURM_PROCID", default="?"), 0, "a node's rank", nodes - 1)
+    if nodes > 1:
         port = port or 29500
-        head = env("MASTER_ADDR") or head_node(env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
         # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart
         cmd += ["--num_processes", str(per_node * nodes), "--num_machines", str(nodes), "--machine_rank", str(rank)]
         cmd += ["--main_process_ip", head, "--main_process_port", str(port), "--rdzv_backend", "c10d"]
@@ -307,10 +323,7 @@ def main(argv: list[str]) -> int:
         report = subprocess.run([sys.executable, str(script), "--report", "--num_processes", str(per_node), *rest])
         if report.returncode:
             return report.returncode
-    if nodes == 1 and machines > 1:  # a multi-node config, one launch.sh a node by hand: the config's rank and head
-        rank, head = yaml_config.get("machine_rank", 0), yaml_config.get("main_process_ip")
-        port = port or yaml_config.get("main_process_port") or 29500
-    if rank and isinstance(rank, int) and head:  # else torch waits for the head as long as its own timeout
+    if rank:  # else torch waits for the head as long as its own timeout
         wait_for_head(head, port, rdzv_timeout, rank)
     return run(cmd[2:])
 

@@ -183,3 +183,29 @@ def test_a_head_left_alone_or_on_a_taken_port_fails_with_one_line():
         f"launch.sh: error: port {port} on this node is in use by another process; set MASTER_PORT to a "
         "free port (the same on every node)"
     )
+
+
+@pytest.mark.parametrize("how", ["NNODES", "config"])
+def test_a_head_left_alone_without_slurm_fails_within_rdzv_timeout(tmp_path, how):
+    """Nodes started by hand (torchrun's NNODES and NODE_RANK, or a filled-in multi-node config) meet as Slurm's do:
+    the head whose other node never comes gives up after RDZV_TIMEOUT, not after torch's own half hour."""
+    port, args = free_port(), ["cifar", "--num_processes", "1"]
+    env = user_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="5")
+    if how == "NNODES":
+        env.update(NNODES="2", NODE_RANK="0")
+    else:
+        config = tmp_path / "nodes.yaml"
+        config.write_text(
+            (REPO / "accelerate_configs/multi_node.yaml")
+            .read_text()
+            .replace("10.0.0.1", "127.0.0.1")
+            .replace("use_cpu: false", "use_cpu: true")
+            .replace("num_processes: 16", "num_processes: 2")
+        )
+        args = ["cifar", "--config", str(config)]
+    tic = time.monotonic()
+    proc = subprocess.run([LAUNCH, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and 4 < time.monotonic() - tic < 60, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line.startswith("launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s"), line

@@ -122,6 +122,50 @@ def test_outside_srun_and_several_tasks_per_node_are_refused(tmp_path):
     one_error(run([LAUNCH, "cifar"], env=env, check=False), "RDZV_TIMEOUT must be a positive number")
 
 
+def test_a_launcher_a_gpu_a_job_without_a_node_list_and_a_rank_past_the_nodes_are_refused(tmp_path):
+    env = {**step_env(slurm_env(tmp_path, 1), 0, 1), "SLURM_STEP_NUM_TASKS": "8"}  # --ntasks-per-node=8 on one node
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "SLURM_STEP_NUM_TASKS must be 1, one launch.sh a node")
+    env = step_env(slurm_env(tmp_path, 2), 1, 2)
+    for name in ("SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST"):
+        del env[name]
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "no head node: SLURM_JOB_NODELIST is empty")
+    env = {**step_env(slurm_env(tmp_path, 2), 0, 2), "SLURM_NODEID": "2"}
+    one_error(run([LAUNCH, "cifar"], env=env, check=False), "SLURM_NODEID must be 0 to 1, got '2'")
+
+
+def test_nodes_without_slurm_meet_as_under_it(tmp_path):
+    """torchrun's NNODES and NODE_RANK, or a filled-in multi-node config: the command Slurm's nodes get (c10d, the
+    head hosting it, RDZV_TIMEOUT), one CPU process a node included (not a lone `--cpu` process)."""
+    env = slurm_env(tmp_path, 1, gpus=0, MASTER_ADDR="127.0.0.1", RDZV_TIMEOUT="7")
+    del env["SLURM_JOB_ID"]
+    line = dry_run({**env, "NNODES": "2", "NODE_RANK": "1"}, "cifar", "--num_processes", "1")
+    assert "cpu.yaml --num_processes 2 --num_machines 2 --machine_rank 1 --main_process_ip 127.0.0.1 " in line
+    assert "--rdzv_backend c10d --rdzv_conf is_host=0,join_timeout=7 " in line and " --cpu " not in line
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        (REPO / "accelerate_configs/multi_node.yaml")
+        .read_text()
+        .replace("use_cpu: false", "use_cpu: true")
+        .replace("num_processes: 16", "num_processes: 2")
+    )
+    line = dry_run(env, "cifar", "--config", config)
+    assert "--num_processes 2 --num_machines 2 --machine_rank 0 --main_process_ip 127.0.0.1 " in line
+    assert "--rdzv_conf is_host=1,join_timeout=7 " in line and " --cpu " not in line
+    del env["MASTER_ADDR"]
+    one_error(
+        run([LAUNCH, "cifar", "--dry_run"], env={**env, "NNODES": "2", "NODE_RANK": "0"}, check=False),
+        "NNODES=2 needs MASTER_ADDR",
+    )
+    one_error(run([LAUNCH, "--config", "cpu", "cifar"], env=env, check=False), "the recipe comes first")
+
+
+def test_requeue_template_names_a_flag_without_its_value(tmp_path):
+    env = slurm_env(tmp_path, 1, SLURM_CPUS_PER_TASK="8")
+    args = ["cifar", "--checkpointing_steps", "5", "--resume_from_checkpoint"]
+    proc = run(["bash", REPO / "slurm/requeue.sbatch", *args], env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr == "error: --resume_from_checkpoint needs a value\n", proc.stderr
+
+
 # ---------------------------------------------------------------- the sbatch templates
 
 
