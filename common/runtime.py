@@ -307,7 +307,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
     try:
-        with _meeting(expected):
+        with _meeting(expected, args.ddp_timeout):
             accelerator = Accelerator(
                 gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
                 log_with=None if args.report_to == "none" else args.report_to,
@@ -316,10 +316,8 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 **kwargs,
             )
     except Exception as err:
-        if _timed_out(err):
-            raise RecipeError(
-                f"the processes did not meet within --ddp_timeout {args.ddp_timeout} s: {_group()}"
-            ) from err
+        if _timed_out(err):  # said by each process: with RANK left from another job there may be no rank 0
+            raise RecipeError(_not_met(args.ddp_timeout), same_on_every_rank=False) from err
         if isinstance(err, RecipeError) or os_error_line(err):
             raise
         raise RecipeError(  # what accelerate launch passed on from the config, refused here (FSDP's, fp8 without TE)
@@ -374,6 +372,10 @@ class _BelowTheBar(logging.Handler):
             self.handleError(record)
 
 
+def _not_met(timeout: int) -> str:
+    return f"the processes did not meet within --ddp_timeout {timeout} s: {_group()}"
+
+
 def _group() -> str:
     env = {name: os.environ.get(name, "?") for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     return (
@@ -385,9 +387,10 @@ def _group() -> str:
 
 
 @contextlib.contextmanager
-def _meeting(expected: int):
+def _meeting(expected: int, timeout: int):
     """While the processes form their group torch waits in C++, where Python's signal handlers do not run: a stop
-    signal still ends this process (as before training, a second later), and a wait of 30 s says what it waits for.
+    signal still ends this process (as before training, a second later), a wait of 30 s says what it waits for, and
+    one past `timeout` ends it (torch retries a store it cannot reach for minutes past it, without a word).
     The signal's number reaches a thread here through Python's wakeup file descriptor (signal.set_wakeup_fd)."""
     if expected == 1 or threading.current_thread() is not threading.main_thread():
         yield
@@ -397,7 +400,7 @@ def _meeting(expected: int):
     previous, met = signal.set_wakeup_fd(write), threading.Event()
 
     def watch():
-        said, deadline = False, time.monotonic() + 30
+        said, started = False, time.monotonic()
         while not met.is_set():
             if select.select([read], [], [], 1.0)[0]:
                 stops = [n for n in os.read(read, 64) if n in preemption.STOP_SIGNALS]
@@ -405,7 +408,10 @@ def _meeting(expected: int):
                     code, status, line, _, everyone = _how_it_ended(preemption.stop_before_training(stops[0]))
                     _say(code, status, line, everyone)
                     exit_without_teardown(code)
-            elif not said and time.monotonic() > deadline:
+            elif time.monotonic() > started + timeout + 2:  # torch's own error, if it comes, is the same line
+                _say(2, "error", f"error: {_not_met(timeout)}", True)
+                exit_without_teardown(2)
+            elif not said and time.monotonic() > started + 30:
                 tqdm.write(f"warning: still waiting for {_group()}", file=sys.stderr)
                 said = True
         os.close(read)

@@ -579,6 +579,13 @@ def test_a_process_waiting_for_a_group_that_never_forms_honours_a_stop_and_its_t
         "alone runs one process)"
     ], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+    # RANK=1 left alone: no rank 0 hosts the store, torch retries reaching it for minutes past the timeout; this one
+    # process says so itself, in time
+    tic, env = time.monotonic(), {**env, "RANK": "1", "LOCAL_RANK": "1"}
+    proc = run([*cmd, "--ddp_timeout", "5"], env=env, check=False)
+    assert proc.returncode == 2 and time.monotonic() - tic < 5 + 30, (time.monotonic() - tic, proc.stderr[-3000:])
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("error: the processes did not meet within --ddp_timeout 5 s") and "RANK=1" in line
 
 
 @pytest.mark.slow
