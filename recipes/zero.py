@@ -125,30 +125,47 @@ def memory_estimates(accelerator, model) -> dict:
     return estimates
 
 
-def build_optimizer(args, accelerator, model, plan):
+def build_optimizer(args, accelerator, model, plan, at):
     """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
     stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading, and no
     scheduler: the recipe sets the learning rate of every step itself."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
-    if "optimizer" in ds_config:
-        params = ds_config["optimizer"].get("params", {})
-        # each group's weight decay, which DeepSpeed's optimizer takes
-        ours = {"weight_decay": (args.weight_decay, "--weight_decay")}
-        if "scheduler" not in ds_config:  # the recipe's schedule sets every step's rate from --learning_rate
-            ours["lr"] = (plan.learning_rate, "--learning_rate (scaled to the batch)")
-        for key, (value, flag) in ours.items():
+    if "scheduler" in ds_config and at.seen != at.step * plan.effective_batch_size:
+        raise common.RecipeError(
+            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {at.step} steps trained "
+            f"{at.seen:,} samples, not {at.step} x this run's effective batch of {plan.effective_batch_size}: resume "
+            "with the checkpoint's effective batch (processes x per-device batch x accumulation), or delete the "
+            "config's scheduler (the recipe's own schedule counts samples)"
+        )
+    # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line;
+    # "auto" is filled with it here (in optimizer steps: Accelerate would divide total_num_steps by the processes)
+    rate = (plan.learning_rate, "--learning_rate (scaled to the batch)")
+    ours = {
+        "optimizer": {"lr": rate, "weight_decay": (args.weight_decay, "--weight_decay")},
+        "scheduler": {
+            "warmup_max_lr": rate,
+            "cycle_max_lr": rate,
+            "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)"),
+            "total_num_steps": (plan.max_train_steps, "steps (--max_train_steps, --num_train_epochs)"),
+        },
+    }
+    for part, keys in ours.items():
+        params = ds_config.get(part, {}).get("params", {})
+        for key, (value, flag) in keys.items():
             if params.get(key, "auto") not in ("auto", value):
                 raise common.RecipeError(
-                    f"the DeepSpeed config sets the optimizer's {key}={params[key]} but the recipe's {flag} is "
+                    f"the DeepSpeed config sets the {part}'s {key}={params[key]} but the recipe's {flag} is "
                     f'{value:g}, which it trains with; set it to "auto" in the config, or pass the flag'
                 )
+            if key in params and part == "scheduler":
+                params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
+    if "optimizer" in ds_config:
         optimizer = DummyOptim(groups, lr=plan.learning_rate)
     else:
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)  # one kernel: CUDA and CPU
-    if "scheduler" in ds_config:  # Accelerate divides total_num_steps by the processes (steps of the whole data)
-        total = plan.max_train_steps * accelerator.num_processes  # the plan's are optimizer steps already
-        return optimizer, DummyScheduler(optimizer, total_num_steps=total, warmup_num_steps=plan.warmup_steps)
+    if "scheduler" in ds_config:
+        return optimizer, DummyScheduler(optimizer, plan.max_train_steps, max(plan.warmup_steps, 1))
     return optimizer, None
 
 
@@ -180,7 +197,7 @@ def main(argv=None):
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
     plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
     parameters = common.count_parameters(model)
-    optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan)
+    optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan, at)
     model, optimizer, train_dl, eval_dl, ds_scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, ds_scheduler
     )

@@ -204,6 +204,10 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
         ("zero", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, "the DeepSpeed config "
          "sets the optimizer's lr=0.001 but the recipe's --learning_rate (scaled to the batch) is 0.003, which it "
          'trains with; set it to "auto" in the config, or pass the flag'),
+        ("zero", {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3}}}, "the DeepSpeed config "
+         "sets the scheduler's warmup_max_lr=0.001 but the recipe's --learning_rate (scaled to the batch) is 0.003"),
+        ("zero", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, "the DeepSpeed config sets "
+         "the scheduler's warmup_num_steps=100 but the recipe's warmup steps (--warmup_steps, --warmup_ratio) is 0"),
     ],
 )  # fmt: skip
 def test_a_deepspeed_file_at_odds_with_the_recipe_is_one_line_before_training(tiny_lm, tmp_path, recipe, config,
@@ -288,8 +292,10 @@ def test_a_bf16_runs_fp32_export_loads_as_fp32(tiny_lm, tmp_path):
 
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
     """The config's scheduler runs over the run's steps ("auto": the plan's 6, which Accelerate would have divided
-    by the 2 processes, decaying to 0 halfway). torch_adam: DeepSpeed's own CPU Adam is a C++ op it builds on first
-    use (a minute in CI); this test is about who drives training, not which kernel does the update."""
+    by the 2 processes, decaying to 0 halfway). Its steps are steps of one effective batch: a resume at another is
+    refused, one at the same batch in another layout continues it exactly. torch_adam: DeepSpeed's own CPU Adam is a
+    C++ op it builds on first use (a minute in CI); this test is about who drives training, not which kernel does
+    the update."""
     from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
     config = tmp_path / "ds.json"
@@ -306,7 +312,7 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
                     "type": "WarmupDecayLR",
                     "params": {
                         "warmup_min_lr": 0,
-                        "warmup_max_lr": 3e-3,
+                        "warmup_max_lr": "auto",
                         "warmup_num_steps": 3,
                         "warmup_type": "linear",
                         "total_num_steps": "auto",
@@ -316,7 +322,9 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
         )
     )
     out = tmp_path / "run"
-    zero_recipe(config, 2, "--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out))
+    args = ["--model_name_or_path", tiny_lm["model"], *zero_args(tiny_lm, out), "--warmup_steps", "3"]
+    args += ["--checkpointing_steps", "3"]
+    zero_recipe(config, 2, *args)
     res = results(out)
     lrs = [h["lr"] for h in res["log_history"]]
     assert res["world_size"] == 2 and len(lrs) == 6
@@ -325,6 +333,18 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
     expected = [(schedule.step(), schedule.get_last_lr()[0])[1] for _ in range(6)]  # after each step, as logged
     assert lrs == pytest.approx(expected) and lrs[-2] > 0  # DeepSpeed's schedule, not the recipe's cosine
     assert res["eval_loss"] < 0.8 * eval_loss(tiny_lm["model"], tiny_lm)
+
+    resumed = tmp_path / "resumed"
+    again = [*args, "--output_dir", resumed, "--resume_from_checkpoint", out / "checkpoint-3"]
+    proc = zero_recipe(config, 1, *again, check=False)  # 1 x 8: half the checkpoint's batch of 2 x 8
+    assert proc.returncode != 0 and error_lines(proc.stderr) == [  # accelerate launch's exit code: 1
+        "error: the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's 3 steps trained 48 "
+        "samples, not 3 x this run's effective batch of 8: resume with the checkpoint's effective batch (processes x "
+        "per-device batch x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
+    ], proc.stderr[-3000:]
+    zero_recipe(config, 1, *again, "--gradient_accumulation_steps", "2")
+    assert [h["lr"] for h in results(resumed)["log_history"]] == pytest.approx(lrs)
+    assert update_distance(resumed, out, tiny_lm["model"]) < 1e-5
 
 
 def test_zero_recipe_bad_input(tiny_lm, tmp_path):
