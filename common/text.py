@@ -414,6 +414,7 @@ def load_causal_lm(args, **model_kwargs):
             if args.config_overrides:
                 config.update_from_string(args.config_overrides)
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
+                _check_runs(config)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
@@ -451,6 +452,27 @@ def load_causal_lm(args, **model_kwargs):
             "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)"
         )
     return model, tokenizer
+
+
+def _check_runs(config) -> None:
+    """Overrides config.validate passes can build a model that does not run (4 heads in 3 key-value groups) or holds
+    nothing (hidden_size=0): a forward of two tokens on the meta device (shapes alone, no memory; the class itself,
+    not from_config, which ZeRO-3 would partition) finds them before training. An op meta tensors lack proves
+    nothing, nor does a model of remote code (not in transformers' table)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    with torch.device("meta"):
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+        if not any(p.numel() for p in model.parameters()):
+            raise ValueError("it holds no weights")
+        try:
+            model(input_ids=torch.ones(1, 2, dtype=torch.long))
+        except (NotImplementedError, RuntimeError) as err:
+            if isinstance(err, NotImplementedError) or "meta" in str(err):
+                return
+            raise
 
 
 def causal(model) -> bool:
