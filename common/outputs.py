@@ -146,6 +146,11 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
             "folder written by a recipe, or `latest`"
         )
+    if CHECKPOINT_RE.fullmatch(output_dir.name) and (output_dir / STATE_FILE).is_file():  # a run's, not a run
+        raise RecipeError(
+            f"--output_dir {output_dir} is a checkpoint of the run in {output_dir.parent}; pass --output_dir "
+            f"{output_dir.parent} (with --resume_from_checkpoint latest to continue it), or another folder"
+        )
     continuing = spec == "latest" or (path is not None and path.resolve().parent == output_dir.resolve())
     if overwrite and continuing:
         raise RecipeError(
@@ -225,7 +230,7 @@ def _finished(output_dir: Path) -> str | None:
         step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
         again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
         further = f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger "
-        further += "--max_train_steps"
+        further += "--max_train_steps or --num_train_epochs"
     return (
         f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train{further}; to start over, "
         "pass --overwrite_output_dir instead of --resume_from_checkpoint"

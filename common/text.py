@@ -279,7 +279,10 @@ def check_columns(raw, data_format, text_column, sources) -> None:
                 else "pass --data_format text for plain text"
             )
             raise RecipeError(f"{sources[split]}: --data_format chat needs a column named messages: {missing}; {fix}")
-        hint = "; it looks like chat data: pass --data_format chat" if "messages" in columns else ""
+        closest = difflib.get_close_matches(column, columns, n=1, cutoff=0)  # a column there is, the likeliest
+        hint = f"; pass --text_column {closest[0]}" if closest else ""
+        if "messages" in columns:
+            hint = "; it looks like chat data: pass --data_format chat"
         raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
 
 
@@ -336,7 +339,10 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
             desc=f"packing {split} into blocks of {block_size}",
         )  # fmt: skip
         if len(packed[split]) == 0:
-            raise RecipeError(f"{sources[split]} holds fewer than {block_size} tokens; lower --block_size or add data")
+            more = " (a larger --validation_split_percentage)" if "held out" in sources[split] else ""
+            raise RecipeError(
+                f"{sources[split]} holds fewer than {block_size} tokens; add data{more} or lower --block_size"
+            )
         blocks = packed[split].with_format("numpy").iter(batch_size=1024)
         trained = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).any(1).sum()) for b in blocks)
         if trained * 2 < len(packed[split]):  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing

@@ -400,7 +400,7 @@ def ending(err: BaseException | None, stop: str | None, args) -> int:
         die(
             f"{f'not every node joined within RDZV_TIMEOUT={timeout[1]} s' if timeout else what}; check that "
             f"launch.sh started on every node of the job and that each reaches {args.main_process_ip}:"
-            f"{args.main_process_port} (see ./launch.sh doctor)"
+            f"{args.main_process_port}{' ($MASTER_ADDR)' if env('MASTER_ADDR') else ''} (see ./launch.sh doctor)"
         )
     if isinstance(err, ConnectionError) and "utilizing it" in str(err):  # accelerate's check of the head's port
         die(

@@ -277,9 +277,15 @@ def test_latest_on_a_finished_run_is_done_unless_it_was_trained_further(acc, tmp
     assert exit_.value.code == 0
     assert [line for line in capsys.readouterr().err.splitlines() if line.strip()] == [
         f"done: {out} holds a finished run (results.json, 4 steps): nothing left to train; to train it further pass "
-        f"--resume_from_checkpoint {out / 'checkpoint-4'} with a larger --max_train_steps; to start over, pass "
+        f"--resume_from_checkpoint {out / 'checkpoint-4'} with a larger --max_train_steps or --num_train_epochs; to "
+        "start over, pass "
         "--overwrite_output_dir instead of --resume_from_checkpoint"
     ]
+    # A checkpoint folder given as the run's folder: named as one, nothing written
+    line = rf"--output_dir {out / 'checkpoint-4'} is a checkpoint of the run in {out}; pass --output_dir {out} \("
+    with pytest.raises(RecipeError, match=line):
+        outputs.OutputDir(acc[0], options(out / "checkpoint-4", resume_from_checkpoint="latest"))
+    assert snapshot(out) == before
 
     # Resumed by path to train further, the run saved checkpoint-6, then was stopped: `latest` continues it.
     save(acc, out, 6)

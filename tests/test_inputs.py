@@ -519,10 +519,14 @@ TEXT_FILES = [  # (file name, content, the error line's text)
     ("latin1.csv", "text\ncaf\xe9 one\n".encode("latin-1"), "not UTF-8 text (byte 0xe9"),
     ("one.json", '{"text": "one two three"}', "1 row(s) are too few to hold out 5% for validation"),
     ("header.csv", "text\n", "holds no rows"),
-    ("nocolumn.csv", "body\n" + "one two three\n" * 20, "--text_column text: not in the data (columns: body)"),
+    ("nocolumn.csv", "body\n" + "one two three\n" * 20, "not in the data (columns: body); pass --text_column body"),
     ("chat.jsonl", jsonl([CHAT] * 20), "(columns: messages); it looks like chat data: pass --data_format chat"),
     ("fake.parquet", "not parquet at all", "cannot be read as parquet (ArrowInvalid: Parquet magic bytes not found"),
-    ("few.txt", "one\n" * 20, "holds fewer than 32 tokens; lower --block_size or add data"),
+    (
+        "few.txt",
+        "one\n" * 20,
+        "holds fewer than 32 tokens; add data (a larger --validation_split_percentage) or lower --block_size",
+    ),
     (  # before holding out a validation split of its one row
         "nested.json",
         json.dumps({"version": 1, "data": COUNTS}),

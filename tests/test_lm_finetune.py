@@ -387,7 +387,7 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--text_column", "body"], "--text_column body: not in the data (columns: text)"),
+        (["--text_column", "body"], "--text_column body: not in the data (columns: text); pass --text_column text"),
         (
             ["--block_size", "128"],
             "--block_size 128 is larger than the model accepts (64, its config's max_position_embeddings)",

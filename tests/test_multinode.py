@@ -209,3 +209,4 @@ def test_a_head_left_alone_without_slurm_fails_within_rdzv_timeout(tmp_path, how
     assert "Traceback" not in proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
     assert line.startswith("launch.sh: error: not every node joined within RDZV_TIMEOUT=5 s"), line
+    assert f"each reaches 127.0.0.1:{port} ($MASTER_ADDR)" in line  # where the address came from
