@@ -142,9 +142,10 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     if path is not None and path.is_file():
         raise RecipeError(f"--resume_from_checkpoint {spec} is a file: pass the checkpoint folder, {path.parent}")
     if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
+        newest = [f"its newest, {p}" for p in complete_checkpoints(path)[-1:]]  # a run's folder
         raise RecipeError(
-            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-<step> "
-            "folder written by a recipe, or `latest`"
+            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass "
+            f"{newest[0] if newest else 'a checkpoint-<step> folder written by a recipe'}, or `latest`"
         )
     if CHECKPOINT_RE.fullmatch(output_dir.name) and (output_dir / STATE_FILE).is_file():  # a run's, not a run
         raise RecipeError(

@@ -445,10 +445,15 @@ def load_causal_lm(args, **model_kwargs):
     vocab = getattr(model.config, "vocab_size", None)
     if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
         if not args.resize_token_embeddings:
+            fix = (  # a new model is built at the size asked; trained weights are grown
+                f"pass --config_overrides vocab_size={len(tokenizer)} to build the new model at its size"
+                if args.config_name
+                else "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the "
+                "tokenizer the model was trained with"
+            )
             raise RecipeError(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} "
-                "(config.vocab_size): pass --resize_token_embeddings to grow the embeddings to it, or "
-                "--tokenizer_name with the tokenizer the model was trained with"
+                f"(config.vocab_size): {fix}"
             )
         logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
         model.resize_token_embeddings(len(tokenizer))

@@ -391,7 +391,8 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
         with pytest.raises(RecipeError, match=re.escape(f"--resume_from_checkpoint {spec}: {said}")):
             outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(spec)))
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
-    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {second}: not a complete checkpoint"):
+    said = f"--resume_from_checkpoint {second}: not a complete checkpoint .no trainer_state.json.; pass its newest, "
+    with pytest.raises(RecipeError, match=f"{said}{second / 'checkpoint-4'}, or `latest`"):
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second)))
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
     assert (

@@ -438,6 +438,11 @@ def test_a_larger_tokenizer_is_refused_naming_the_option_and_with_it_trains_and_
         r"\(config.vocab_size\): pass --resize_token_embeddings",
     ):
         lm.load_model_and_tokenizer(args)
+    args = lm.parse_args(["--config_name", *argv[1:]])  # a new model: built at the tokenizer's size, not grown
+    with pytest.raises(
+        RecipeError, match="vocabulary has 17 .config.vocab_size.: pass --config_overrides vocab_size=19"
+    ):
+        lm.load_model_and_tokenizer(args)
 
     out = tmp_path / "run"
     proc = run(
