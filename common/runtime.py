@@ -302,12 +302,12 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     if "TORCHELASTIC_RUN_ID" in os.environ or _args.STATUS_FILE_ENV in os.environ or launch:
         die_with_parent(signal.SIGTERM, _PARENT)
     group = {"timeout": datetime.timedelta(seconds=args.ddp_timeout)}
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
-        fsdp_on_cpu(group["timeout"])
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
     try:
         with _meeting(expected, args.ddp_timeout):
+            if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+                fsdp_on_cpu(group["timeout"])  # forms the group itself
             accelerator = Accelerator(
                 gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
                 log_with=None if args.report_to == "none" else args.report_to,

@@ -5,6 +5,7 @@ becomes one RecipeError naming the file and the fix; an error about a path is le
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import logging
@@ -279,7 +280,8 @@ def check_columns(raw, data_format, text_column, sources) -> None:
                 else "pass --data_format text for plain text"
             )
             raise RecipeError(f"{sources[split]}: --data_format chat needs a column named messages: {missing}; {fix}")
-        closest = difflib.get_close_matches(column, columns, n=1, cutoff=0)  # a column there is, the likeliest
+        texts = [c for c in columns if getattr(raw[split].features[c], "dtype", None) in ("string", "large_string")]
+        closest = texts if len(texts) == 1 else difflib.get_close_matches(column, texts, n=1)  # of the text columns
         hint = f"; pass --text_column {closest[0]}" if closest else ""
         if "messages" in columns:
             hint = "; it looks like chat data: pass --data_format chat"
@@ -418,9 +420,10 @@ def load_causal_lm(args, **model_kwargs):
             if any(Path(source).glob("*.safetensors")):  # as run_clm: its config alone
                 logger.warning(f"--config_name {source}: a new model from its config; its weights are not loaded")
             if args.config_overrides:
+                base = copy.deepcopy(config)
                 config.update_from_string(args.config_overrides)
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
-                _check_runs(config)
+                _check_runs(base, config)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
@@ -465,25 +468,28 @@ def load_causal_lm(args, **model_kwargs):
     return model, tokenizer
 
 
-def _check_runs(config) -> None:
+def _check_runs(base, config) -> None:
     """Overrides config.validate passes can build a model that does not run (4 heads in 3 key-value groups) or holds
     nothing (hidden_size=0): a forward of two tokens on the meta device (shapes alone, no memory; the class itself,
-    not from_config, which ZeRO-3 would partition) finds them before training. An op meta tensors lack proves
-    nothing, nor does a model of remote code (not in transformers' table)."""
+    not from_config, which ZeRO-3 would partition) finds them before training. Blamed on the overrides only where
+    the config without them runs so: an op meta tensors lack, a kernel that wants bf16 (MoE experts) prove nothing,
+    nor does a model of remote code (not in transformers' table)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    def forward(config):
+        with torch.device("meta"):  # a copy: building a model records its attention in the config
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](copy.deepcopy(config))
+            if not any(p.numel() for p in model.parameters()):
+                raise ValueError("it holds no weights")
+            model(input_ids=torch.ones(1, 2, dtype=torch.long))
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return
-    with torch.device("meta"):
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-        if not any(p.numel() for p in model.parameters()):
-            raise ValueError("it holds no weights")
-        try:
-            model(input_ids=torch.ones(1, 2, dtype=torch.long))
-        except (NotImplementedError, RuntimeError) as err:
-            if isinstance(err, NotImplementedError) or "meta" in str(err):
-                return
-            raise
+    try:
+        forward(base)
+    except Exception:
+        return
+    forward(config)
 
 
 def causal(model) -> bool:

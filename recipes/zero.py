@@ -17,8 +17,10 @@ through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a 
 
 import contextlib
 import copy
+import inspect
 import itertools
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -138,25 +140,39 @@ def build_optimizer(args, accelerator, model, plan, at):
             "with the checkpoint's effective batch (processes x per-device batch x accumulation), or delete the "
             "config's scheduler (the recipe's own schedule counts samples)"
         )
-    # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line;
-    # "auto" is filled with it here (in optimizer steps: Accelerate would divide total_num_steps by the processes)
-    rate = (plan.learning_rate, "--learning_rate (scaled to the batch)")
+    # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line.
+    # "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's here (in steps:
+    # Accelerate would divide total_num_steps by the processes)
+    lr = (plan.learning_rate, "--learning_rate (scaled to the batch)", "--lr_scaling none --learning_rate")
     ours = {
-        "optimizer": {"lr": rate, "weight_decay": (args.weight_decay, "--weight_decay")},
-        "scheduler": {
-            "warmup_max_lr": rate,
-            "cycle_max_lr": rate,
-            "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)"),
-            "total_num_steps": (plan.max_train_steps, "steps (--max_train_steps, --num_train_epochs)"),
-        },
+        "warmup_max_lr": lr,
+        "cycle_max_lr": lr,
+        "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)", "--warmup_steps"),
+        "total_num_steps": (
+            plan.max_train_steps,
+            "steps (--max_train_steps, --num_train_epochs)",
+            "--max_train_steps",
+        ),
     }
-    for part, keys in ours.items():
-        params = ds_config.get(part, {}).get("params", {})
-        for key, (value, flag) in keys.items():
-            if params.get(key, "auto") not in ("auto", value):
+    scheduler = {}
+    if "scheduler" in ds_config:
+        from deepspeed.runtime import lr_schedules
+
+        scheduler = ds_config["scheduler"].setdefault("params", {})
+        kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
+        for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
+            scheduler.setdefault(key, "auto")
+    optimizer = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}
+    if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
+        optimizer["lr"] = lr
+    for part, keys in (("optimizer", optimizer), ("scheduler", ours)):
+        params = scheduler if part == "scheduler" else ds_config.get("optimizer", {}).get("params", {})
+        for key, (value, name, flag) in keys.items():
+            given = params.get(key, "auto")
+            if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
                 raise common.RecipeError(
-                    f"the DeepSpeed config sets the {part}'s {key}={params[key]} but the recipe's {flag} is "
-                    f'{value:g}, which it trains with; set it to "auto" in the config, or pass the flag'
+                    f"the DeepSpeed config sets the {part}'s {key}={given} but the recipe's {name} is {value:.10g}, "
+                    f'which it trains with; set it to "auto" in the config, or pass {flag} {given}'
                 )
             if key in params and part == "scheduler":
                 params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0

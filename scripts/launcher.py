@@ -206,7 +206,7 @@ def main(argv: list[str]) -> int:
     processes_here = "a positive integer (the processes on this node)"
     num_processes = number("--num_processes", ours.get("--num_processes"), 1, processes_here)
     max_restarts = number("--max_restarts", ours.get("--max_restarts"), 0, "a number of restarts (0 or more)")
-    port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
+    port = master_port = number("MASTER_PORT", env("MASTER_PORT"), 1, "a TCP port number from 1 to 65535", 65535)
     rdzv_timeout = number("RDZV_TIMEOUT", env("RDZV_TIMEOUT"), 1, "a positive number of seconds") or 60
     os.environ[SHUTDOWN] = str(number(SHUTDOWN, env(SHUTDOWN), 1, "a positive number of seconds") or 120)
     number("OMP_NUM_THREADS", env("OMP_NUM_THREADS"), 1, "a positive number of threads")  # accelerate reads it too
@@ -248,10 +248,12 @@ def main(argv: list[str]) -> int:
             head = env("MASTER_ADDR") or head_node(env("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
             if not head:
                 die("no head node: SLURM_JOB_NODELIST is empty and MASTER_ADDR unset; set MASTER_ADDR")
-    elif env("NNODES", default="1") != "1":  # one launch.sh a node, by hand
-        nodes = number("NNODES", env("NNODES"), 1, "a node count")
+    if nodes == 1 and env("NNODES", default="1") != "1":  # one launch.sh a node, by hand (in a Slurm job of one too)
+        nodes, port = number("NNODES", env("NNODES"), 1, "a node count"), master_port  # not the Slurm job's
         rank = number("NODE_RANK", env("NODE_RANK", default="?"), 0, f"0 to {nodes - 1}", nodes - 1)
         head = env("MASTER_ADDR") or die(f"NNODES={nodes} needs MASTER_ADDR, the head node's address (NODE_RANK 0)")
+    if nodes == 1 and env("NODE_RANK", default="0") != "0":  # a node of several that would train alone
+        die(f"NODE_RANK={env('NODE_RANK')} is set but not NNODES, the number of nodes: set it on every node")
     gpus = count_gpus()
     if not config:
         config = "cpu" if gpus == 0 else f"{gpus}gpu" if (CONFIGS / f"{gpus}gpu.yaml").is_file() else "2gpu"
@@ -261,7 +263,7 @@ def main(argv: list[str]) -> int:
     if nodes == 1 and machines > 1:  # a multi-node config: one launch.sh a machine, by hand
         nodes, rank = machines, yaml_config.get("machine_rank", 0)
         head = str(env("MASTER_ADDR") or yaml_config.get("main_process_ip") or "")
-        port = port or yaml_config.get("main_process_port")
+        port = master_port or yaml_config.get("main_process_port")  # not the Slurm job's: other jobs' nodes meet
         if not head or type(rank) is not int or not 0 <= rank < machines:
             die(
                 f"{config_file}: num_machines: {machines} starts one launch.sh on each machine, and they meet at the "

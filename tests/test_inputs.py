@@ -520,6 +520,11 @@ TEXT_FILES = [  # (file name, content, the error line's text)
     ("one.json", '{"text": "one two three"}', "1 row(s) are too few to hold out 5% for validation"),
     ("header.csv", "text\n", "holds no rows"),
     ("nocolumn.csv", "body\n" + "one two three\n" * 20, "not in the data (columns: body); pass --text_column body"),
+    (
+        "ids.jsonl",
+        jsonl([{"id": i, "label": 0, "body": "one two"} for i in range(20)]),
+        "label, body); pass --text_column body",
+    ),
     ("chat.jsonl", jsonl([CHAT] * 20), "(columns: messages); it looks like chat data: pass --data_format chat"),
     ("fake.parquet", "not parquet at all", "cannot be read as parquet (ArrowInvalid: Parquet magic bytes not found"),
     (
@@ -889,7 +894,7 @@ def accelerate_state():
             "num_key_value_heads=3",
             "does not run (RuntimeError: The size of tensor a (4) must match the size of tensor",
         ),
-        ("num_hidden_layers=-1", "does not run ("),
+        ("num_hidden_layers=-1", "does not run (ValueError: "),
         ("hidden_size=0", "does not run (ValueError: it holds no weights)"),  # trained nothing at ln(vocab) before
     ],
 )
@@ -901,6 +906,24 @@ def test_config_overrides_the_model_rejects(tiny_lm, accelerate_state, overrides
     with pytest.raises(RecipeError) as err:
         zero.build_model(args)
     assert str(err.value).startswith(f"--config_overrides {overrides}: ") and message in str(err.value), str(err.value)
+
+
+def test_valid_overrides_of_a_model_the_meta_device_cannot_run_build_it(tiny_lm, accelerate_state, tmp_path):
+    """A Mixtral's experts run a kernel that wants bf16 on the meta device: the probe proves nothing there (the
+    config without the overrides fails it too), and overrides that are right build the model."""
+    from transformers import AutoConfig, AutoTokenizer, MixtralConfig
+
+    folder = tmp_path / "moe"
+    vocab = AutoConfig.from_pretrained(tiny_lm["model"]).vocab_size
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    MixtralConfig(vocab_size=vocab, num_local_experts=2, num_experts_per_tok=1, **sizes).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_lm["model"]).save_pretrained(folder)
+    zero = RECIPES["zero"]
+    args = ["--config_name", str(folder), "--config_overrides", "num_hidden_layers=1", "--train_file", "t.jsonl"]
+    model, _ = zero.build_model(zero.parse_args(args))
+    assert type(model).__name__ == "MixtralForCausalLM" and model.config.num_hidden_layers == 1
 
 
 def test_config_overrides_that_work_build_the_model(tiny_lm, accelerate_state):

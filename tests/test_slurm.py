@@ -151,12 +151,22 @@ def test_nodes_without_slurm_meet_as_under_it(tmp_path):
     line = dry_run(env, "cifar", "--config", config)
     assert "--num_processes 2 --num_machines 2 --machine_rank 0 --main_process_ip 127.0.0.1 " in line
     assert "--rdzv_conf is_host=1,join_timeout=7 " in line and " --cpu " not in line
+    # in a Slurm job of one node (an interactive allocation), on their own port, not the job's
+    job = {
+        **step_env(slurm_env(tmp_path, 1, gpus=0), 0, 1),
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+    }
+    line = dry_run(job, "cifar", "--num_processes", "1")
+    assert "--num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500 " in line
     del env["MASTER_ADDR"]
     one_error(
         run([LAUNCH, "cifar", "--dry_run"], env={**env, "NNODES": "2", "NODE_RANK": "0"}, check=False),
         "NNODES=2 needs MASTER_ADDR",
     )
     one_error(run([LAUNCH, "--config", "cpu", "cifar"], env=env, check=False), "the recipe comes first")
+    one_error(run([LAUNCH, "cifar"], env={**env, "NODE_RANK": "1"}, check=False), "NODE_RANK=1 is set but not NNODES")
 
 
 def test_requeue_template_names_a_flag_without_its_value(tmp_path):

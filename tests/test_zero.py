@@ -203,7 +203,7 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
          'the DeepSpeed config sets optimizer.params.betas to "auto", which nothing here fills; set its value'),
         ("zero", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, "the DeepSpeed config "
          "sets the optimizer's lr=0.001 but the recipe's --learning_rate (scaled to the batch) is 0.003, which it "
-         'trains with; set it to "auto" in the config, or pass the flag'),
+         'trains with; set it to "auto" in the config, or pass --lr_scaling none --learning_rate 0.001'),
         ("zero", {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3}}}, "the DeepSpeed config "
          "sets the scheduler's warmup_max_lr=0.001 but the recipe's --learning_rate (scaled to the batch) is 0.003"),
         ("zero", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, "the DeepSpeed config sets "
@@ -292,10 +292,10 @@ def test_a_bf16_runs_fp32_export_loads_as_fp32(tiny_lm, tmp_path):
 
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
     """The config's scheduler runs over the run's steps ("auto": the plan's 6, which Accelerate would have divided
-    by the 2 processes, decaying to 0 halfway). Its steps are steps of one effective batch: a resume at another is
-    refused, one at the same batch in another layout continues it exactly. torch_adam: DeepSpeed's own CPU Adam is a
-    C++ op it builds on first use (a minute in CI); this test is about who drives training, not which kernel does
-    the update."""
+    by the 2 processes, decaying to 0 halfway) at the plan's rate (warmup_max_lr left out: DeepSpeed's 0.001). Its
+    steps are steps of one effective batch: a resume at another is refused, one at the same batch in another layout
+    continues it exactly. torch_adam: DeepSpeed's own CPU Adam is a C++ op it builds on first use (a minute in CI);
+    this test is about who drives training, not which kernel does the update."""
     from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
     config = tmp_path / "ds.json"
@@ -312,7 +312,6 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training
                     "type": "WarmupDecayLR",
                     "params": {
                         "warmup_min_lr": 0,
-                        "warmup_max_lr": "auto",
                         "warmup_num_steps": 3,
                         "warmup_type": "linear",
                         "total_num_steps": "auto",
