@@ -890,11 +890,7 @@ def accelerate_state():
         ("hidden_act=swishy", "does not run (KeyError: 'swishy')"),
         ("architectures=x", "(TypeError: You can only update int, float, bool or string values in the config"),
         # passed by config.validate and from_config, met at the first step (a forward on the meta device finds them)
-        (
-            "num_key_value_heads=3",
-            "does not run (RuntimeError: The size of tensor a (4) must match the size of tensor",
-        ),
-        ("num_hidden_layers=-1", "does not run (ValueError: "),
+        ("num_key_value_heads=3", "does not run (RuntimeError: "),  # torch's words differ by version
         ("hidden_size=0", "does not run (ValueError: it holds no weights)"),  # trained nothing at ln(vocab) before
     ],
 )
