@@ -162,11 +162,11 @@ def build_optimizer(args, accelerator, model, plan, at):
         kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
         for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
             scheduler.setdefault(key, "auto")
-    optimizer = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}
+    theirs = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}  # the optimizer's keys
     if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
-        optimizer["lr"] = lr
-    for part, keys in (("optimizer", optimizer), ("scheduler", ours)):
-        params = scheduler if part == "scheduler" else ds_config.get("optimizer", {}).get("params", {})
+        theirs["lr"] = lr
+    optimizer_params = ds_config.get("optimizer", {}).get("params", {})
+    for part, params, keys in (("optimizer", optimizer_params, theirs), ("scheduler", scheduler, ours)):
         for key, (value, name, flag) in keys.items():
             given = params.get(key, "auto")
             if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
