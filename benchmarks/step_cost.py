@@ -10,13 +10,12 @@ disturbs less than the wall clock; each round runs every loop once, each loop fi
 """
 
 import argparse
-import contextlib
-import itertools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -94,33 +93,15 @@ def recipe(steps, accelerator, out):
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
     plan, at = common.plan_run(args, data, accelerator.num_processes)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
-    stop = common.StopOnSignal(accelerator, args)
-    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
-    k, every = args.gradient_accumulation_steps, args.checkpointing_steps
+    no_saves = SimpleNamespace(resume_from=None)  # the run ends before its first checkpoint (none is asked for)
+    loop = common.TrainingLoop(accelerator, args, plan, at, no_saves, model, evaluate=lambda stop: {"eval_loss": 0.0})
     tic = time.thread_time()
-    while at.step < plan.max_train_steps:
-        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
-            lr = plan.lr_at(at.seen)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            for i, (x, y) in enumerate(window):
-                accelerator.sync_gradients = i == k - 1
-                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
-                    loss = F.cross_entropy(model(x), y)
-                    accelerator.backward(loss)
-                log.add(loss, y.shape[0])
-            optimizer.step()
-            model.zero_grad()
-            at.step += 1
-            at.sample += plan.effective_batch_size
-            at.seen += plan.effective_batch_size
-            log.step(at.step, at.seen, waited=batches.waited)
-            stopping = stop.requested(at.step)
-            if stopping or (every not in (None, "epoch") and at.step % every == 0):
-                raise SystemExit("stopped")
-        at.epoch, at.sample = at.epoch + 1, 0
-    log.summary(at)
+    for step in loop.steps(train_dl, optimizer):
+        for x, y in step.micro_batches():
+            step.backward(F.cross_entropy(model(x), y), items=y.shape[0])
+        optimizer.step()
+        model.zero_grad()
+    loop.summary()
     seconds = time.thread_time() - tic
     accelerator.free_memory()  # forget the prepared objects (not timed)
     return seconds / steps

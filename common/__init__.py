@@ -1,8 +1,9 @@
 """What the recipes share, a module per concern: launch checks and exit codes (runtime), arguments (args), data
-order and loading (data), the run's plan and LR schedule (plan), checkpoints (checkpoint), one run per output
-folder (outputs), stopping on a signal (preemption), a stalled process named (watchdog) and what a run reports
-(metrics); images and image models in common.vision, text data and causal LMs in common.text. Nothing
-recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
+order and loading (data), the run's plan and LR schedule (plan), the training loop's bookkeeping (loop), checkpoints
+(checkpoint), one run per output folder (outputs), stopping on a signal (preemption), a stalled process named
+(watchdog) and what a run reports (metrics); images and image models in common.vision, text data and causal LMs in
+common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test from the
+submodules."""
 
 import importlib
 
@@ -14,11 +15,9 @@ _WHERE = {
     "OutputDir": "outputs",
     "RecipeError": "runtime",
     "SeededTransform": "data",
-    "StopOnSignal": "preemption",
-    "TrainLog": "metrics",
+    "TrainingLoop": "loop",
     "count_parameters": "metrics",
     "decay_groups": "plan",
-    "epoch_batches": "data",
     "exit_codes": "runtime",
     "logger": "runtime",
     "make_accelerator": "runtime",

@@ -316,6 +316,7 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     t("--max_grad_norm", type="non_negative_float", help="0 disables clipping")
     t("--num_train_epochs", type="positive_int")
     t("--max_train_steps", type="positive_int", help="train this many optimizer steps (overrides --num_train_epochs)")
+    t("--eval_steps", type="positive_int", help="evaluate every N optimizer steps (default: at each epoch's end)")
     t("--checkpointing_steps", type=checkpointing_steps, help="save the full state every N steps, or 'epoch'")
     t("--resume_from_checkpoint", help="'latest' (in --output_dir) or checkpoint-<step>")
     t("--save_total_limit", type="positive_int", help="keep only the newest N checkpoints")

@@ -243,6 +243,7 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "warmup_samples": plan.warmup_samples,
         "log_history": log.history,  # as transformers' Trainer keeps it: a resumed run's results.json has it whole
         "log_window": log.window,
+        "eval_history": log.eval_history,
         "train_seconds": log.seconds,  # the time since the last log too
         "args": public_args(args),
     }

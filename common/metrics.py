@@ -30,10 +30,12 @@ class TrainLog:
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
         self.hosts = gather_object([socket.gethostname()])
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
+        self.eval_history = []  # each evaluation's metrics, at its step
         self.window, self._offset = [0.0, 0.0], 0.0  # (loss x per, items) since the last log, all processes
         if resume_from is not None:
             state = read_state(resume_from)
             self.history, (loss, items) = state.get("log_history", []), state.get("log_window", [0.0, 0.0])
+            self.eval_history = state.get("eval_history", [])
             self.train_loss = self.history[-1]["train_loss"] if self.history else None  # if nothing is left to train
             if items:  # every process's sums, added once; the others add nothing, as every process must log then
                 share = items if accelerator.is_main_process else 0
@@ -41,7 +43,7 @@ class TrainLog:
             self._offset = state.get("train_seconds", self.history[-1]["train_seconds"] if self.history else 0.0)
         self._start = self._at = (start.step, start.seen, None)  # this run's start, its last step: (step, seen, lr)
         self._first = None  # (train_seconds, seen) after the first step
-        self.train_seconds, self.data_seconds, self._waited, self._clock = 0.0, 0.0, 0.0, time.perf_counter()
+        self.train_seconds, self.data_seconds, self._clock = 0.0, 0.0, time.perf_counter()
         self.per_rank = torch.zeros(accelerator.num_processes, 3, dtype=torch.float64)  # steps, seconds, data s
         self._streak = (None, 0)  # a rank slow to get its data, and for how many logs in a row
         self._bar = tqdm(
@@ -57,13 +59,13 @@ class TrainLog:
         over every process's target tokens)."""
         self._added.append((loss.detach(), items, items if per is None else per))
 
-    def step(self, step: int, seen: int, lr: float | None = None, waited: float | None = None) -> None:
+    def step(self, step: int, seen: int, lr: float | None = None, waited: float = 0.0) -> None:
         """After each optimizer step: the clock, the bar, and every --logging_steps a log. `lr`: a DeepSpeed
-        config's own scheduler's rate (else the plan's); `waited`: this epoch's data wait so far (epoch_batches)."""
-        now, waited = time.perf_counter(), waited or 0.0
+        config's own scheduler's rate (else the plan's); `waited`: the seconds this step waited for its data."""
+        now = time.perf_counter()
         self.train_seconds += now - self._clock
-        self.data_seconds += waited - self._waited
-        self._clock, self._waited, self._at = now, waited, (step, seen, lr)
+        self.data_seconds += waited
+        self._clock, self._at = now, (step, seen, lr)
         self._first = self._first or (self.train_seconds, seen)
         self._bar.update(1)
         if step % self.logging_steps == 0 or step >= self.plan.max_train_steps:
@@ -141,11 +143,13 @@ class TrainLog:
         if sums[2] > 0:
             raise _diverged(step, "the weights hold NaN or inf")
 
-    def end_epoch(self, at, metrics: dict) -> None:
-        """The epoch's last loss and its evaluation in the trackers and the log; the clock restarts."""
+    def evaluated(self, at, metrics: dict) -> None:
+        """An evaluation's metrics, with the loss since the last log, in the trackers and the log; the training clock
+        restarts after it (evaluation time is not training time)."""
         self._flush()
-        self._waited = 0.0  # the next epoch's batches count their wait from 0
-        self.accelerator.log({**metrics, "epoch": self.plan.epochs(at)}, step=at.step)
+        epoch = self.plan.epochs(at)
+        self.accelerator.log({**metrics, "epoch": epoch}, step=at.step)
+        self.eval_history.append({"step": at.step, "samples_seen": at.seen, "epoch": round(epoch, 4), **metrics})
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
         logger.info(f"epoch {at.epoch}: step {at.step}, train_loss {loss}, {shown}")
@@ -170,6 +174,7 @@ class TrainLog:
             "samples_per_second": rate,
             "steady_samples_per_second": steady,
             "log_history": self.history,
+            "eval_history": self.eval_history,
             "per_rank": [
                 {"rank": r, "host": host, "step_seconds": round(s, 4), "data_seconds": round(d, 4)}
                 for r, (host, (s, d)) in enumerate(zip(self.hosts, per_step.tolist()))

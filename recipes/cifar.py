@@ -15,8 +15,7 @@ CIFAR-10 on GPUs: not measured yet in this repository (no GPU was available); se
 """
 
 import argparse
-import contextlib
-import itertools
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -224,54 +223,22 @@ def main(argv=None):
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
-    stop = common.StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
-    log = common.TrainLog(accelerator, plan, at, args.logging_steps, out.resume_from)
+    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, partial(evaluate, model, eval_dl, accelerator))
 
-    # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
-    k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
-    while at.step < plan.max_train_steps:
-        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
-            lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            for i, (images, labels) in enumerate(window):
-                accelerator.sync_gradients = i == k - 1  # reduce and step on the last micro-batch only
-                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
-                    if on_gpu:
-                        images = images.contiguous(memory_format=torch.channels_last)
-                    loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
-                    accelerator.backward(loss)
-                log.add(loss, labels.shape[0])
-            if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
-            at.step += 1
-            at.sample += plan.effective_batch_size
-            at.seen += plan.effective_batch_size
-            log.step(at.step, at.seen, waited=batches.waited)
-            stopping = stop.requested(at.step)  # on every process at the same step
-            if stopping or (every not in (None, "epoch") and at.step % every == 0):
-                saved = out.save_checkpoint(model, plan, at, log)
-            if stopping:
-                raise stop.preempted(at.step, saved)
-        last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
-        metrics = evaluate(model, eval_dl, accelerator, stop.finishing if last else stop)
-        if metrics is None:
-            saved = out.save_checkpoint(model, plan, at, log)
-            raise stop.preempted(at.step, saved, "evaluation")
-        log.end_epoch(at, metrics)
-        if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
-            at.epoch, at.sample = at.epoch + 1, 0
-        if every == "epoch":
-            out.save_checkpoint(model, plan, at, log)
-    if not metrics:  # resumed from the final checkpoint: nothing left to train
-        metrics = evaluate(model, eval_dl, accelerator, stop.finishing)
+    for step in loop.steps(train_dl, optimizer):  # the rate, the position, the log, stops, checkpoints, evaluations
+        for images, labels in step.micro_batches():  # gradients reduced after the last one only
+            if on_gpu:
+                images = images.contiguous(memory_format=torch.channels_last)
+            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
+            step.backward(loss, items=labels.shape[0])
+        if args.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
+    metrics = loop.finish()  # the final evaluation; the loss and weights checked finite
 
-    log.check_finite(at.step, model)
     out.save_model(model)
-    out.write_results(plan, **log.summary(at), **metrics, num_classes=num_classes)
+    out.write_results(plan, **loop.summary(), **metrics, num_classes=num_classes)
     accelerator.end_training()
 
 

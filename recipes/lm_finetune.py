@@ -15,8 +15,7 @@ loss from 3.0 to under 1.0 in 24 steps; DDP, ZeRO-2 and ZeRO-3 give the same los
 GPU throughput and MFU: not measured yet in this repository.
 """
 
-import contextlib
-import itertools
+from functools import partial
 
 import torch
 from accelerate.utils import set_seed
@@ -193,57 +192,24 @@ def main(argv=None):
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
-    stop = common.StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
-    log = common.TrainLog(accelerator, plan, at, args.logging_steps, out.resume_from)
+    held_out = partial(evaluate_causal_lm, model, eval_dl, accelerator)
+    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
     model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 
-    # `at`: optimizer steps taken, the epoch, samples of its order trained, samples trained in all
-    k, every, metrics = args.gradient_accumulation_steps, args.checkpointing_steps, {}
-    while at.step < plan.max_train_steps:
-        batches = common.epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, k))) == k:
-            lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # the step's loss is its mean over these, whatever the split into processes, batches and accumulation
-            tokens = window_tokens(accelerator, window)
-            for i, batch in enumerate(window):
-                accelerator.sync_gradients = i == k - 1  # reduce and step on the last micro-batch only
-                with contextlib.nullcontext() if accelerator.sync_gradients else accelerator.no_sync(model):
-                    loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
-                    # Accelerate divides by the accumulation steps and DDP averages over processes; the
-                    # loss is already this micro-batch's share of the step's mean: undo both
-                    accelerator.backward(loss * k * accelerator.num_processes)
-                log.add(loss, target_tokens(batch["labels"]), per=tokens)
-            if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
-            at.step += 1
-            at.sample += plan.effective_batch_size
-            at.seen += plan.effective_batch_size
-            log.step(at.step, at.seen, waited=batches.waited)
-            stopping = stop.requested(at.step)  # on every process at the same step
-            if stopping or (every not in (None, "epoch") and at.step % every == 0):
-                saved = out.save_checkpoint(model, plan, at, log)
-            if stopping:
-                raise stop.preempted(at.step, saved)
-        last = at.step >= plan.max_train_steps  # a stop during the final evaluation lets it finish
-        metrics = evaluate_causal_lm(model, eval_dl, accelerator, stop.finishing if last else stop)
-        if metrics is None:
-            saved = out.save_checkpoint(model, plan, at, log)
-            raise stop.preempted(at.step, saved, "evaluation")
-        log.end_epoch(at, metrics)
-        if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
-            at.epoch, at.sample = at.epoch + 1, 0
-        if every == "epoch":
-            out.save_checkpoint(model, plan, at, log)
-    if not metrics:  # resumed from the final checkpoint: nothing left to train
-        metrics = evaluate_causal_lm(model, eval_dl, accelerator, stop.finishing)
+    for step in loop.steps(train_dl, optimizer):  # the rate, the position, the log, stops, checkpoints, evaluations
+        tokens = window_tokens(accelerator, step.batches)  # the step's target tokens on every process
+        for batch in step.micro_batches():  # gradients reduced after the last one only
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=tokens).loss
+            # the loss is its share of the step's mean over `tokens`, whatever the split into processes
+            step.backward(loss, items=target_tokens(batch["labels"]), of=tokens)
+        if args.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        model.zero_grad()  # not optimizer.zero_grad: Accelerate's reads its signature at every step (45 us)
+    metrics = loop.finish()  # the final evaluation; the loss and weights checked finite
 
-    log.check_finite(at.step, model)
     out.save_model(model, tokenizer)
-    summary = log.summary(at, tokens_per_sample=block_size)
+    summary = loop.summary(tokens_per_sample=block_size)
     out.write_results(
         plan,
         **summary,

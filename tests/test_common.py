@@ -2,7 +2,7 @@
 augmentation seeded by (seed, epoch, index)."""
 
 import argparse
-import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +15,8 @@ from common import RecipeError
 from common.args import TRAINING_HYPERPARAMETERS, public_args
 from common.checkpoint import resolve_checkpoint, write_json
 from common.data import EpochSampler, SeededTransform, epoch_batches, make_dataloader
+from common.loop import TrainingLoop
+from common.metrics import TrainLog
 from common.plan import Position, effective_batch_size, plan_run, plan_training, scale_lr
 
 
@@ -412,24 +414,43 @@ def test_an_epoch_that_ends_mid_accumulation_drops_its_remainder_and_the_counts_
     train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
     plan, at = common.plan_run(args, data, accelerator.num_processes)
     assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (3, 6, 24)
-    log = common.TrainLog(accelerator, plan, at, args.logging_steps)
+    out, evaluated = SimpleNamespace(resume_from=None), []
+    loop = TrainingLoop(
+        accelerator, args, plan, at, out, torch.nn.Linear(1, 1), lambda stop: evaluated.append(at.step) or {}
+    )
     windows = []
-    while at.step < plan.max_train_steps:  # the recipes' loop, less the model
-        batches = epoch_batches(train_dl, at.epoch, at.sample)
-        while at.step < plan.max_train_steps and len(window := list(itertools.islice(batches, 2))) == 2:
-            for x in window:
-                log.add(x.sum(1).mean(), len(x))  # each sample's loss 4
-            windows.append(len(window))
-            at.step += 1
-            at.sample += len(window) * plan.round_samples
-            at.seen += len(window) * plan.round_samples
-            log.step(at.step, at.seen)
-        at.epoch, at.sample = at.epoch + 1, 0
-    summary = log.summary(at)
+    for step in loop.steps(train_dl):  # the recipes' loop, less the model
+        for x in step.micro_batches():
+            step.backward(x.sum(1).mean().requires_grad_(), len(x))  # each sample's loss 4
+        windows.append(len(step.batches))
+    summary = loop.summary()
     assert windows == [2, 2, 2] * 2 and summary["steps"] == 6 and summary["samples_seen"] == 24
-    assert summary["samples_per_second"] * log.train_seconds == pytest.approx(24)
+    assert summary["samples_per_second"] * loop.log.train_seconds == pytest.approx(24)
     assert summary["steady_samples_per_second"] > 0 and summary["epochs"] == 2
-    assert log.train_loss == 4.0 and [h["samples_seen"] for h in log.history] == [4, 8, 12, 16, 20, 24]
+    assert loop.log.train_loss == 4.0 and [h["samples_seen"] for h in loop.log.history] == [4, 8, 12, 16, 20, 24]
+    assert evaluated == [3, 6]  # each epoch's end
+
+
+@pytest.mark.parametrize("eval_steps, points", [(None, [3, 6]), (2, [2, 4, 6]), (3, [3, 6]), (4, [4, 6]), (9, [6])])
+def test_evaluation_points_are_each_epochs_end_or_every_eval_steps_and_the_runs_end_once(tmp_path, eval_steps, points):
+    """--eval_steps N evaluates after every N-th optimizer step instead of at each epoch's end, and the run's last
+    step is evaluated once whatever N; the metrics are in the log's eval_history at their step, the last returned."""
+    parser = common.training_parser("t", "t")
+    parser.set_defaults(**shared_defaults(parser))
+    argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--num_train_epochs", "2"]
+    args = parser.parse_args(argv + (["--eval_steps", str(eval_steps)] if eval_steps else []))
+    accelerator = Accelerator(cpu=True)
+    data = [torch.ones(4)] * 6  # 3 steps an epoch
+    train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
+    plan, at = common.plan_run(args, data, accelerator.num_processes)
+    loop = TrainingLoop(accelerator, args, plan, at, SimpleNamespace(resume_from=None), torch.nn.Linear(1, 1),
+                        lambda stop: {"eval_loss": float(at.step)})  # fmt: skip
+    for step in loop.steps(train_dl):
+        for x in step.micro_batches():
+            step.backward(x.sum().requires_grad_(), len(x))
+    assert [e["step"] for e in loop.log.eval_history] == points
+    assert [e["eval_loss"] for e in loop.log.eval_history] == [float(p) for p in points]
+    assert loop.finish() == {"eval_loss": 6.0} and loop.summary()["eval_history"] == loop.log.eval_history
 
 
 def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path):
@@ -437,7 +458,6 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
     stopped (as transformers' Trainer keeps log_history in its trainer_state.json), and its train_seconds count the
     stopped attempt's steps since its last log."""
     import time
-    from types import SimpleNamespace
 
     accelerator, model = Accelerator(cpu=True), torch.nn.Linear(2, 2)
     plan = SimpleNamespace(max_train_steps=8, lr_at=lambda seen: 0.1, steps_per_epoch=8, effective_batch_size=1)
@@ -450,8 +470,8 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
         return log
 
     losses = [float(i) for i in range(1, 9)]
-    straight = train(common.TrainLog(accelerator, plan, Position(), 4), range(1, 9), losses)
-    stopped = train(common.TrainLog(accelerator, plan, Position(), 4), range(1, 4), losses, pause=0.1)
+    straight = train(TrainLog(accelerator, plan, Position(), 4), range(1, 9), losses)
+    stopped = train(TrainLog(accelerator, plan, Position(), 4), range(1, 4), losses, pause=0.1)
     stopped.check_finite(3, model)  # as save_checkpoint does, before it records the log
     (tmp_path / "checkpoint-3").mkdir()
     write_json(
@@ -459,7 +479,7 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
         {"log_history": stopped.history, "log_window": stopped.window, "train_seconds": stopped.seconds},
     )
     resumed = train(
-        common.TrainLog(accelerator, plan, Position(3, 0, 3, 3), 4, tmp_path / "checkpoint-3"), range(4, 9), losses
+        TrainLog(accelerator, plan, Position(3, 0, 3, 3), 4, tmp_path / "checkpoint-3"), range(4, 9), losses
     )
     assert [h["step"] for h in resumed.history] == [h["step"] for h in straight.history] == [4, 8]
     assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history] == [2.5, 6.5]
@@ -470,7 +490,7 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
         tmp_path / "checkpoint-8" / "trainer_state.json",
         {"log_history": straight.history, "log_window": straight.window},
     )
-    assert common.TrainLog(accelerator, plan, Position(8, 1, 0, 8), 4, tmp_path / "checkpoint-8").train_loss == 6.5
+    assert TrainLog(accelerator, plan, Position(8, 1, 0, 8), 4, tmp_path / "checkpoint-8").train_loss == 6.5
 
 
 @pytest.mark.parametrize("first, then", [((2, 8), (1, 16)), ((1, 16), (2, 8)), ((2, 8), (3, 5)), ((4, 3), (1, 7))])

@@ -228,6 +228,46 @@ def test_sigterm_mid_epoch_then_resume_in_one_process_gives_the_same_loss_and_we
 
 
 @pytest.mark.slow
+def test_eval_steps_counts_every_held_out_token_once_on_any_layout_and_a_resumed_run_keeps_its_evaluations(
+    tiny_lm, tmp_path
+):
+    """--eval_steps 4 over 14 steps: held-out loss at steps 4, 8, 12 and the end, in results.json's eval_history. Two
+    processes (a held-out set of an odd number of blocks, Accelerate repeats one to even out the last batch) count
+    each token once, as one process on the whole batch does, and reach the same losses. A run stopped by SIGTERM
+    after checkpoint-4 and resumed in one process has the same evaluations, none twice."""
+    args = (*LM_INTERRUPTED_ARGS, "--eval_steps", "4", "--per_device_eval_batch_size", "3")
+    one = tmp_path / "one"
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, one, *args, "--per_device_train_batch_size", "16")])
+    two = tmp_path / "two"
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, two, *args))
+    run(cmd, env=env)
+    stopped = tmp_path / "stopped"
+    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, stopped, *args, "--checkpointing_steps", "2"))
+    proc, _ = interrupt(cmd, env, stopped, after_step=4)
+    assert preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
+    resume = [
+        "--per_device_train_batch_size",
+        "16",
+        "--checkpointing_steps",
+        "2",
+        "--resume_from_checkpoint",
+        "latest",
+    ]
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, stopped, *args, *resume)])
+    reference = results(one)["eval_history"]
+    assert [e["step"] for e in reference] == [4, 8, 12, 14]
+    blocks = reference[0]["eval_tokens"] / 31  # a 32-token block of plain text has 31 targets
+    assert blocks == int(blocks) and blocks % 2 == 1  # the set does not divide by the processes
+    for other in (two, stopped):
+        history = results(other)["eval_history"]
+        assert [e["step"] for e in history] == [4, 8, 12, 14]
+        assert [e["eval_tokens"] for e in history] == [e["eval_tokens"] for e in reference]
+        for mine, theirs in zip(history, reference):
+            assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+        assert results(other)["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_epoch_where_they_were(
     tiny_lm, lm_uninterrupted, tmp_path
 ):

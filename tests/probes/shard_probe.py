@@ -17,6 +17,7 @@ from accelerate.utils import gather_object  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
 import common  # noqa: E402
+from common.data import epoch_batches  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 cifar = load_recipe()
@@ -34,7 +35,7 @@ train_dl, eval_dl = accelerator.prepare(train_dl, eval_dl)
 
 record = {"world_size": accelerator.num_processes, "train": [], "eval": []}
 for epoch in range(2):  # as the recipe iterates: windows of one optimizer step
-    batches, mine = common.epoch_batches(train_dl, epoch), []
+    batches, mine = epoch_batches(train_dl, epoch), []
     while window := list(itertools.islice(batches, args.gradient_accumulation_steps)):
         mine += [i for _, labels in window for i in labels.tolist()]
     record["train"].append(gather_object([mine]))  # one list per process

@@ -1,0 +1,140 @@
+"""The training loop's bookkeeping, written once: what a recipe shows is its data, forward, loss, backward and
+update; what carries the guarantees (the rate by samples trained, gradient sync on the last micro-batch only, the
+run's position, the log, the stop every process agrees on, checkpoints and evaluation points) is here.
+
+    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=partial(evaluate, model, eval_dl))
+    for step in loop.steps(train_dl, optimizer):
+        for x, y in step.micro_batches():
+            step.backward(loss_fn(model(x), y), items=len(y))
+        optimizer.step()
+        model.zero_grad()
+    metrics = loop.finish()
+
+Between steps a recipe may do what its update needs (clipping, EMA, a second optimizer): the loop moves the position
+only once the body of `for step in ...` is done."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+from .data import epoch_batches
+from .metrics import TrainLog
+from .preemption import StopOnSignal
+
+
+class TrainingLoop:
+    """The run from `start` (a plan.Position this loop alone moves) to `plan.max_train_steps`. `evaluate(stop)`
+    returns the held-out metrics, or None when `stop.requested()` reported a signal; it runs after the last step of
+    each epoch, or every --eval_steps steps where the arguments have it, and after the run's last step."""
+
+    def __init__(self, accelerator, args, plan, start, out, model, evaluate):
+        self.accelerator, self.plan, self.at, self.out, self.model = accelerator, plan, start, out, model
+        self.evaluate, self.metrics = evaluate, {}
+        self.every = args.checkpointing_steps  # None, "epoch" or N optimizer steps
+        self.eval_steps = getattr(args, "eval_steps", None)
+        self.accumulation = args.gradient_accumulation_steps
+        self.stop = StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
+        self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from)
+
+    def steps(self, train_dl, optimizer=None, scheduler=None):
+        """A Step per optimizer step. The rate of each of `optimizer`'s groups is set from the plan (times the group's
+        `lr_scale`), unless `scheduler` (a DeepSpeed config's own, stepped by DeepSpeed) sets it."""
+        at, plan = self.at, self.plan
+        if self._evaluation_due():  # resumed from a stop at an evaluation point
+            self._evaluate()
+        while at.step < plan.max_train_steps:
+            batches = epoch_batches(train_dl, at.epoch, at.sample)
+            while at.step < plan.max_train_steps:
+                waited = batches.waited
+                window = list(itertools.islice(batches, self.accumulation))
+                if len(window) < self.accumulation:  # the epoch's remainder: too few for a whole step
+                    break
+                if scheduler is None:
+                    lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
+                    for group in optimizer.param_groups if optimizer is not None else ():
+                        group["lr"] = lr * group.get("lr_scale", 1.0)
+                yield Step(self, window)
+                self._stepped(batches.waited - waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
+            if self._evaluates_at_epoch_end():
+                self._evaluate()
+            if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
+                at.epoch, at.sample = at.epoch + 1, 0
+            if self.every == "epoch":
+                self.out.save_checkpoint(self.model, plan, at, self.log)
+
+    def _stepped(self, waited: float, lr: float | None) -> None:
+        """After the recipe's update: the position, the log, the agreed stop, an evaluation, a checkpoint."""
+        at, plan = self.at, self.plan
+        at.step += 1
+        at.sample += plan.effective_batch_size
+        at.seen += plan.effective_batch_size
+        self.log.step(at.step, at.seen, lr, waited)
+        if self.stop.requested(at.step):  # on every process at the same step
+            saved = self.out.save_checkpoint(self.model, plan, at, self.log)
+            raise self.stop.preempted(at.step, saved)
+        if self._evaluation_due():
+            self._evaluate()
+        if self.every not in (None, "epoch") and at.step % self.every == 0:
+            self.out.save_checkpoint(self.model, plan, at, self.log)  # after the evaluation: it records its metrics
+
+    def _evaluation_due(self) -> bool:
+        """An --eval_steps point before the run's last step (which the epoch's end evaluates) not yet evaluated: a
+        run stopped there evaluates it first when resumed."""
+        at, history = self.at, self.log.eval_history
+        due = self.eval_steps and at.step and at.step % self.eval_steps == 0 and at.step < self.plan.max_train_steps
+        return bool(due) and not (history and history[-1]["step"] == at.step)
+
+    def _evaluates_at_epoch_end(self) -> bool:
+        """The run's end always; each epoch's end unless --eval_steps sets the points."""
+        return self.at.step >= self.plan.max_train_steps or not self.eval_steps
+
+    def _evaluate(self) -> None:
+        """Held-out metrics into the log and trackers; a stop during it saves a checkpoint and ends the run, except
+        during the final evaluation, which it lets finish."""
+        last = self.at.step >= self.plan.max_train_steps
+        metrics = self.evaluate(self.stop.finishing if last else self.stop)
+        if metrics is None:
+            saved = self.out.save_checkpoint(self.model, self.plan, self.at, self.log)
+            raise self.stop.preempted(self.at.step, saved, "evaluation")
+        self.metrics = metrics
+        self.log.evaluated(self.at, metrics)
+
+    def finish(self) -> dict:
+        """The final held-out metrics (evaluated now if the run resumed at its end: nothing was left to train), once
+        the loss and the weights are checked finite: what the run saves next is worth saving."""
+        if not self.metrics:
+            self.metrics = self.evaluate(self.stop.finishing)
+        self.log.check_finite(self.at.step, self.model)
+        return self.metrics
+
+    def summary(self, tokens_per_sample: int | None = None) -> dict:
+        """What results.json reports about training (common.metrics.TrainLog.summary)."""
+        return self.log.summary(self.at, tokens_per_sample)
+
+
+class Step:
+    """One optimizer step: `batches`, one per micro-batch of the accumulation window."""
+
+    def __init__(self, loop: TrainingLoop, batches: list):
+        self.loop, self.batches = loop, batches
+
+    def micro_batches(self):
+        """Each batch, inside the context its backward needs: the gradients are reduced across processes after the
+        last micro-batch's backward only (the others run under no_sync)."""
+        accelerator, last = self.loop.accelerator, len(self.batches) - 1
+        for i, batch in enumerate(self.batches):
+            accelerator.sync_gradients = i == last
+            with contextlib.nullcontext() if i == last else accelerator.no_sync(self.loop.model):
+                yield batch
+
+    def backward(self, loss, items, of=None) -> None:
+        """Backward of a micro-batch's `loss`, logged with its weight. `loss` is the mean over its `items` (samples,
+        tokens) when every micro-batch holds as many, or, with `of`, its share of the step's mean over `of` items on
+        every process (a loss divided by the step's all-reduced token count)."""
+        accelerator = self.loop.accelerator
+        if of is None:
+            accelerator.backward(loss)  # Accelerate divides by the accumulation steps, DDP averages over processes
+        else:  # already this micro-batch's share of the step's mean: undo both
+            accelerator.backward(loss * len(self.batches) * accelerator.num_processes)
+        self.loop.log.add(loss, items, per=of)
