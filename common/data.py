@@ -12,28 +12,21 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from .preemption import ignore_stop_signals
-from .runtime import decide_on_main
+from .runtime import taking_turns
+
+# Who works in each turn of prepare_data_first, as the processes that wait for it name it.
+PREPARERS = ("the main process (rank 0)", "another node's first process", "another process")
 
 
 @contextlib.contextmanager
-def prepare_data_first(accelerator):
+def prepare_data_first(state, timeout: int):
     """The block on the main process first, then on each node's local main, then on the rest: a download or a
-    `datasets` cache is written once. The others raise the main process's error without running it."""
-    if not accelerator.is_main_process:
-        decide_on_main(accelerator, None)  # waits for the main process's block: its error raises here
-        with accelerator.local_main_process_first():
-            yield
-        return
-    try:
+    `datasets` cache is written once. The others wait as long as it takes, not --ddp_timeout (`timeout`): that bounds
+    only how long they wait for a process that stopped answering (runtime.taking_turns). They raise the main
+    process's error without running the block."""
+    turn = 0 if state.is_main_process else 1 if state.is_local_main_process else 2
+    with taking_turns(state, turn, PREPARERS, timeout):
         yield
-    except BaseException:
-        decide_on_main(accelerator, _reraise)  # the others raise it too
-    decide_on_main(accelerator, lambda: None)
-    accelerator.wait_for_everyone()  # the barrier local_main_process_first holds the others at
-
-
-def _reraise():
-    raise  # the exception its caller is handling
 
 
 def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_workers=None, collate_fn=None):

@@ -151,16 +151,169 @@ def decide_on_main(accelerator, fn):
         try:
             outcome = [fn()]
         except BaseException as err:
-            if isinstance(err, RecipeError):
-                err.same_on_every_rank = True  # every process raises it: the main process's line says it once
-            known = isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt))
-            line = os_error_line(err) or f"the main process failed: {one_line(err)}"  # whichever process says it
-            broadcast_object_list([err if known else RecipeError(line)])
+            broadcast_object_list([_as_told_to_all(err, "the main process")])
             raise
     broadcast_object_list(outcome)
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
+
+
+def _as_told_to_all(err: BaseException, who: str) -> BaseException:
+    """What the other processes raise for `err`, met by `who`: a user's mistake or a stop as it is (`err` itself is
+    then said once, not by each process), anything else a RecipeError of one line (`who` alone shows its traceback)."""
+    if isinstance(err, RecipeError):
+        err.same_on_every_rank = True  # every process raises it: one line says it
+    if isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt)):
+        return err
+    return RecipeError(os_error_line(err) or f"{who} failed: {one_line(err)}")  # whichever process says it
+
+
+class LostWhileWaiting(Exception):
+    """A process ended or stopped answering while the others waited for its work (taking_turns): the line, and
+    launch.sh's status (None: the line names no cause, the process that ended or its launcher says why)."""
+
+    def __init__(self, line: str, status: str | None):
+        super().__init__(line)
+        self.status = status
+
+
+BEAT_SECONDS = 1.0  # how often a process at work says it is alive: the others hear of its end within it
+LOOK_SECONDS = 0.01  # how often a waiting process looks at its beat: a stop signal is handled between looks
+
+
+@contextlib.contextmanager
+def taking_turns(state, turn: int, who: tuple, timeout: int):
+    """The block on every process in the order of its `turn` (0 to len(who) - 1), the processes of one turn at once,
+    the others waiting until each of those has ended it. The wait has no deadline, it lasts as long as the work: each
+    process at work tells the others every BEAT_SECONDS that it works, is done or failed (a thread of its own
+    all-reduces that on a gloo group made for the purpose, a collective that completes in a moment, far inside
+    `timeout`); a process that died is known at the next beat, and one that stalled within `timeout` (--ddp_timeout),
+    each waiting process saying so in one line that names it (`who` of the turn: "the main process (rank 0)").
+    A stop signal is honoured while waiting. An error in the block reaches every process as decide_on_main's does:
+    the failing process raises it, the others what _as_told_to_all makes of it."""
+    if state.num_processes == 1:
+        yield
+        return
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    for now, working in enumerate(who):
+        if now != turn:
+            flags = _wait_out_turn(group, working, timeout)
+        else:
+            beating = _Beating(group, state, timeout)
+            try:
+                yield
+            except BaseException as err:
+                flags = beating.end(failed=True)
+                if flags is not None:  # else the others have gone: this process's own error is its report
+                    with contextlib.suppress(Exception):
+                        _tell_failure(group, state, flags, _as_told_to_all(err, working))
+                raise
+            flags = beating.end(failed=False)
+            if flags is None:  # the beats broke after this process's part: another one ended or stalled
+                _raise_lost(beating.error, "another process", "the processes prepared the data", timeout)
+        if flags[1]:  # a process failed in this turn: every process raises its error
+            raise _tell_failure(group, state, flags, None)
+    torch.distributed.destroy_process_group(group)
+
+
+def _flags(state, working: bool, failed: bool) -> torch.Tensor:
+    """A beat's content, all-reduced with MAX: whether any process still works, and the lowest rank that failed
+    (as world size - rank, 0 for none)."""
+    return torch.tensor([int(working), state.num_processes - state.process_index if failed else 0])
+
+
+def _tell_failure(group, state, flags, error):
+    """The error of the lowest rank that failed (flags[1]), told by it (`error`) to every process, which returns it."""
+    told = [error]
+    torch.distributed.broadcast_object_list(told, src=state.num_processes - int(flags[1]), group=group)
+    return told[0]
+
+
+def _wait_out_turn(group, working: str, timeout: int) -> torch.Tensor:
+    """Beats with the processes at work in this turn (`working`) until none works; the last beat's flags."""
+    while True:
+        flags = torch.zeros(2, dtype=torch.int64)
+        beat = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True)
+        try:
+            while not beat.is_completed():
+                time.sleep(LOOK_SECONDS)  # a stop signal's handler runs here (and raises), not inside torch's wait
+        except BaseException:  # a stop; but if the beat had already broken, the process waited for ended first
+            if beat.is_completed():  # (and torch's agent, seeing it end, stops the others: that stop is not the cause)
+                _raise_if_broken(beat, working, timeout)
+            raise
+        _raise_if_broken(beat, working, timeout)
+        if not flags[0]:
+            return flags
+
+
+def _raise_if_broken(beat, working: str, timeout: int) -> None:
+    try:
+        beat.wait()
+    except Exception as err:
+        _raise_lost(err, working, "it prepared the data, which this process waited for", timeout)
+
+
+def _raise_lost(err: BaseException, who: str, doing: str, timeout: int):
+    """Raises what a broken beat means: `who` ended while `doing`, or stopped answering for --ddp_timeout; `err`
+    itself if neither."""
+    lost = _lost(err, who, doing, timeout)
+    if lost is err:
+        raise err
+    raise lost from err
+
+
+def _lost(err: BaseException, who: str, doing: str, timeout: int) -> BaseException:
+    if any(PEER_GONE.search(str(e)) for e in causes(err)):
+        return LostWhileWaiting(f"stopped: {who} ended while {doing} (its output, or its launcher's, says why)", None)
+    if _timed_out(err):
+        return LostWhileWaiting(
+            f"error: {who} did not answer for --ddp_timeout {timeout} s while {doing}: it stalled or was suspended; "
+            "any checkpoint already saved is intact (exit 124)",
+            "error",
+        )
+    return err
+
+
+class _Beating:
+    """While this process works in its turn (taking_turns), a daemon thread all-reduces its state with the others
+    every BEAT_SECONDS, at once when the work ends, until no process of the turn works. If the others are lost
+    while the work goes on, it ends this process (the work is for nothing), saying why as exit_codes would."""
+
+    def __init__(self, group, state, timeout: int):
+        self.group, self.state, self.timeout = group, state, timeout
+        self.working, self.failed, self.error, self.flags = True, False, None, None
+        self.lock, self.ended = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="data-preparation-beat", daemon=True)
+        self.thread.start()
+
+    def end(self, failed: bool):
+        """This process's part is done (or `failed`): the flags of the turn's last beat, or None if the beats broke
+        (self.error). Waits for the turn's other processes at work; a stop signal is honoured while it waits."""
+        with self.lock:
+            self.working, self.failed = False, failed
+        self.ended.set()
+        self.thread.join()  # interrupted by a stop signal's handler, as any wait of the main thread
+        return self.flags
+
+    def _beat(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    flags = _flags(self.state, self.working, self.failed)
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+                if not flags[0]:
+                    self.flags = flags
+                    return
+                self.ended.wait(BEAT_SECONDS)
+        except Exception as err:
+            with self.lock:
+                self.error = err
+                if self.working and preemption.stop_before_training() is None:  # else the main thread ends it
+                    lost = _lost(err, "another process", "this one prepared the data", self.timeout)
+                    code, status, line, _, everyone = _how_it_ended(lost)
+                    _say(code, status, line, everyone)
+                    exit_without_teardown(code)
 
 
 @contextlib.contextmanager
@@ -182,9 +335,10 @@ def exit_codes():
     except SystemExit:  # argparse's --help and usage errors
         raise
     except BaseException as err:
-        # a mistake said or a finished run is how it ended, whatever stop came after it (torch's agent ending the
-        # others once one exits); any other failure after a stop before training is the stop's consequence
-        said = next((e for e in causes(err) if isinstance(e, (RecipeError, RunFinished))), None)
+        # a mistake said, a finished run or a process waited for that ended is how it ended, whatever stop came after
+        # it (torch's agent ending the others once one exits); any other failure after a stop before training is the
+        # stop's consequence
+        said = next((e for e in causes(err) if isinstance(e, (RecipeError, RunFinished, LostWhileWaiting))), None)
         ended = said or preemption.stop_before_training() or err
         code, status, line, together, everyone = _how_it_ended(ended)
     _say(code, status, line, everyone)
@@ -234,6 +388,8 @@ def _how_it_ended(err: BaseException) -> tuple:
         return PREEMPTED_EXIT_CODE, status, f"preempted: {err}", err.checkpoint is not None, False
     if isinstance(err, KeyboardInterrupt):
         return 130, "interrupted", "interrupted by Ctrl-C: nothing was saved after the last checkpoint", False, False
+    if isinstance(err, LostWhileWaiting):  # said by each process that waited: the one waited for may say nothing
+        return HUNG_EXIT_CODE, err.status, str(err), False, True
     if _timed_out(err):
         return HUNG_EXIT_CODE, "error", f"error: {LOST_PEERS}", False, False  # a collective did not complete
     if any(PEER_GONE.search(str(e)) for e in causes(err)):  # not the cause: the process that ended first is

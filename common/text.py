@@ -373,7 +373,7 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         )
     if block_size > advised:  # as run_clm, the model's positions decide
         logger.warning(f"--block_size {block_size} is above the tokenizer's model_max_length ({advised})")
-    with prepare_data_first(accelerator):
+    with prepare_data_first(accelerator, args.ddp_timeout):
         raw = load_raw_datasets(
             dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
             validation_file=args.validation_file, validation_split_percentage=args.validation_split_percentage,

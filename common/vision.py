@@ -62,7 +62,7 @@ def load_image(path):
 def load_images(args):
     """(train, eval, image size, mean, std, num_classes) of --dataset, not yet transformed, normalized as
     --pretrained's weights were trained; read by the main process first (a download, a scan), then the others."""
-    with prepare_data_first(PartialState()):
+    with prepare_data_first(PartialState(), args.ddp_timeout):
         train, evals = _image_sets(args)
     folder = args.dataset == "imagefolder"
     size, mean, std = (args.image_size, IMAGENET_MEAN, IMAGENET_STD) if folder else (32, CIFAR_MEAN, CIFAR_STD)
@@ -290,7 +290,7 @@ def timm_weights(name, pretrained=False):
 
 def build_model(args, num_classes: int, on_gpu: bool):
     """--model as the model arguments say; published weights are downloaded by one process per node."""
-    with prepare_data_first(PartialState()) if args.pretrained else contextlib.nullcontext():
+    with prepare_data_first(PartialState(), args.ddp_timeout) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
     group = args.norm_layer == "group"  # before --pretrained_path: a run with --norm_layer group saved GroupNorm's
     model = set_norm_layer(model, "group", on_gpu) if group else model

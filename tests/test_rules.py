@@ -6,6 +6,7 @@ what a run writes, its user's group can read."""
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -28,6 +29,7 @@ from conftest import (
     free_port,
     lm_args,
     load_recipe,
+    results,
     run,
     snapshot,
     user_env,
@@ -685,6 +687,118 @@ def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_
     lines = error_lines(stderr)
     assert code != 0 and lines == [f"error: {LOST_PEERS}"], stderr[-3000:]
     assert took < 60 and ckpt.checkpoint_damage(out / "checkpoint-2") is None
+
+
+# Data prepared by one process while the others wait: for as long as it takes, not for --ddp_timeout ------------
+
+NUMBERS = "zero one two three four five six seven eight nine".split()
+CORPUS_ROWS = 100_000  # tokenizing and packing them takes the main process about 15 s here, 3 times --ddp_timeout 5
+
+
+def counting_corpus(path: Path, rows: int = CORPUS_ROWS, last: str = "") -> Path:
+    """`rows` jsonl rows of the tiny model's counting text, about 310 bytes each (then the line `last`)."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            start = rng.randrange(10)
+            text = " ".join(NUMBERS[(start + i) % 10] for i in range(rng.randrange(57, 64)))
+            f.write(json.dumps({"text": text}) + "\n")
+        f.write(last)
+    return path
+
+
+def tokenized_for(text: str) -> int:
+    """The seconds the main process spent tokenizing the training data, as datasets' progress bar last said."""
+    times = re.findall(r"tokenizing train: [^\n]*\[(\d+):(\d+)<", text.replace("\r", "\n"))
+    return max((int(minutes) * 60 + int(seconds) for minutes, seconds in times), default=0)
+
+
+def preparing(tiny_lm, tmp_path, corpus, *extra):
+    """./launch.sh lm_finetune in 2 processes on `corpus` with --ddp_timeout 5, a datasets cache of its own (the
+    main process tokenizes it: nothing is cached), and its environment. The watchdog is off: at --ddp_timeout 5 it
+    would name a first step slower than 2 s, which a loaded CI machine takes."""
+    args = lm_args(tiny_lm, tmp_path / "run", "--ddp_timeout", "5", "--hang_timeout", "0", *extra,
+                   data=["--train_file", corpus, "--validation_file", tiny_lm["validation"]])  # fmt: skip
+    env = user_env(CUDA_VISIBLE_DEVICES="", HF_DATASETS_CACHE=str(tmp_path / "cache"))
+    return [REPO / "launch.sh", "lm_finetune", "--num_processes", "2", *args], env
+
+
+@pytest.mark.slow
+def test_data_that_takes_longer_to_prepare_than_the_collective_timeout_trains(tiny_lm, tmp_path):
+    """The main process tokenizes for longer than --ddp_timeout while the other waits for it: the wait lasts as long
+    as the work (before: exit 124 after --ddp_timeout, blaming a stalled collective, the tokenizer part way)."""
+    cmd, env = preparing(tiny_lm, tmp_path, counting_corpus(tmp_path / "big.jsonl"), "--max_train_steps", "2")
+    proc = run(cmd, env=env, check=False)
+    assert proc.returncode == 0 and results(tmp_path / "run")["steps"] == 2, proc.stderr[-3000:]
+    assert tokenized_for(proc.stderr) > 5, "tokenized within --ddp_timeout: this tries nothing (raise CORPUS_ROWS)"
+
+
+@pytest.mark.slow
+def test_bad_data_met_after_the_collective_timeout_is_still_one_line_and_exit_2(tiny_lm, tmp_path):
+    """A row without text at the end of a corpus that takes longer than --ddp_timeout to tokenize: the main process's
+    error reaches the other, which waited for it all along; one line, exit 2, nothing written."""
+    corpus = counting_corpus(tmp_path / "big.jsonl", last='{"text": null}\n')
+    cmd, env = preparing(tiny_lm, tmp_path, corpus)
+    proc = run(cmd, env=env, check=False)
+    said = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "stopped:", "preempted:"))]
+    assert proc.returncode == 2 and said == [
+        f"error: --train_file {corpus}: a row's text is None (NoneType), not text; remove or fill such rows, or pass "
+        "the --text_column that holds the text"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
+    assert tokenized_for(proc.stderr) > 5, "tokenized within --ddp_timeout: this tries nothing (raise CORPUS_ROWS)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "suspended"])
+def test_a_main_process_lost_while_it_prepares_the_data_is_named_by_the_one_waiting(tiny_lm, tmp_path, how):
+    """SIGKILL (the OOM killer) or SIGSTOP (`scontrol suspend`) to the main process while it tokenizes: the other
+    process stops waiting in bounded time with a line naming it: one killed at once (before torch's agent stops the
+    other: that stop is not the cause), and launch.sh names the signal; one suspended within --ddp_timeout, exit 124
+    (before: "a process stalled" or "another process ended", naming none)."""
+    cmd, env = preparing(tiny_lm, tmp_path, counting_corpus(tmp_path / "big.jsonl"), "--max_train_steps", "1000")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        rank0 = None
+        try:
+            deadline = time.monotonic() + 180
+            while (log.seek(0) or True) and "tokenizing train" not in log.read():
+                assert proc.poll() is None and time.monotonic() < deadline, "the main process never tokenized"
+                time.sleep(0.05)
+            (rank0,) = [
+                p for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.environ().get("RANK") == "0" and str(LM) in " ".join(p.cmdline())
+                and "RANK" not in p.parent().environ()
+            ]  # fmt: skip
+            rank0.kill() if how == "killed" else rank0.suspend()
+            sent = time.monotonic()
+            while not re.search(r"^(stopped|error):", (log.seek(0) or True) and log.read(), re.M):  # the other's line
+                assert proc.poll() is None and time.monotonic() < sent + 60, "the other process kept waiting"
+                time.sleep(0.05)
+            took = time.monotonic() - sent
+            if how == "suspended":
+                rank0.resume()  # torch's agent stops it (as it would after a resume by Slurm)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if rank0 is not None and how == "suspended":
+                with contextlib.suppress(psutil.Error):
+                    rank0.kill()
+        log.seek(0)
+        text = log.read().replace("\r", "\n")
+    lines = [line for line in text.splitlines() if line.startswith(("preempted:", "stopped:", "error:", "launch.sh:"))]
+    assert "Traceback" not in text, text[-3000:]
+    main_lost = "the main process (rank 0) ended while it prepared the data, which this process waited for"
+    if how == "killed":  # at once; launch.sh names the signal
+        killed = f"process rank 0 (pid {rank0.pid}) was killed by SIGKILL (out of memory? see dmesg)"
+        expected = 137, [f"stopped: {main_lost} (its output, or its launcher's, says why)", f"launch.sh: {killed}"]
+    else:  # within --ddp_timeout
+        stalled = "the main process (rank 0) did not answer for --ddp_timeout 5 s while it prepared the data"
+        fate = "it stalled or was suspended; any checkpoint already saved is intact (exit 124)"
+        expected = 124, [f"error: {stalled}, which this process waited for: {fate}"]
+    assert (code, lines) == expected, text[-3000:]
+    assert took < (10 if how == "killed" else 5 + 20), took
 
 
 # 6. An operating-system error names the path, where it came from, and the fix ---------------------
