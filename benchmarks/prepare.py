@@ -232,8 +232,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     import platform
 
+    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]  # other jobs' load skews every rate here
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "machine": f"{platform.processor() or platform.machine()}, {cores} cores, load average {load:.1f} at start",
         "command": " ".join(["python", "benchmarks/prepare.py", *sys.argv[1:]]),
         "throughput": throughput(work, args.throughput_mb, repeats),
         "start_up": start_up(work, args.sizes_mb, args.steps),
