@@ -73,7 +73,8 @@ RUN_CONTROL = {
     "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_train_steps", "num_train_epochs",
     "logging_steps", "checkpointing_steps", "save_total_limit", "report_to", "dataloader_num_workers",
     "preprocessing_num_workers", "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed",
+    "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed", "prepared_data_dir", "prepare_only",
+    "max_eval_samples",
 }  # fmt: skip
 
 

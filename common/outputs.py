@@ -59,7 +59,7 @@ TMP_FILES = (".tmp-model", ".tmp-zero-shards", f".{RESULTS_FILE}.tmp", f".{MODEL
 
 # The options the recipes read files from (a copy's own: add it here), which --output_dir is kept apart from
 INPUTS = ("data_dir", "train_dir", "val_dir", "pretrained_path", "model_name_or_path", "config_name", "tokenizer_name",
-          "dataset_name", "train_file", "validation_file")  # fmt: skip
+          "dataset_name", "train_file", "validation_file", "prepared_data_dir")  # fmt: skip
 
 
 class OutputDir:

@@ -5,6 +5,7 @@ becomes one RecipeError naming the file and the fix; an error about a path is le
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
 import json
@@ -12,6 +13,8 @@ import logging
 import math
 import re
 import reprlib
+import shutil
+import time
 from functools import partial
 from itertools import chain
 from pathlib import Path
@@ -19,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import prepared
 from .args import at_least
 from .data import make_dataloader, prepare_data_first
-from .runtime import RecipeError, causes, check_path, logger, one_line
+from .preemption import stop_before_training
+from .runtime import RecipeError, RunFinished, causes, check_path, logger, one_line
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -57,7 +62,12 @@ def add_lm_args(parser):
     d("--text_column", default="text")
     d("--data_format", choices=["text", "chat"], default="text", help="chat: a `messages` column, prompts masked out")
     d("--block_size", type=at_least(2), help="default: min(model max length, 1024)")
-    d("--preprocessing_num_workers", type="positive_int")
+    d("--preprocessing_num_workers", type="positive_int", help="processes that tokenize (default: the CPUs "
+      f"available, 1 for data under {prepared.SMALL_DATA_BYTES // 2**20} MB)")  # fmt: skip
+    d("--prepared_data_dir", help="where the tokenized blocks are kept and reused, shareable across runs and nodes "
+      "(default: a folder named by the inputs in the datasets cache)")  # fmt: skip
+    d("--prepare_only", action="store_true", help="prepare the data (e.g. on a CPU machine), then exit")
+    d("--max_eval_samples", type="positive_int", help="evaluate on the first N blocks of the held-out set")
     parser.checks.append(_check_lm_args)
     parser.does_nothing_unless(["--text_column"], lambda a: a.data_format == "text", "with --data_format chat (its "
                                "conversations are read from the messages column)")  # fmt: skip
@@ -161,6 +171,16 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
                       validation_split_percentage=5, seed=0, data_format=None, text_column="text"):  # fmt: skip
     """A DatasetDict with `train` and `validation`; without a validation split, `validation_split_percentage`
     percent of train is held out (seeded), once the columns of `data_format` (if given) are checked."""
+    raw = read_sources(
+        dataset_name=dataset_name, dataset_config_name=dataset_config_name, train_file=train_file,
+        validation_file=validation_file, data_format=data_format, text_column=text_column,
+    )  # fmt: skip
+    return hold_out(raw, validation_split_percentage, seed, data_sources(dataset_name, train_file, validation_file))
+
+
+def read_sources(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
+                 data_format=None, text_column="text"):  # fmt: skip
+    """The splits as the data has them (a `train`, maybe a `validation`), their columns checked for `data_format`."""
     from datasets import DatasetDict
 
     sources = data_sources(dataset_name, train_file, validation_file)
@@ -182,17 +202,24 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
                 raw[split] = _load(sources[split], fmt, data_files=str(path), split="train", **bom)
     if data_format:
         check_columns(raw, data_format, text_column, sources)
-    if "validation" not in raw:
-        try:
-            split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
-        except ValueError as err:  # a side would be empty
-            raise RecipeError(
-                f"{sources['train']}: {len(raw['train'])} row(s) are too few to hold out "
-                f"{validation_split_percentage}% for validation; add rows, pass --validation_file, or change "
-                "--validation_split_percentage"
-            ) from err
-        raw = DatasetDict(train=split["train"], validation=split["test"])
     return raw
+
+
+def hold_out(raw, validation_split_percentage, seed, sources):
+    """`raw` with a `validation` split: its own, or `validation_split_percentage` percent of train (seeded)."""
+    from datasets import DatasetDict
+
+    if "validation" in raw:
+        return raw
+    try:
+        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+    except ValueError as err:  # a side would be empty
+        raise RecipeError(
+            f"{sources['train']}: {len(raw['train'])} row(s) are too few to hold out "
+            f"{validation_split_percentage}% for validation; add rows, pass --validation_file, or change "
+            "--validation_split_percentage"
+        ) from err
+    return DatasetDict(train=split["train"], validation=split["test"])
 
 
 def check_conversation(messages) -> None:
@@ -288,14 +315,7 @@ def check_columns(raw, data_format, text_column, sources) -> None:
         raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
 
 
-def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
-    """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
-    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
-    from datasets import DatasetDict
-
-    sources = {split: f"the {split} split" for split in raw} | (sources or {})
-    column = text_column if data_format == "text" else "messages"
-    check_columns(raw, data_format, text_column, sources)  # before the minutes of tokenizing the first
+def _check_tokenizer(tokenizer, data_format) -> None:
     if data_format == "text" and tokenizer.eos_token_id is None:
         logger.warning(f"the tokenizer {tokenizer.name_or_path} has no EOS token: packed documents run together")
     if data_format == "chat" and not tokenizer.chat_template:
@@ -303,6 +323,10 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
             "conversations with; use a tokenizer that has one, or --data_format text"
         )
+
+
+def _tokenizer_for(tokenizer, data_format, column):
+    """A datasets.map function: a batch of rows to token ids and labels (text: plus EOS; chat: prompts masked)."""
 
     def tokenize(batch, source):
         if data_format == "chat":
@@ -325,44 +349,219 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
         )
         return {"input_ids": ids, "labels": ids}
 
+    return tokenize
+
+
+def _blocks_of(data, tokenize, source, block_size, num_proc=None, cache=None):
+    """(blocks, documents) of rows `data`: tokenized by `num_proc` processes, then packed by this one, in batches of
+    1000 documents from the first (the rest of each batch dropped), so that the blocks do not depend on the workers.
+    `cache`: a folder for datasets' files (else the datasets cache)."""
+    files = (lambda name: {"cache_file_name": str(cache / name)}) if cache else (lambda name: {})
+    try:
+        tokenized = data.map(
+            tokenize, batched=True, fn_kwargs={"source": source}, remove_columns=data.column_names,
+            num_proc=num_proc if num_proc and num_proc > 1 else None, desc="tokenizing", **files("tokens.arrow"),
+        )  # fmt: skip
+    except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
+        raise RecipeError(f"{source}: {_not_utf8(err)}") from None
+    if len(tokenized) == 0:
+        return tokenized, 0
+    blocks = tokenized.map(
+        pack, batched=True, fn_kwargs={"block_size": block_size}, desc=f"packing into blocks of {block_size}",
+        **files("blocks.arrow"),
+    )  # fmt: skip
+    return blocks, len(tokenized)
+
+
+def _trained_blocks(blocks, data_format) -> int:
+    """Blocks holding a token to train on: all of plain text's; chat's, those with an assistant's token."""
+    if data_format == "text" or len(blocks) == 0:
+        return len(blocks)
+    found = blocks.with_format("numpy").iter(batch_size=1024)
+    return sum(int((b["labels"][:, 1:] != IGNORE_INDEX).any(1).sum()) for b in found)
+
+
+def _check_split(source, documents, blocks, trained, block_size) -> None:
+    """A split's blocks are enough to train or evaluate on: text, at least one block, most with a target token."""
+    if documents == 0:  # whatever the file's size: no row holds text
+        raise RecipeError(f"{source}: holds no text (no row has any); pass data that does")
+    if blocks == 0:
+        more = " (a larger --validation_split_percentage)" if "held out" in source else ""
+        raise RecipeError(f"{source} holds fewer than {block_size} tokens; add data{more} or lower --block_size")
+    if trained * 2 < blocks:  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing
+        what = f"{'no' if not trained else f'only {trained} of {blocks}'} block(s) of {block_size}"
+        why = (
+            f"{source}: {what} tokens hold a token to train on (an assistant's reply, in chat data); "
+            "raise --block_size, or pass data with longer replies"
+        )
+        if not trained:
+            raise RecipeError(why)
+        logger.warning(why)
+
+
+def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, num_proc=None, sources=None):
+    """`raw` tokenized (text: `text_column` plus EOS; chat: `messages`, prompts masked) and packed, each split
+    holding a block with a token to train on; `sources` names each split in error lines (data_sources)."""
+    from datasets import DatasetDict
+
+    sources = {split: f"the {split} split" for split in raw} | (sources or {})
+    column = text_column if data_format == "text" else "messages"
+    check_columns(raw, data_format, text_column, sources)  # before the minutes of tokenizing the first
+    _check_tokenizer(tokenizer, data_format)
+    tokenize = _tokenizer_for(tokenizer, data_format, column)
     packed = DatasetDict()
     for split, data in raw.items():
-        try:
-            tokenized = data.map(
-                tokenize, batched=True, fn_kwargs={"source": sources[split]}, remove_columns=data.column_names,
-                num_proc=num_proc, desc=f"tokenizing {split}",
-            )  # fmt: skip
-        except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
-            raise RecipeError(f"{sources[split]}: {_not_utf8(err)}") from None
-        if len(tokenized) == 0:  # whatever the file's size: no row holds text
-            raise RecipeError(f"{sources[split]}: holds no text (no row has any); pass data that does")
-        packed[split] = tokenized.map(
-            pack, batched=True, fn_kwargs={"block_size": block_size}, num_proc=num_proc,
-            desc=f"packing {split} into blocks of {block_size}",
-        )  # fmt: skip
-        if len(packed[split]) == 0:
-            more = " (a larger --validation_split_percentage)" if "held out" in sources[split] else ""
-            raise RecipeError(
-                f"{sources[split]} holds fewer than {block_size} tokens; add data{more} or lower --block_size"
-            )
-        blocks = packed[split].with_format("numpy").iter(batch_size=1024)
-        trained = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).any(1).sum()) for b in blocks)
-        if trained * 2 < len(packed[split]):  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing
-            what = f"{'no' if not trained else f'only {trained} of {len(packed[split])}'} block(s) of {block_size}"
-            why = (
-                f"{sources[split]}: {what} tokens hold a token to train on (an assistant's reply, in chat data); "
-                "raise --block_size, or pass data with longer replies"
-            )
-            if not trained:
-                raise RecipeError(why)
-            logger.warning(why)
+        packed[split], documents = _blocks_of(data, tokenize, sources[split], block_size, num_proc)
+        trained = _trained_blocks(packed[split], data_format)
+        _check_split(sources[split], documents, len(packed[split]), trained, block_size)
     return packed.with_format("torch")
 
 
-def lm_dataloaders(args, accelerator, tokenizer, config):
-    """(train, eval, block_size): packed by the main process first (the others read datasets' cache)."""
-    from transformers import default_data_collator
+# Prepared data: tokenized once, reused -------------------------------------------------------------------------
 
+
+def data_inputs(args, tokenizer, block_size, raw=None) -> dict:
+    """What the blocks are made from, by content (common.prepared's manifest): local files by their sha256, a hub or
+    folder dataset by datasets' fingerprints of `raw` (its splits before any is held out), the tokenizer's digest and
+    the settings that change the blocks."""
+    held_out = {"validation_split_percentage": args.validation_split_percentage, "seed": args.seed}
+    inputs = {
+        "version": prepared.FORMAT_VERSION,
+        "tokenizer": prepared.tokenizer_identity(tokenizer),
+        "block_size": block_size,
+        "data_format": args.data_format,
+        "text_column": args.text_column if args.data_format == "text" else None,
+    }
+    if args.dataset_name:
+        fingerprints = {split: data._fingerprint for split, data in raw.items() if split in ("train", "validation")}
+        inputs["dataset"] = {"name": args.dataset_name, "config": args.dataset_config_name, **fingerprints}
+        inputs["held_out"] = None if "validation" in raw else held_out
+        return inputs
+    for flag, path in (("train_file", args.train_file), ("validation_file", args.validation_file)):
+        if path:
+            check_path(f"--{flag}", path)
+            inputs[flag] = {
+                "format": LOCAL_FORMATS[Path(path).suffix.lower()],
+                "bytes": Path(path).stat().st_size,
+                "sha256": prepared.file_sha256(path),
+            }
+    inputs["held_out"] = None if args.validation_file else held_out
+    return inputs
+
+
+@contextlib.contextmanager
+def _one_progress_bar():
+    """datasets' bars (one per map) hidden: the preparation draws one over the whole corpus."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def prepared_blocks(args, tokenizer, block_size):
+    """(blocks, folder): the train and validation blocks from --prepared_data_dir (default: a folder of the datasets
+    cache named by the inputs), prepared there first unless a run with the same inputs did."""
+    raw = None
+    if args.dataset_name:  # its fingerprints are datasets', read from its cache
+        raw = read_sources(
+            dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
+            data_format=args.data_format, text_column=args.text_column,
+        )  # fmt: skip
+    inputs = data_inputs(args, tokenizer, block_size, raw)
+    digest = prepared.inputs_digest(inputs)
+    named = bool(args.prepared_data_dir)
+    folder = Path(args.prepared_data_dir).expanduser() if named else prepared.default_folder(digest)
+    sources = data_sources(args.dataset_name, args.train_file, args.validation_file)
+    _check_tokenizer(tokenizer, args.data_format)
+    manifest = prepared.find_prepared(folder, inputs, named)
+    if manifest is not None:
+        splits = manifest["splits"]
+        for split, counts in splits.items():  # its warnings, as the run that prepared it said them
+            _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size)
+        logger.info(
+            f"reusing the prepared data in {folder}: {splits['train']['blocks']:,} train and "
+            f"{splits['validation']['blocks']:,} validation blocks of {block_size} tokens"
+        )
+        return prepared.load_prepared(folder, manifest), folder
+    if raw is None:
+        raw = read_sources(
+            train_file=args.train_file, validation_file=args.validation_file, data_format=args.data_format,
+            text_column=args.text_column,
+        )  # fmt: skip
+    raw = hold_out(raw, args.validation_split_percentage, args.seed, sources)
+    manifest = _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources)
+    return prepared.load_prepared(folder, manifest), folder
+
+
+def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) -> dict:
+    """`raw` tokenized and packed into `folder`, in chunks each saved when done: a preparation interrupted resumes at
+    the first chunk it had not finished. Returns the manifest."""
+    column = args.text_column if args.data_format == "text" else "messages"
+    tokenize = _tokenizer_for(tokenizer, args.data_format, column)
+    size, nbytes = prepared.chunk_bytes(), {split: prepared.text_bytes(data) for split, data in raw.items()}
+    workers = args.preprocessing_num_workers or prepared.default_workers(sum(nbytes.values()))
+    # Chunks are contiguous shards of a split's rows, each packed alone: a chunk's last tokens, fewer than
+    # block_size, are dropped (as those of each batch of 1000 documents are). A corpus of one chunk's size or less
+    # is one chunk, packed as it was before chunks.
+    chunks = {split: max(1, math.ceil(nbytes[split] / size)) for split in raw}
+    partial = prepared.partial_folder(folder, digest)
+    partial.mkdir(parents=True, exist_ok=True)
+    keys = [(split, i) for split in raw for i in range(chunks[split])]
+    done = {(split, i): prepared.read_part(partial / split / f"part-{i:05d}") for split, i in keys}
+    finished = [info for info in done.values() if info]
+    if finished:
+        logger.info(f"resuming the preparation in {partial}: {len(finished)} of {len(done)} chunks done")
+    else:
+        logger.info(f"preparing the data in {folder} ({sum(nbytes.values()) / 2**20:,.1f} MB, {workers} worker(s))")
+    progress = prepared.Progress(
+        sum(nbytes.values()), sum(i["bytes"] for i in finished), sum(i["blocks"] for i in finished) * block_size,
+        desc="tokenizing",
+    )  # fmt: skip
+    splits = {}
+    with _one_progress_bar():
+        for split in ("validation", "train"):  # the held-out split first: too little of it is said in seconds
+            parts, data, n = [], raw[split], chunks[split]
+            progress.bar.set_description(f"tokenizing {split}")
+            for i in range(n):
+                path = partial / split / f"part-{i:05d}"
+                if (info := done[split, i]) is None:
+                    chunk = data.shard(n, i, contiguous=True) if n > 1 else data
+                    work = partial / "work"  # datasets' files of this chunk; its blocks are saved as the part
+                    shutil.rmtree(work, ignore_errors=True)
+                    work.mkdir()
+                    blocks, documents = _blocks_of(chunk, tokenize, sources[split], block_size, workers, work)
+                    counts = {
+                        "rows": len(chunk), "bytes": prepared.text_bytes(chunk), "documents": documents,
+                        "blocks": len(blocks), "trained": _trained_blocks(blocks, args.data_format),
+                    }  # fmt: skip
+                    info = prepared.write_part(path, blocks, counts)
+                    shutil.rmtree(work)
+                    progress.add(counts["bytes"], counts["blocks"] * block_size)
+                    # a stop that came while the pool forked was raised where Python ignores it: end here, not later
+                    if (stop := stop_before_training()) is not None:
+                        raise stop
+                parts.append(info)
+            totals = {key: sum(p[key] for p in parts) for key in ("rows", "documents", "blocks", "trained")}
+            _check_split(sources[split], totals["documents"], totals["blocks"], totals["trained"], block_size)
+            splits[split] = {**totals, "tokens": totals["blocks"] * block_size, "parts": parts}
+    seconds = progress.close()
+    manifest = {
+        "version": prepared.FORMAT_VERSION, "digest": digest, "inputs": inputs, "splits": splits,
+        "sources": {split: sources[split] for split in splits}, "tokenizer": tokenizer.name_or_path,
+        "workers": workers, "seconds": round(seconds, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }  # fmt: skip
+    prepared.install(partial, folder, manifest)
+    logger.info(f"prepared {splits['train']['tokens']:,} train tokens into {folder} in {seconds:.0f} s")
+    return manifest
+
+
+def block_size_for(args, tokenizer, config) -> int:
+    """--block_size, or the model's limit (at most 1024); refused above what the model accepts."""
     limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
     positions, advised = (n if n and n < 1_000_000_000 else math.inf for n in limits)  # a tokenizer's: 1e30 if unset
     block_size = args.block_size or min(positions, advised, 1024)
@@ -373,18 +572,36 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
         )
     if block_size > advised:  # as run_clm, the model's positions decide
         logger.warning(f"--block_size {block_size} is above the tokenizer's model_max_length ({advised})")
+    return block_size
+
+
+def prepare_only(args, accelerator) -> None:
+    """With --prepare_only: the data prepared (the tokenizer and config loaded, no weights), then the run ends with
+    one `done:` line naming the folder (RunFinished, exit 0), before --output_dir is claimed. Else nothing."""
+    if not args.prepare_only:
+        return
+    tokenizer, config = load_tokenizer(args)
+    block_size = block_size_for(args, tokenizer, config)
     with prepare_data_first(accelerator, args.ddp_timeout):
-        raw = load_raw_datasets(
-            dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
-            validation_file=args.validation_file, validation_split_percentage=args.validation_split_percentage,
-            seed=args.seed, data_format=args.data_format, text_column=args.text_column,
-        )  # fmt: skip
-        data = tokenize_and_pack(
-            raw, tokenizer, data_format=args.data_format, text_column=args.text_column, block_size=block_size,
-            num_proc=args.preprocessing_num_workers,
-            sources=data_sources(args.dataset_name, args.train_file, args.validation_file),
-        )  # fmt: skip
-    workers = args.dataloader_num_workers or 0  # the blocks are in memory: no worker by default
+        data, folder = prepared_blocks(args, tokenizer, block_size)
+    raise RunFinished(
+        f"prepared {len(data['train']):,} train and {len(data['validation']):,} validation blocks of {block_size} "
+        f"tokens in {folder}; train with the same data arguments (and --prepared_data_dir {folder})"
+    )
+
+
+def lm_dataloaders(args, accelerator, tokenizer, config):
+    """(train, eval, block_size): the prepared blocks (common.prepared), prepared by the main process first (the others
+    find them ready), memory-mapped; --max_eval_samples: the first N held-out blocks."""
+    from transformers import default_data_collator
+
+    block_size = block_size_for(args, tokenizer, config)
+    with prepare_data_first(accelerator, args.ddp_timeout):
+        data, _ = prepared_blocks(args, tokenizer, block_size)
+    if args.max_eval_samples:
+        data["validation"] = data["validation"].select(range(min(args.max_eval_samples, len(data["validation"]))))
+    data = data.with_format("torch")
+    workers = args.dataloader_num_workers or 0  # the blocks are memory-mapped: no worker by default
     loader = partial(make_dataloader, seed=args.seed, num_workers=workers, collate_fn=default_data_collator)
     train = loader(data["train"], args.per_device_train_batch_size, train=True)
     return train, loader(data["validation"], args.per_device_eval_batch_size, train=False), block_size
@@ -466,6 +683,33 @@ def load_causal_lm(args, **model_kwargs):
             "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)"
         )
     return model, tokenizer
+
+
+def load_tokenizer(args):
+    """(tokenizer, config) as load_causal_lm loads them, without the weights: what --prepare_only needs."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, trust = args.model_name_or_path or args.config_name, args.trust_remote_code
+    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
+    part = "config"
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+        part = "tokenizer"
+        if args.tokenizer_name:
+            flag, source = "--tokenizer_name", args.tokenizer_name
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    except Exception as err:
+        if _about_a_path(err):
+            raise
+        raise _load_error(flag, source, err, part) from err
+    if args.config_overrides:  # they may set max_position_embeddings, which bounds --block_size
+        try:
+            config.update_from_string(args.config_overrides)
+        except Exception as err:
+            raise _overrides_error(config, args, err) from err
+    if tokenizer.pad_token is None:  # as load_causal_lm: the same tokenizer, the same identity
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, config
 
 
 def _check_runs(base, config) -> None:

@@ -29,6 +29,7 @@ from common.text import (
     flops_per_token,
     lm_dataloaders,
     load_causal_lm,
+    prepare_only,
     target_tokens,
     window_tokens,
 )
@@ -175,6 +176,7 @@ def main(argv=None):
             "schedule; remove them from the config, or use recipes/zero.py, which takes them"
         )
     set_seed(args.seed)
+    prepare_only(args, accelerator)  # --prepare_only: the data prepared, one `done:` line, exit 0; nothing else
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards

@@ -36,6 +36,7 @@ from common.text import (
     evaluate_causal_lm,
     lm_dataloaders,
     load_causal_lm,
+    prepare_only,
     target_tokens,
     window_tokens,
 )
@@ -206,6 +207,7 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
     set_seed(args.seed)
+    prepare_only(args, accelerator)  # --prepare_only: the data prepared, one `done:` line, exit 0; nothing else
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = build_model(args)

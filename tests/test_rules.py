@@ -601,11 +601,14 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_o
     big = tmp_path / "big.jsonl"
     big.write_text(Path(tiny_lm["train"]).read_text() * 1000)  # tokenizing takes seconds: the stop lands in it
     out = tmp_path / "run"
-    args = lm_args(tiny_lm, out, "--max_train_steps", "1000", data=["--train_file", big])
+    # one process tokenizes, as the stop lands in it (test_a_stop_while_datasets_map_workers_run: in a pool's map)
+    args = lm_args(tiny_lm, out, "--max_train_steps", "1000", "--preprocessing_num_workers", "1",
+                   data=["--train_file", big])  # fmt: skip
     cmd = [REPO / "launch.sh", "lm_finetune", "--num_processes", "2", *args]
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(CUDA_VISIBLE_DEVICES=""), stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        # a cache of its own: blocks another run prepared from the same text would be reused, not tokenized
+        env = user_env(CUDA_VISIBLE_DEVICES="", HF_DATASETS_CACHE=str(tmp_path / "cache"))
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while (log.seek(0) or True) and "tokenizing train" not in log.read():
             assert proc.poll() is None and time.monotonic() < deadline, "the main process never tokenized"

@@ -1,0 +1,258 @@
+"""Prepared data (common.prepared): the LM recipes' text tokenized and packed once into a folder with a manifest,
+reused by later runs and other nodes with the same inputs, refused for other inputs, resumed after an interruption,
+prepared ahead with --prepare_only."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+from accelerate import PartialState
+from conftest import (
+    BIN,
+    REPO,
+    accelerate_cpu,
+    error_lines,
+    lm_args,
+    load_recipe,
+    results,
+    run,
+    snapshot,
+    user_env,
+)
+
+from common import prepared
+from common.runtime import RecipeError
+from common.text import load_raw_datasets, load_tokenizer, prepared_blocks, tokenize_and_pack
+
+RECIPE = REPO / "recipes" / "lm_finetune.py"
+
+
+def prepare_here(lm, folder, *extra):
+    """prepared_blocks in this process, as lm_dataloaders calls it, into `folder`."""
+    PartialState()  # which the recipes' logger needs
+    args = load_recipe("lm_finetune").parse_args(
+        [str(a) for a in lm_args(lm, "unused", "--prepared_data_dir", folder, *extra)]
+    )
+    tokenizer, _ = load_tokenizer(args)
+    return prepared_blocks(args, tokenizer, 32)
+
+
+def losses(res) -> list:
+    return [entry["train_loss"] for entry in res["log_history"]]
+
+
+def manifest(folder) -> dict:
+    return json.loads((folder / prepared.MANIFEST).read_text())
+
+
+def ids(data, split) -> list:
+    return [list(map(int, block)) for block in data[split]["input_ids"]]
+
+
+def test_a_small_corpus_is_one_chunk_packed_as_before_and_chunks_drop_less_than_a_block_each(tiny_lm, tmp_path,
+                                                                                           monkeypatch):  # fmt: skip
+    data, folder = prepare_here(tiny_lm, tmp_path / "one")
+    tokenizer, _ = load_tokenizer(load_recipe("lm_finetune").parse_args([str(a) for a in lm_args(tiny_lm, "x")]))
+    raw = load_raw_datasets(train_file=tiny_lm["train"], validation_file=tiny_lm["validation"])
+    before = tokenize_and_pack(raw, tokenizer, data_format="text", text_column="text", block_size=32)
+    for split in ("train", "validation"):
+        assert ids(data, split) == ids(before, split)  # the blocks of one chunk are those of tokenize_and_pack
+        assert len(manifest(folder)["splits"][split]["parts"]) == 1
+    assert manifest(folder)["splits"]["train"]["blocks"] == len(before["train"]) == 196
+
+    monkeypatch.setenv(prepared.CHUNK_BYTES_ENV, "4000")  # the 35 kB of text in 8 or more chunks
+    chunked, folder = prepare_here(tiny_lm, tmp_path / "chunked")
+    parts = len(manifest(folder)["splits"]["train"]["parts"])
+    assert parts >= 8 and len(os.listdir(folder / "train")) == parts
+    assert 196 - parts <= len(chunked["train"]) <= 196  # each chunk drops fewer than block_size tokens
+    assert ids(chunked, "train")[:3] == ids(before, "train")[:3]
+
+
+def test_prepared_data_that_is_damaged_or_not_prepared_data_is_one_line_and_left_alone(tiny_lm, tmp_path):
+    folder = tmp_path / "prepared"
+    prepare_here(tiny_lm, folder)
+    arrow = next((folder / "train").rglob("data-*.arrow"))
+    size = arrow.stat().st_size
+    arrow.write_bytes(arrow.read_bytes()[: size // 2])
+    cut = snapshot(folder)
+    with pytest.raises(RecipeError) as err:
+        prepare_here(tiny_lm, folder)
+    relative = arrow.relative_to(folder)
+    assert str(err.value) == (
+        f"--prepared_data_dir {folder} is damaged ({relative} has {size // 2:,} bytes, not {size:,}); delete it to "
+        "prepare it again, or pass another --prepared_data_dir"
+    )
+    assert snapshot(folder) == cut
+    (folder / prepared.MANIFEST).write_text("{")  # a manifest cut short
+    with pytest.raises(RecipeError, match=r"is damaged \(its manifest.json does not parse \(JSONDecodeError\)\)"):
+        prepare_here(tiny_lm, folder)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="holds files that are not prepared data"):
+        prepare_here(tiny_lm, other)
+    assert snapshot(other) == {"todo.txt": snapshot(other)["todo.txt"]}
+    empty = tmp_path / "empty"  # a folder made for it is used
+    empty.mkdir()
+    data, _ = prepare_here(tiny_lm, empty)
+    assert len(data["train"]) == 196 and (empty / prepared.MANIFEST).is_file()
+
+
+def test_tokenizing_uses_one_process_for_small_data_and_the_cpus_for_large():
+    cpus = len(os.sched_getaffinity(0))
+    assert prepared.default_workers(10 * 2**20) == 1
+    assert prepared.default_workers(10 * 2**30) == min(cpus, prepared.MAX_WORKERS)
+
+
+# Launched as users launch ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_the_prepared_data_and_trains_the_same(tiny_lm, tmp_path):
+    """Nothing given: the blocks go to the datasets cache under the inputs' digest; a second run with the same
+    inputs loads them without tokenizing, a damaged folder there is prepared again."""
+    cache = tmp_path / "cache"
+    env = user_env(HF_DATASETS_CACHE=str(cache))
+
+    def train(name):
+        args = lm_args(tiny_lm, tmp_path / name, "--max_train_steps", "4", "--logging_steps", "1")
+        proc = run([BIN / "python", RECIPE, *args], env=env)
+        return proc.stdout + proc.stderr, results(tmp_path / name)
+
+    said, first = train("first")
+    (folder,) = (cache / "prepared").iterdir()  # nothing else: no partial folder left
+    written, at, splits = snapshot(folder), (folder / prepared.MANIFEST).stat().st_mtime_ns, manifest(folder)["splits"]
+    assert f"preparing the data in {folder}" in said
+    said, second = train("second")
+    assert f"reusing the prepared data in {folder}: 196 train and 19 validation blocks" in said
+    assert "preparing" not in said and "tokenizing" not in said
+    assert snapshot(folder) == written and (folder / prepared.MANIFEST).stat().st_mtime_ns == at
+    assert losses(second) == losses(first) and second["eval_loss"] == first["eval_loss"]
+
+    arrow = next((folder / "train").rglob("data-*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    said, third = train("third")
+    assert f"prepared data in {folder} is damaged" in said and "preparing it again" in said
+    assert losses(third) == losses(first)
+    assert manifest(folder)["splits"] == splits
+    assert [p.name for p in (cache / "prepared").iterdir()] == [folder.name]
+
+
+@pytest.fixture(scope="module")
+def prepared_ahead(tiny_lm, tmp_path_factory):
+    """--prepare_only through launch.sh (2 processes on this CPU host) into a named folder: (folder, process)."""
+    root = tmp_path_factory.mktemp("prepared_ahead")
+    folder, out = root / "prepared", root / "out"
+    proc = run([REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--prepare_only", "--prepared_data_dir",
+                                                              folder)])  # fmt: skip
+    assert not out.exists(), "--prepare_only claims nothing in --output_dir"
+    return folder, proc
+
+
+@pytest.mark.slow
+def test_prepare_only_then_two_processes_train_from_the_folder_and_evaluate_max_eval_samples(prepared_ahead, tiny_lm,
+                                                                                             tmp_path):  # fmt: skip
+    folder, proc = prepared_ahead
+    (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
+    assert done.startswith("done: prepared 196 train and 19 validation blocks of 32 tokens in ")
+    assert str(folder) in done
+    assert proc.stderr.count("preparing the data in") == 1  # the main process; the other found it ready
+    written = snapshot(folder)
+    out = tmp_path / "run"
+    args = lm_args(tiny_lm, out, "--prepared_data_dir", folder, "--max_train_steps", "3", "--max_eval_samples", "5")
+    cmd, env = accelerate_cpu(2, RECIPE, *args)
+    trained = run(cmd, env=env)
+    assert "preparing" not in trained.stderr and f"reusing the prepared data in {folder}" in trained.stderr
+    res = results(out)
+    assert res["world_size"] == 2 and res["steps"] == 3
+    assert res["eval_tokens"] == 5 * 31  # 5 blocks (odd: not one repeated for the second process), 31 targets each
+    assert snapshot(folder) == written
+
+
+def other_tokenizer(lm, tmp_path):
+    """The model's tokenizer with another chat template."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(lm["model"] / name, folder / name)
+    (folder / "chat_template.jinja").write_text((folder / "chat_template.jinja").read_text() + "{{ '' }}")
+    return ["--tokenizer_name", folder]
+
+
+def other_train_file(lm, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(lm["train"].read_text().replace("one", "two", 1))
+    return ["--train_file", path]
+
+
+CHANGES = {  # what changes, the option the line names
+    "train_file": (other_train_file, "another --train_file (sha256 "),
+    "tokenizer": (other_tokenizer, "another tokenizer (--tokenizer_name, or the model's) (chat_template_sha256 "),
+    "block_size": (lambda lm, tmp_path: ["--block_size", "16"], "another --block_size (32 vs 16 now)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_prepared_folder_of_other_inputs_is_refused_in_one_line_and_left_unchanged(prepared_ahead, tiny_lm,
+                                                                                     tmp_path, change):  # fmt: skip
+    folder, _ = prepared_ahead
+    written = snapshot(folder)
+    make, named = CHANGES[change]
+    extra = make(tiny_lm, tmp_path)
+    args = lm_args(tiny_lm, tmp_path / "out", "--prepared_data_dir", folder, "--prepare_only")
+    if extra[0] == "--train_file":
+        args[args.index("--train_file") + 1] = extra[1]
+    else:
+        args += extra
+    proc = run([BIN / "python", RECIPE, *args], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: --prepared_data_dir {folder} was prepared from {named}"), line
+    assert line.endswith("; pass another --prepared_data_dir, or leave it out (a folder named by the inputs, in the "
+                         "datasets cache)")  # fmt: skip
+    assert snapshot(folder) == written and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_preparation_killed_halfway_resumes_at_its_chunks_and_equals_an_uninterrupted_one(tiny_lm, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(tiny_lm["train"].read_text() * 2)  # 1200 rows, 70 kB
+    env = user_env(**{prepared.CHUNK_BYTES_ENV: "2000", "HF_DATASETS_CACHE": str(tmp_path / "cache")})  # 30 chunks
+
+    def command(folder):
+        args = lm_args(tiny_lm, tmp_path / "out", "--prepare_only", "--prepared_data_dir", folder)
+        args[args.index("--train_file") + 1] = train
+        return [str(a) for a in [BIN / "python", RECIPE, *args]]
+
+    folder = tmp_path / "prepared"
+    proc = subprocess.Popen(command(folder), cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while len(done := sorted(tmp_path.glob(".prepared.*.partial/train/part-*/part.json"))) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, "no 5 chunks prepared"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not folder.exists()  # no half-prepared folder where a run would look
+    first = done[0].parent / next(p.name for p in done[0].parent.iterdir() if p.suffix == ".arrow")
+    inode = first.stat().st_ino
+
+    resumed = run(command(folder), env=env)
+    found = [line for line in resumed.stderr.splitlines() if "resuming the preparation in" in line]
+    assert found and int(found[0].split(": ")[-1].split(" of ")[0]) >= 5, resumed.stderr[-2000:]
+    assert (folder / "train" / "part-00000" / first.name).stat().st_ino == inode  # kept, not written again
+    assert not list(tmp_path.glob(".prepared.*.partial"))
+
+    straight = tmp_path / "straight"
+    run(command(straight), env=env)
+    a, b = manifest(folder), manifest(straight)
+    assert a["splits"] == b["splits"] and len(a["splits"]["train"]["parts"]) > 20
+    for split in ("train", "validation"):
+        assert ids(prepared.load_prepared(folder, a), split) == ids(prepared.load_prepared(straight, b), split)
