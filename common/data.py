@@ -83,7 +83,9 @@ class EpochSampler(Sampler):
         return self._resume[1] if self.epoch == self._resume[0] else 0
 
     def __iter__(self):
-        return iter(self.order(self.epoch)[self._start() :].tolist())
+        # in slices: the whole order as a list of Python ints would cost about 36 bytes a sample (60 MB at 1.7 M)
+        for part in self.order(self.epoch)[self._start() :].split(65536):
+            yield from part.tolist()
 
     def __len__(self) -> int:
         return self.num_samples - self._start()
