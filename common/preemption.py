@@ -80,6 +80,11 @@ def ending() -> None:
     _ending = True
 
 
+def run_ended() -> bool:
+    """Whether common.exit_codes is ending the run: the recipe's main() has returned or raised."""
+    return _ending
+
+
 def ignore_stop_signals(worker_id=None) -> None:
     """For DataLoader workers, where torch installs a SIGTERM handler that ends the worker: the signal is the training
     process's to handle."""

@@ -20,7 +20,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from .args import first_to_say
-from .preemption import HUNG_EXIT_CODE, write_status
+from .preemption import HUNG_EXIT_CODE, run_ended, write_status
 
 MARGIN = 20.0  # seconds a reporting process waits for the others' stacks
 SLOW_PHASES = ("checkpoint save", "final save", "checkpoint load")
@@ -63,10 +63,13 @@ class Watchdog:
         self.step = self.step if step is None else step
 
     def _watch(self) -> None:
-        """Until the main thread stalls; then this rank's report, the line, and the exit."""
+        """Until the main thread stalls; then this rank's report, the line, and the exit. Not once the run has ended:
+        a main() called from a user's script returns to it, which may take its time."""
         slow_seen = 0.0  # when a slow phase was last seen: the time it took is not the next phase's
         while True:
             time.sleep(min(5.0, self.timeout / 4))
+            if run_ended():
+                return
             phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
             now = time.monotonic()

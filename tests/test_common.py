@@ -408,7 +408,7 @@ def test_an_epoch_that_ends_mid_accumulation_drops_its_remainder_and_the_counts_
     parser = common.training_parser("t", "t")
     parser.set_defaults(**shared_defaults(parser))
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-    args = parser.parse_args([*argv, "--num_train_epochs", "2", "--logging_steps", "1"])
+    args = parser.parse_args([*argv, "--num_train_epochs", "2", "--logging_steps", "1", "--hang_timeout", "0"])
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
     train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
@@ -438,6 +438,7 @@ def test_evaluation_points_are_each_epochs_end_or_every_eval_steps_and_the_runs_
     parser = common.training_parser("t", "t")
     parser.set_defaults(**shared_defaults(parser))
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--num_train_epochs", "2"]
+    argv += ["--hang_timeout", "0"]  # no watchdog thread left in the test process
     args = parser.parse_args(argv + (["--eval_steps", str(eval_steps)] if eval_steps else []))
     accelerator = Accelerator(cpu=True)
     data = [torch.ones(4)] * 6  # 3 steps an epoch
