@@ -346,11 +346,22 @@ def exit_codes():
     # crash: taken down only when every process is here (one still in a collective would wait for ever), and a
     # process of several skips the interpreter's teardown (exit_without_teardown).
     group = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if together and group:
+    if together and group and _others_reached_the_end():
         torch.distributed.destroy_process_group()
     if group and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of several: see exit_without_teardown
         exit_without_teardown(code)
     sys.exit(code)
+
+
+def _others_reached_the_end(seconds: float = 10) -> bool:
+    """Wait (bounded) until every process ends at this same point. The one that says the line may be seconds behind
+    the others; a process that exits first has torch's agent stop that one before it says it (which then reads as
+    a stop on SIGTERM, exit 75: a scheduler requeues a mistake)."""
+    try:
+        torch.distributed.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=seconds))
+        return True
+    except Exception:  # a peer gone or late: the process group is left to exit_without_teardown
+        return False
 
 
 def _say(code: int, status: str | None, line: str | None, everyone: bool) -> None:

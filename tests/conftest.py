@@ -1,10 +1,12 @@
 """Fixtures: a real image set built on disk, and helpers that launch recipes the way users do."""
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import stat
@@ -45,15 +47,63 @@ def user_env(**extra) -> dict:
 
 
 def run(cmd, env=None, cwd=REPO, timeout=420, check=True):
-    """Run a command as a user would; on an unexpected exit code show its output."""
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """Run a command as a user would; on an unexpected exit code show its output. `python <a recipe>` runs forked
+    from a process that has its libraries imported (tests/warm.py) when its environment allows."""
+    cmd, env = [str(c) for c in cmd], env or user_env()
+    if _WARM.takes(cmd, env):
+        proc = _WARM.run(cmd, env, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+class _Warm:
+    """The process tests/warm.py serves from, started at the first one-process recipe run of the session."""
+
+    def __init__(self):
+        self.proc, self.read_at_import = None, None
+
+    def takes(self, cmd: list, env: dict) -> bool:
+        recipe = len(cmd) > 1 and Path(cmd[0]) == BIN / "python" and Path(cmd[1]).parent.name == "recipes"
+        if not recipe or os.environ.get("RECIPES_TESTS_COLD"):
+            return False
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "warm.py")], cwd=REPO, env=user_env(), text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            self.read_at_import = read_at_import(json.loads(self.proc.stdout.readline())["environment"])
+        return read_at_import(env) == self.read_at_import
+
+    def run(self, cmd: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {"argv": cmd, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            print(json.dumps(request), file=self.proc.stdin, flush=True)
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:  # the run goes with its processes; the server then answers for it
+                with contextlib.suppress(psutil.Error):
+                    for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+                        p.kill()
+                self.proc.stdout.readline()
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+            code = json.loads(self.proc.stdout.readline())["returncode"]
+            return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+
+
+_WARM = _Warm()
+# The variables the libraries read when imported (caches, offline switches, threads): a run with other values of them
+# is started afresh.
+IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "XDG_", "HOME", "OMP_", "MKL_")
+
+
+def read_at_import(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
 
 
 def accelerate_cpu(nproc, script, *args, env=None):

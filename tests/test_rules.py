@@ -718,9 +718,11 @@ def tokenized_for(text: str) -> int:
 
 def preparing(tiny_lm, tmp_path, corpus, *extra):
     """./launch.sh lm_finetune in 2 processes on `corpus` with --ddp_timeout 5, a datasets cache of its own (the
-    main process tokenizes it: nothing is cached), and its environment. The watchdog is off: at --ddp_timeout 5 it
-    would name a first step slower than 2 s, which a loaded CI machine takes."""
-    args = lm_args(tiny_lm, tmp_path / "run", "--ddp_timeout", "5", "--hang_timeout", "0", *extra,
+    main process tokenizes it: nothing is cached), and its environment. One worker, so that tokenizing takes about 15 s
+    whatever the machine's cores. The watchdog is off: at --ddp_timeout 5 it would name a first step
+    slower than 2 s, which a loaded CI machine takes."""
+    args = lm_args(tiny_lm, tmp_path / "run", "--ddp_timeout", "5", "--hang_timeout", "0",
+                   "--preprocessing_num_workers", "1", *extra,
                    data=["--train_file", corpus, "--validation_file", tiny_lm["validation"]])  # fmt: skip
     env = user_env(CUDA_VISIBLE_DEVICES="", HF_DATASETS_CACHE=str(tmp_path / "cache"))
     return [REPO / "launch.sh", "lm_finetune", "--num_processes", "2", *args], env
