@@ -69,7 +69,7 @@ class _Warm:
 
     def takes(self, cmd: list, env: dict) -> bool:
         recipe = len(cmd) > 1 and Path(cmd[0]) == BIN / "python" and Path(cmd[1]).parent.name == "recipes"
-        if not recipe or os.environ.get("RECIPES_TESTS_COLD"):
+        if not recipe or env.get("RECIPES_TESTS_COLD"):  # a fresh interpreter asked for
             return False
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
@@ -99,7 +99,8 @@ class _Warm:
 _WARM = _Warm()
 # The variables the libraries read when imported (caches, offline switches, threads): a run with other values of them
 # is started afresh.
-IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "XDG_", "HOME", "OMP_", "MKL_")
+IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "XDG_", "HOME",
+               "OMP_", "MKL_")  # fmt: skip
 
 
 def read_at_import(env: dict) -> dict:
@@ -395,3 +396,12 @@ def sbatch_line(line):
         return None
     at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
     return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1 :]
+
+
+def pytest_collection_modifyitems(items):
+    """The files with the most process-launching (slow) tests first: pytest-xdist hands each worker a whole file at a
+    time (--dist loadfile), and the long ones started last would leave one worker running them alone at the end."""
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file's tests keep their order

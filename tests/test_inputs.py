@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, NO_NETWORK, REPO, error_lines, lm_args, load_recipe, run
+from conftest import BIN, NO_NETWORK, REPO, error_lines, lm_args, load_recipe, results, run
 from PIL import Image
 
 from common import vision
@@ -411,6 +411,26 @@ def test_a_mistyped_flag_is_answered_before_transformers_models_and_schedules_lo
     proc = run([BIN / "python", "-c", code])
     assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr[-2000:]
     assert "unrecognized arguments: --no_such_flag" in proc.stderr
+
+
+def test_a_recipe_run_forked_from_the_warm_process_ends_as_a_fresh_interpreter_does(tiny_lm, tmp_path):
+    """conftest.run forks `python <recipe>` from a process that imported the libraries (tests/warm.py): a refusal
+    and a finished run end with the same exit code, lines and files as in a new interpreter; an environment with
+    another cache folder starts afresh."""
+    from conftest import _WARM, user_env
+
+    recipe = REPO / "recipes" / "lm_finetune.py"
+    ends = {}
+    for how in ("warm", "cold"):
+        refused = [BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / how / "no", "--block_size", "4096")]
+        trained = [BIN / "python", recipe, *lm_args(tiny_lm, tmp_path / how / "run", "--max_train_steps", "1")]
+        env = user_env(**({"RECIPES_TESTS_COLD": "1"} if how == "cold" else {}))
+        assert _WARM.takes([str(c) for c in refused], env) == (how == "warm")
+        no, ran = run(refused, env=env, check=False), run(trained, env=env)
+        assert not (tmp_path / how / "no").exists()
+        ends[how] = (no.returncode, error_lines(no.stderr), ran.returncode, results(tmp_path / how / "run")["steps"])
+    assert ends["warm"] == ends["cold"] and ends["warm"][0] == 2 and len(ends["warm"][1]) == 1, ends
+    assert not _WARM.takes([str(BIN / "python"), str(recipe)], user_env(HF_DATASETS_CACHE=str(tmp_path)))
 
 
 def test_a_tracker_that_is_not_installed_is_refused():

@@ -6,6 +6,7 @@ Its first line out is the environment it imported them in.
 
 Protocol, one JSON line each way: {"argv", "env", "cwd", "stdout", "stderr"} in; {"pid"} then {"returncode"} out."""
 
+import importlib
 import json
 import os
 import runpy
@@ -14,15 +15,12 @@ import sys
 STARTED_WITH = dict(os.environ)
 # What a recipe imports before its first line of its own runs, and what transformers imports when it reads a Llama
 # config (torchvision, torch._dynamo): seconds each, the same in every run.
-import accelerate  # noqa: F401
-import datasets  # noqa: F401
-import torch  # noqa: F401
-import torchvision  # noqa: F401
-import transformers  # noqa: F401
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-from transformers.models.llama import modeling_llama  # noqa: F401
-
+for name in ("torch", "torchvision", "accelerate", "datasets", "transformers.models.llama.modeling_llama"):
+    importlib.import_module(name)
+for name in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer"):  # transformers' lazy names
+    getattr(importlib.import_module("transformers"), name)
 SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if k not in STARTED_WITH}  # torch's inductor cache folder
+
 
 def _child(request: dict) -> None:
     """Become `python argv...`: its environment, folder, output files, arguments and __main__; never return."""
