@@ -98,9 +98,9 @@ class _Warm:
 
 _WARM = _Warm()
 # The variables the libraries read when imported (caches, offline switches, threads): a run with other values of them
-# is started afresh.
+# is started afresh (CXX, CC: inductor's compiler, read when it is imported).
 IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "XDG_", "HOME",
-               "OMP_", "MKL_")  # fmt: skip
+               "OMP_", "MKL_", "CXX", "CC")  # fmt: skip
 
 
 def read_at_import(env: dict) -> dict:

@@ -53,6 +53,7 @@ def reevaluate(digits, output_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # six 3-epoch trainings: about 5 minutes alone, twice that beside another worker
 def test_two_processes_learn_as_well_as_one_over_seeds(digits, tmp_path):
     """The property data parallelism promises, measured as quality rather than equality: 2 processes x 32
     reach the accuracy of 1 process x 64 (the same effective batch, learning rate and steps), on average over
