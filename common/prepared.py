@@ -5,12 +5,14 @@ inputs. load_from_disk memory-maps the Arrow files, so a training process's memo
     <folder>/manifest.json           inputs, their digest, each split's counts and each part's files and sizes
     <folder>/<split>/part-NNNNN/     one chunk's blocks (save_to_disk); the split is their concatenation
     .<folder>.<digest>.partial/      a preparation in progress: parts done so far, renamed into place when all are
+    .<folder>.<digest>.lock          held by the one run preparing them (others with the same inputs wait for it)
 
 A preparation goes in chunks, each saved when done, so an interrupted one resumes at the first chunk it had not
 finished; the folder appears whole, by one rename, or not at all."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import write_json
+from .preemption import stop_before_training
 from .runtime import RecipeError, logger
 
 FORMAT_VERSION = 1  # how blocks are made and laid out: a change makes earlier folders another input
@@ -33,6 +36,7 @@ CHUNK_BYTES_ENV = "RECIPES_PREPARE_CHUNK_BYTES"
 # costs more than it saves (benchmarks/prepare.py)
 SMALL_DATA_BYTES = 16 * 2**20
 MAX_WORKERS = 32  # a node's cores beyond this add little: the parts are written one at a time
+LOCK_BEAT = 1.0  # seconds between two looks at another run's preparation of the same inputs
 
 
 # Identity ------------------------------------------------------------------------------------------------------
@@ -185,6 +189,55 @@ def load_prepared(folder: Path, manifest: dict):
 
 
 # Writing -------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_preparation(folder: Path, digest: str, stalled_after: int):
+    """Held while this process prepares `folder`: another run of the same inputs (a sweep's jobs started together,
+    a node sharing the folder) waits for it and then reuses what it prepared. The lock is the kernel's (filelock, as
+    datasets' own), so it goes with a process that dies, and the one waiting resumes its chunks. The wait lasts as
+    long as the other preparation writes; one that wrote nothing for `stalled_after` s (--ddp_timeout) is said in one
+    line. A stop signal is honoured while waiting."""
+    from filelock import FileLock, Timeout
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock, partial = FileLock(str(folder.parent / f".{folder.name}.{digest}.lock")), partial_folder(folder, digest)
+    newest, since, said = None, time.monotonic(), False
+    while True:
+        try:
+            lock.acquire(timeout=LOCK_BEAT)
+            break
+        except Timeout:
+            if (stop := stop_before_training()) is not None:
+                raise stop from None
+            if not said:
+                logger.info(f"another run is preparing the same data into {folder}: waiting for it, to reuse it")
+                said = True
+            if (now := _last_written(partial)) != newest:
+                newest, since = now, time.monotonic()
+            elif time.monotonic() - since > stalled_after:
+                raise RecipeError(
+                    f"another run has prepared the same data into {folder} and written nothing for {stalled_after} s "
+                    f"(--ddp_timeout; it holds {lock.lock_file}): a process stopped or stalled; end it, or pass "
+                    "another --prepared_data_dir"
+                ) from None
+    try:
+        yield
+        with contextlib.suppress(OSError):  # prepared: who takes the lock next finds the folder, not a new lock
+            os.unlink(lock.lock_file)
+    finally:
+        lock.release()
+
+
+def _last_written(folder: Path) -> tuple:
+    """The newest modification time under `folder` and how many files it holds: what a preparation changes as it
+    goes (datasets writes its files in batches of rows). Files that go while it looks are passed over."""
+    times = []
+    for root, _, files in os.walk(folder):  # errors (a folder removed meanwhile) ignored
+        for name in files:
+            with contextlib.suppress(OSError):
+                times.append(os.stat(os.path.join(root, name)).st_mtime_ns)
+    return max(times, default=0), len(times)
 
 
 def chunk_bytes() -> int:

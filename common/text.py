@@ -479,22 +479,25 @@ def prepared_blocks(args, tokenizer, block_size):
     sources = data_sources(args.dataset_name, args.train_file, args.validation_file)
     _check_tokenizer(tokenizer, args.data_format)
     manifest = prepared.find_prepared(folder, inputs, named)
-    if manifest is not None:
-        splits = manifest["splits"]
-        for split, counts in splits.items():  # its warnings, as the run that prepared it said them
-            _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size)
-        logger.info(
-            f"reusing the prepared data in {folder}: {splits['train']['blocks']:,} train and "
-            f"{splits['validation']['blocks']:,} validation blocks of {block_size} tokens"
-        )
-        return prepared.load_prepared(folder, manifest), folder
-    if raw is None:
-        raw = read_sources(
-            train_file=args.train_file, validation_file=args.validation_file, data_format=args.data_format,
-            text_column=args.text_column,
-        )  # fmt: skip
-    raw = hold_out(raw, args.validation_split_percentage, args.seed, sources)
-    manifest = _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources)
+    if manifest is None:
+        with prepared.one_preparation(folder, digest, args.ddp_timeout):
+            manifest = prepared.find_prepared(folder, inputs, named)  # prepared by another run while this one waited
+            if manifest is None:
+                if raw is None:
+                    raw = read_sources(
+                        train_file=args.train_file, validation_file=args.validation_file,
+                        data_format=args.data_format, text_column=args.text_column,
+                    )  # fmt: skip
+                raw = hold_out(raw, args.validation_split_percentage, args.seed, sources)
+                manifest = _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources)
+                return prepared.load_prepared(folder, manifest), folder
+    splits = manifest["splits"]
+    for split, counts in splits.items():  # its warnings, as the run that prepared it said them
+        _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size)
+    logger.info(
+        f"reusing the prepared data in {folder}: {splits['train']['blocks']:,} train and "
+        f"{splits['validation']['blocks']:,} validation blocks of {block_size} tokens"
+    )
     return prepared.load_prepared(folder, manifest), folder
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-# One thread per process: two pytest workers on two cores each launch processes, and torch's default (a thread per core)
-# in each made them wait for one another's threads, 3.6x slower a step (measured: two one-process ResNet-18 runs side
-# by side). Multi-process launches get 1 already (accelerate launch sets it); a test may set its own.
+# One thread per process: two pytest workers on two cores each launch processes, and torch's default (a thread per
+# core) in each made them wait for one another's threads, 3.6x slower a step (measured: two one-process ResNet-18 runs
+# side by side). Multi-process launches get 1 already (accelerate launch sets it); a test may set its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtual environment's bin: accelerate, python

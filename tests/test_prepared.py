@@ -2,6 +2,7 @@
 reused by later runs and other nodes with the same inputs, refused for other inputs, resumed after an interruption,
 prepared ahead with --prepare_only."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -256,3 +257,71 @@ def test_a_preparation_killed_halfway_resumes_at_its_chunks_and_equals_an_uninte
     assert a["splits"] == b["splits"] and len(a["splits"]["train"]["parts"]) > 20
     for split in ("train", "validation"):
         assert ids(prepared.load_prepared(folder, a), split) == ids(prepared.load_prepared(straight, b), split)
+
+
+@pytest.mark.slow
+def test_runs_started_together_prepare_once_and_a_preparer_that_stalls_or_dies_is_named_or_taken_over(
+    tiny_lm, tmp_path
+):
+    """A sweep's jobs started at once on the same data, into the default folder: one prepares, the other waits for it
+    and reuses its folder. A preparer stopped (SIGSTOP) is named by a run that waits for it, after --ddp_timeout of
+    nothing written, in one line, exit 2; one that dies takes its lock with it, and the run waiting resumes its
+    chunks."""
+    train = tmp_path / "train.jsonl"
+    train.write_text(tiny_lm["train"].read_text() * 2)  # 1200 rows, 70 kB in 70 chunks: seconds of work
+    env = user_env(**{prepared.CHUNK_BYTES_ENV: "1000", "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    cache = tmp_path / "cache" / "prepared"
+
+    def start(name, *extra):
+        args = lm_args(tiny_lm, tmp_path / "out", "--prepare_only", "--preprocessing_num_workers", "1", *extra)
+        args[args.index("--train_file") + 1] = train
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([str(a) for a in [BIN / "python", RECIPE, *args]], cwd=REPO, env=env,
+                                    start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        return proc, log
+
+    def until(what, proc=None, seconds=300):
+        deadline = time.monotonic() + seconds
+        while not what():
+            assert (proc is None or proc.poll() is None) and time.monotonic() < deadline, "waited in vain"
+            time.sleep(0.05)
+
+    def parts():
+        return len(list(cache.glob(".*.partial/train/part-*/part.json")))
+
+    first, first_log = start("first")
+    try:
+        until(lambda: parts() >= 3, first)
+        first.send_signal(signal.SIGSTOP)  # so that the second one finds it at work, however slowly it starts
+        second, second_log = start("second")
+        until(lambda: "waiting for it" in second_log.read_text(), second)
+        first.send_signal(signal.SIGCONT)
+        assert first.wait(300) == 0 and second.wait(300) == 0, second_log.read_text()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    said = first_log.read_text() + second_log.read_text()
+    assert said.count("preparing the data in") == 1 and "reusing the prepared data in" in second_log.read_text()
+    (folder,) = cache.iterdir()  # the prepared folder alone: no partial folder, no lock left
+    assert len(manifest(folder)["splits"]["train"]["parts"]) > 50
+
+    shutil.rmtree(cache)
+    dies, _ = start("dies")
+    try:
+        until(lambda: parts() >= 3, dies)
+        dies.send_signal(signal.SIGSTOP)
+        stalled = start("stalled", "--ddp_timeout", "3")[0]
+        assert stalled.wait(300) == 2
+        (line,) = error_lines((tmp_path / "stalled.log").read_text())
+        assert "another run has prepared the same data into" in line and "written nothing for 3 s" in line, line
+        waiting, waiting_log = start("waiting")
+        until(lambda: "waiting for it" in waiting_log.read_text(), waiting)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(dies.pid, signal.SIGKILL)
+    assert waiting.wait(300) == 0, waiting_log.read_text()[-2000:]
+    resumed = [line for line in waiting_log.read_text().splitlines() if "resuming the preparation in" in line]
+    assert resumed and int(resumed[0].split(": ")[-1].split(" of ")[0]) >= 3
+    (folder,) = cache.iterdir()
+    assert len(manifest(folder)["splits"]["train"]["parts"]) > 50
