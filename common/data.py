@@ -153,10 +153,13 @@ class SeededTransform(Dataset):
 
 
 def fingerprint(dataset, samples: int = 64) -> str:
-    """A digest of the training data before augmentation: its size and `samples` items spread over it, so that a
-    checkpoint resumes only the data that wrote it."""
+    """A digest of the training data before augmentation: its size, its description (prepared blocks: the digest of
+    what they are made from, common.prepared) and `samples` items spread over it, so that a checkpoint resumes only
+    the data that wrote it."""
     base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
     digest = hashlib.sha256(str(len(base)).encode())
+    if description := getattr(getattr(base, "info", None), "description", None):  # prepared blocks: their inputs
+        digest.update(description.encode())
     for i in sorted({i * len(base) // samples for i in range(samples)}):
         digest.update(_bytes(tuple(t[i] for t in base.tensors) if isinstance(base, DeviceTensorDataset) else base[i]))
     return digest.hexdigest()[:16]

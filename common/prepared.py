@@ -74,6 +74,17 @@ def inputs_digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def describe_blocks(inputs: dict, split: str) -> str:
+    """The description (datasets' DatasetInfo) of one split's blocks: what they are made from, by digest, without the
+    other split's file. common.data.fingerprint reads it, so a checkpoint resumes only blocks of the same inputs
+    whatever blocks it samples, and a new --validation_file leaves the train blocks' identity as it was."""
+    other = "validation" if split == "train" else "train"
+    own = {key: value for key, value in inputs.items() if key != f"{other}_file"}
+    if "dataset" in own:
+        own["dataset"] = {key: value for key, value in own["dataset"].items() if key != other}
+    return f"{split} token blocks prepared from inputs {inputs_digest(own)}"
+
+
 def default_folder(digest: str) -> Path:
     """Under the datasets cache (HF_DATASETS_CACHE), named by the inputs' digest: a default never mismatches."""
     import datasets

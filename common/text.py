@@ -542,6 +542,7 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
                         "rows": len(chunk), "bytes": prepared.text_bytes(chunk), "documents": documents,
                         "blocks": len(blocks), "trained": _trained_blocks(blocks, args.data_format),
                     }  # fmt: skip
+                    blocks.info.description = prepared.describe_blocks(inputs, split)  # the checkpoints' data identity
                     info = prepared.write_part(path, blocks, counts)
                     shutil.rmtree(work)
                     progress.add(counts["bytes"], counts["blocks"] * block_size)

@@ -26,17 +26,18 @@ from conftest import (
 )
 
 from common import prepared
+from common.data import fingerprint
 from common.runtime import RecipeError
 from common.text import load_raw_datasets, load_tokenizer, prepared_blocks, tokenize_and_pack
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
 
 
-def prepare_here(lm, folder, *extra):
+def prepare_here(lm, folder, *extra, data=None):
     """prepared_blocks in this process, as lm_dataloaders calls it, into `folder`."""
     PartialState()  # which the recipes' logger needs
     args = load_recipe("lm_finetune").parse_args(
-        [str(a) for a in lm_args(lm, "unused", "--prepared_data_dir", folder, *extra)]
+        [str(a) for a in lm_args(lm, "unused", "--prepared_data_dir", folder, *extra, data=data)]
     )
     tokenizer, _ = load_tokenizer(args)
     return prepared_blocks(args, tokenizer, 32)
@@ -110,6 +111,37 @@ def test_tokenizing_uses_one_process_for_small_data_and_the_cpus_for_large():
 
 
 # Launched as users launch ---------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_knows_prepared_blocks_by_their_inputs_not_only_by_the_blocks_it_samples(tiny_lm, tmp_path):
+    """One word of one document changed: one block differs, one that fingerprint() does not sample, and the digest
+    of the inputs the blocks carry tells the two apart. Another --validation_file leaves the train blocks' identity
+    (and so the checkpoints' resume) as it was."""
+    PartialState()
+    data, _ = prepare_here(tiny_lm, tmp_path / "a")
+    n, rows = len(data["train"]), tiny_lm["train"].read_text().splitlines()
+    sampled = {i * n // 64 for i in range(64)}
+    for r in range(len(rows) // 2, len(rows) // 2 + 10):  # a row whose block is not among those sampled
+        changed = tmp_path / f"train-{r}.jsonl"
+        row = json.loads(rows[r])
+        words = row["text"].split()
+        words[0] = "one" if words[0] != "one" else "two"  # the word-level tokenizer: one token for one
+        changed.write_text("\n".join([*rows[:r], json.dumps({"text": " ".join(words)}), *rows[r + 1 :]]) + "\n")
+        files = ["--train_file", changed, "--validation_file", tiny_lm["validation"]]
+        other, _ = prepare_here(tiny_lm, tmp_path / f"b-{r}", data=files)
+        differ = {i for i, (a, b) in enumerate(zip(ids(data, "train"), ids(other, "train"))) if a != b}
+        if len(other["train"]) == n and differ and not differ & sampled:
+            break
+    else:
+        pytest.fail("no row found whose block is not sampled")
+    assert fingerprint(other["train"]) != fingerprint(data["train"])
+
+    validation = tmp_path / "validation.jsonl"
+    validation.write_text("".join(tiny_lm["validation"].read_text().splitlines(keepends=True)[1:]))
+    third, _ = prepare_here(tiny_lm, tmp_path / "c", data=["--train_file", tiny_lm["train"],
+                                                           "--validation_file", validation])  # fmt: skip
+    assert fingerprint(third["train"]) == fingerprint(data["train"])
+    assert ids(third, "validation") != ids(data, "validation")
 
 
 @pytest.mark.slow
