@@ -17,11 +17,14 @@ from conftest import (
     REPO,
     accelerate_cpu,
     error_lines,
+    interrupt,
     lm_args,
     load_recipe,
+    preempted_at,
     results,
     run,
     snapshot,
+    update_distance,
     user_env,
 )
 
@@ -204,6 +207,36 @@ def test_prepare_only_then_two_processes_train_from_the_folder_and_evaluate_max_
     assert res["world_size"] == 2 and res["steps"] == 3
     assert res["eval_tokens"] == 5 * 31  # 5 blocks (odd: not one repeated for the second process), 31 targets each
     assert snapshot(folder) == written
+
+
+@pytest.mark.slow
+def test_a_run_on_prepared_data_stopped_in_two_processes_resumes_in_three_to_the_uninterrupted_weights(
+    prepared_ahead, tiny_lm, tmp_path
+):
+    """Through launch.sh from the folder prepared ahead: 2 processes x 12 x 2 accumulation stopped by SIGTERM in
+    epoch 1, resumed with `latest` in 3 processes x 8 x 2 (the same effective batch of 48), end on the uninterrupted
+    2-process run's loss curve and weights."""
+    folder, _ = prepared_ahead
+    args = ["--prepared_data_dir", folder, "--gradient_accumulation_steps", "2", "--max_train_steps", "10"]
+    args += ["--logging_steps", "1", "--checkpointing_steps", "2"]
+
+    def launch(processes, out, batch, *extra):
+        cmd = [REPO / "launch.sh", "lm_finetune", "--num_processes", str(processes)]
+        return cmd + lm_args(tiny_lm, out, *args, "--per_device_train_batch_size", str(batch), *extra)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(launch(2, straight, 12))
+    proc, _ = interrupt(launch(2, resumed, 12), user_env(), resumed, after_step=4)
+    stop = preempted_at(proc.stderr)
+    assert stop is not None and 4 <= stop < 8, proc.stderr[-3000:]  # epoch 1: 196 blocks are 4 steps of 48
+    proc = run(launch(3, resumed, 8, "--resume_from_checkpoint", "latest"))
+    assert "2 x 12 x 2 -> 3 x 8 x 2, effective batch 48 -> 48" in proc.stderr
+    a, b = results(straight), results(resumed)
+    assert b["world_size"] == 3 and a["steps"] == b["steps"] == 10 and a["epochs"] > 2
+    for after, before in zip(b["log_history"], a["log_history"], strict=True):
+        assert after["samples_seen"] == before["samples_seen"]
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
+    assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
 
 
 def other_tokenizer(lm, tmp_path):
