@@ -474,11 +474,12 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
 
 def _load_resharded_deepspeed(accelerator, engine, path: Path, state: dict) -> None:
     """A ZeRO checkpoint of another process count or precision, which DeepSpeed refuses: the main process converts it
-    with DeepSpeed's ds_to_universal into .universal-checkpoint-<step>/ beside it (deleted once loaded), which every
-    process loads with DeepSpeed's universal loader into this run's partitions."""
+    with DeepSpeed's ds_to_universal into .universal-checkpoint-<step>/ in this run's output folder (deleted once
+    loaded; never beside the checkpoint, an input that may be another run's or read-only), which every process loads
+    with DeepSpeed's universal loader into this run's partitions."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    view = path.parent / f".universal-{path.name}"  # removed however this ends (a stop during the conversion)
+    view = Path(accelerator.project_dir) / f".universal-{path.name}"  # removed however this ends (a stop meanwhile)
     tags = sorted(d.name for d in path.iterdir() if d.is_dir() and any(d.glob("*model_states.pt")))
     try:
         if accelerator.is_main_process:

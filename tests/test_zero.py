@@ -111,9 +111,10 @@ def test_a_zero_checkpoint_resumes_in_another_mixed_precision(tiny_lm, tmp_path)
 def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterrupted_run(tiny_lm, tmp_path):
     """ZeRO-3 partitions the weights and the optimizer state by process, and DeepSpeed refuses another
     count: the recipe converts the checkpoint with DeepSpeed's ds_to_universal and loads it with
-    `load_universal`, which repartitions it. A 2-process run stopped by SIGTERM, resumed in 1 process
-    with the per-device batch doubled, continues the loss curve and ends with the uninterrupted
-    run's weights; the checkpoint itself is left as it was."""
+    `load_universal`, which repartitions it. A 2-process run stopped by SIGTERM, continued in 1 process
+    in another folder with the per-device batch doubled, continues the loss curve and ends with the
+    uninterrupted run's weights; the stopped run's folder is left as it was (the conversion goes into
+    the new one's)."""
     args = ["--gradient_accumulation_steps", "2", "--max_train_steps", "8", "--logging_steps", "1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     deepspeed("zero3", 2, *lm_args(tiny_lm, straight, *args))
@@ -124,23 +125,21 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
     stop = state["step"]
     assert 2 < stop < 8 and preempted_at(proc.stderr) == stop, proc.stderr[-3000:]
     assert state["world_size"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(state["files"])
-    before = snapshot(checkpoint)
-
-    proc = deepspeed(
-        "zero3",
-        1,
-        *lm_args(tiny_lm, resumed, *args, "--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"),
-    )
+    # Continued in another folder: the stopped run's is an input, which nothing is written into, even for a while
+    before, written = snapshot(resumed), resumed.stat().st_mtime_ns
+    continued, resume = tmp_path / "continued", ["--resume_from_checkpoint", checkpoint]
+    proc = deepspeed("zero3", 1, *lm_args(tiny_lm, continued, *args, "--per_device_train_batch_size", "16", *resume))
     assert (
         f"{checkpoint.name} was written by 2 processes in no, this run has 1 in no: converting its ZeRO" in proc.stderr
     )
-    assert snapshot(checkpoint) == before and not list(resumed.glob(".universal-*"))
-    a, b = results(straight), results(resumed)
+    assert snapshot(resumed) == before and resumed.stat().st_mtime_ns == written
+    assert not list(continued.glob(".universal-*"))
+    a, b = results(straight), results(continued)
     assert a["effective_batch_size"] == b["effective_batch_size"] == 32 and b["world_size"] == 1
     assert [h["train_loss"] for h in b["log_history"]] == pytest.approx(  # the checkpoint's log, then the same curve
         [h["train_loss"] for h in a["log_history"]], rel=1e-5
     )
-    assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
+    assert update_distance(continued, straight, tiny_lm["model"]) < 1e-5
     # The ZeRO checkpoint under DDP: refused in one line naming both strategies, before anything is written.
     proc = run(
         [BIN / "python", REPO / "recipes" / "lm_finetune.py",
