@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import math
 import os
 import platform
 import re
@@ -311,22 +312,47 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         sys.exit(1)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A mistaken argument is one line and exit 2 (argparse's usage block above it says nothing more)."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive(kind):
+    """An argparse type: a finite number of `kind` above 0 (nan, inf, 0 or less would fail later, inside the
+    all-reduce, blamed on the network)."""
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'whole ' if kind is int else ''}number")
+        return value
+
+    return convert
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = _OneLineParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
-    p.add_argument("--num_processes", type=int, help="processes requested on this node, for the report")
-    p.add_argument("--timeout", type=float, default=60, help="seconds before a group that does not form fails")
+    p.add_argument("--num_processes", type=_positive(int), help="processes requested on this node, for the report")
+    p.add_argument(
+        "--timeout", type=_positive(float), default=60, help="seconds before a group that does not form fails"
+    )
     p.add_argument(
         "--sizes_mib", help=f"all-reduce sizes in MiB (default {GPU_SIZES_MIB} on GPUs, {CPU_SIZES_MIB} on CPU)"
     )
-    p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size")
+    p.add_argument("--iters", type=_positive(int), default=10, help="timed all-reduces per size")
     args = p.parse_args(argv)
-    try:
-        args.sizes_mib = [float(s) for s in args.sizes_mib.split(",")] if args.sizes_mib else None
-    except ValueError:
-        p.error(f"--sizes_mib takes numbers separated by commas, got '{args.sizes_mib}'")
-    if args.timeout <= 0 or args.iters < 1:
-        p.error("--timeout and --iters must be positive")
+    if args.sizes_mib is not None:
+        try:
+            args.sizes_mib = [_positive(float)(s) for s in args.sizes_mib.split(",")]
+        except argparse.ArgumentTypeError:
+            p.error(f"--sizes_mib takes positive numbers separated by commas, got '{args.sizes_mib}'")
     return args
 
 

@@ -183,7 +183,20 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
         assert cause in line
 
 
-def test_bad_arguments_are_one_error_line():
-    proc = run([BIN / "python", REPO / "scripts/doctor.py", "--sizes_mib", "big"], check=False)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sizes_mib", "big"], "error: --sizes_mib takes positive numbers separated by commas, got 'big'"),
+        (["--sizes_mib", "1,-1"], "error: --sizes_mib takes positive numbers separated by commas, got '1,-1'"),
+        (["--timeout", "nan"], "error: argument --timeout: 'nan' is not a positive number"),
+        (["--timeout", "0"], "error: argument --timeout: '0' is not a positive number"),
+        (["--iters", "2.5"], "error: argument --iters: '2.5' is not a positive whole number"),
+    ],
+)
+@pytest.mark.parametrize("how", ["python", "launch.sh"])
+def test_bad_arguments_are_one_error_line_before_any_process_starts(how, args, message):
+    """nan, inf, 0 and negative numbers failed inside the all-reduce, blamed on the network."""
+    cmd = [BIN / "python", REPO / "scripts/doctor.py"] if how == "python" else [REPO / "launch.sh", "doctor"]
+    proc = run([*cmd, *args], check=False)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1].endswith("error: --sizes_mib takes numbers separated by commas, got 'big'")
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("+ ")] == [message], proc.stderr
