@@ -66,13 +66,19 @@ class Watchdog:
         """Until the main thread stalls; then this rank's report, the line, and the exit. Not once the run has ended:
         a main() called from a user's script returns to it, which may take its time."""
         slow_seen = 0.0  # when a slow phase was last seen: the time it took is not the next phase's
+        period = min(5.0, self.timeout / 4)
+        woke = time.monotonic()
         while True:
-            time.sleep(min(5.0, self.timeout / 4))
+            time.sleep(period)
             if run_ended():
                 return
             phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
             now = time.monotonic()
+            slept, woke = now - woke, now
+            if slept > period + max(period, 2.0):  # this process did not run meanwhile: stopped (SIGSTOP, a job
+                self.last = max(self.last, now)  # suspended by its scheduler) and continued; its time is not idle
+                continue
             slow_seen = now if slow else slow_seen
             idle = now - (self.last if slow else max(self.last, slow_seen))
             if idle >= (self.slow_timeout if slow else self.timeout):

@@ -2,6 +2,7 @@
 augmentation seeded by (seed, epoch, index)."""
 
 import argparse
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -684,3 +685,44 @@ def test_one_line_of_an_error_is_a_whole_sentence():
     )
     assert one_line(OSError("disk is full.\nmore detail")) == "disk is full"
     assert one_line(KeyError()) == "KeyError"
+
+
+@pytest.mark.parametrize(
+    "config, processes, message",
+    [
+        ({"train_micro_batch_size_per_gpu": 4}, 1, "the DeepSpeed config sets train_micro_batch_size_per_gpu=4 but "
+         "the recipe's --per_device_train_batch_size is 8; remove it from the config or set it to \"auto\" (the "
+         "recipe's value is then used), or pass --per_device_train_batch_size 4"),
+        ({"train_batch_size": 16}, 1, "train_batch_size=16 but the recipe's batch (8 per device x 1 processes x 1 "
+         "accumulation) is 8; remove it from the config or set it to \"auto\" (the recipe's value is then used), or "
+         "pass flags that make it"),
+        ({"train_batch_size": 16}, 3, "train_batch_size=16 but the recipe's batch (8 per device x 3 processes x 1 "
+         "accumulation) is 24"),
+        ({"gradient_clipping": 0.01}, 1, "gradient_clipping=0.01 but the recipe's --max_grad_norm is 1.0"),
+        ({"gradient_accumulation_steps": 4}, 1, "gradient_accumulation_steps=4 but the recipe's "
+         "--gradient_accumulation_steps is 1; remove it from the config"),
+        ({"zero_optimization": {"stage": 3}}, 1, "under ZeRO-3 the final save gathers the weights only with "
+         "zero3_save_16bit_model: true"),
+    ],
+)  # fmt: skip
+def test_a_deepspeed_config_at_odds_with_the_recipes_flags_is_refused_naming_both(config, processes, message):
+    """The config's batch, accumulation and clipping are the flags' or refused (DeepSpeed's own win over Accelerate's:
+    one trained what the other reported); ZeRO-3 without the 16-bit gather would fail at the final save. Launched:
+    tests/test_zero.py."""
+    from common.runtime import agree_deepspeed_config
+
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=1.0)
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        agree_deepspeed_config(config, args, processes)
+
+
+def test_a_deepspeed_config_s_auto_values_become_the_recipes():
+    from common.runtime import agree_deepspeed_config
+
+    config = {"train_batch_size": "auto", "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5)
+    agree_deepspeed_config(config, args, 3)
+    assert config == {
+        "train_batch_size": 24, "gradient_clipping": 0.5, "gradient_accumulation_steps": 2,
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+    }  # fmt: skip

@@ -150,6 +150,31 @@ def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
     assert ckpt.checkpoint_damage(out / "checkpoint-2") is None
 
 
+@pytest.mark.slow
+def test_a_job_suspended_and_continued_is_not_taken_for_a_hung_one_and_finishes(digits, tmp_path):
+    """Every process of the job stopped for 20 s (SIGSTOP, as Slurm's `scontrol suspend` does to a job), then
+    continued: 20 s without a step is more than --hang_timeout 6, but the watch knows that it did not run either (its
+    own clock jumped), so the job trains on and finishes, exit 0 (it ended with exit 124, blamed on a stalled rank)."""
+    out = tmp_path / "run"
+    args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "12", "--checkpointing_steps", "4")
+    args += ["--hang_timeout", "6", "--ddp_timeout", "120", "--dataloader_num_workers", "0"]
+
+    def suspend_the_job(proc):
+        time.sleep(1)  # past checkpoint-4's save (a save may take --ddp_timeout): in the steps after it
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in job:
+            p.suspend()
+        time.sleep(20)
+        for p in job:
+            p.resume()
+
+    code, stderr, _, left = launch(
+        args, out, until=lambda o: (o / "checkpoint-4" / ckpt.STATE_FILE).exists(), then=suspend_the_job
+    )
+    assert code == 0 and not error_lines(stderr) and not left, stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["steps"] == 12 and not (out / "hang").exists()
+
+
 # Put on rank 1's path as sitecustomize.py: its checkpoint saves never return, as on a filesystem that stopped
 # answering (common.checkpoint's write_checkpoint replaced once the module has defined it).
 STALLED_SAVE = """
