@@ -95,9 +95,14 @@ def build_model(args):
 def memory_estimates(accelerator, model) -> dict:
     """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
     activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
-    for this run's processes spread over nodes as the launcher placed them; logged and returned."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+    for this run's processes spread over nodes as the launcher placed them; logged and returned ({} without
+    DeepSpeed installed: the recipe also trains under DDP and FSDP)."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+    except ImportError:
+        logger.info("no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)")
+        return {}
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     where = {"num_gpus_per_node": per_node, "num_nodes": max(1, accelerator.num_processes // per_node)}

@@ -1285,3 +1285,21 @@ def test_pretrained_path_takes_torchvisions_googlenet_file_with_its_auxiliary_he
     loaded = vision.build_model(args, 10, on_gpu=False).state_dict()
     assert any(k.startswith("aux1.") for k in published) and not any(k.startswith("aux") for k in loaded)
     assert all(torch.equal(loaded[k], v) for k, v in published.items() if k in loaded and not k.startswith("fc."))
+
+
+def test_the_zero_recipe_without_deepspeed_installed_trains_without_its_memory_estimate(monkeypatch, caplog):
+    """zero.py also trains under DDP and FSDP: DeepSpeed missing is an info line and no estimate, not
+    ModuleNotFoundError from the estimate."""
+    import logging
+
+    import torch
+    from accelerate import Accelerator
+
+    zero = load_recipe("zero")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert zero.memory_estimates(Accelerator(cpu=True), model)["parameters"] == 20  # installed here
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")] + ["deepspeed"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed: importing it raises ImportError
+    with caplog.at_level(logging.INFO, logger="recipes"):
+        assert zero.memory_estimates(Accelerator(cpu=True), model) == {}
+    assert "no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)" in caplog.text
