@@ -16,7 +16,9 @@ import os
 import platform
 import re
 import select
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -669,6 +671,17 @@ def fsdp_on_cpu(timeout: datetime.timedelta) -> None:
     PartialState(cpu=True, backend="gloo", timeout=timeout).distributed_type = DistributedType.MULTI_GPU
 
 
+def _gpus_nvidia_smi_lists() -> int:
+    """The GPUs `nvidia-smi -L` lists (0 without it, or when it fails within 10 s)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU") for line in listed.splitlines())
+
+
 def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
     """Refuse what Accelerate did not set up as asked: the `expected` processes in one group that syncs gradients,
     and the config's FSDP, DeepSpeed and fp16 (it falls back without a word: FSDP on CPU to DDP, fp16 on CPU to fp32
@@ -698,6 +711,13 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
         formed = f"a group of {accelerator.num_processes}" if kind != DistributedType.NO.value else "no group"
+        if (listed := _gpus_nvidia_smi_lists()) and not torch.cuda.is_available():  # the tools disagree: say so
+            build = "a build without CUDA" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise RecipeError(
+                f"nvidia-smi lists {listed} GPU(s) but this torch ({torch.__version__}, {build}) cannot use them, so "
+                f"the {expected} processes formed {formed}: install a torch built for this driver's CUDA "
+                "(pytorch.org), or train on the CPU: ./launch.sh --config cpu"
+            )
         raise RecipeError(
             f"the launcher started {expected} processes but they formed {formed} (distributed type {kind}): each "
             "process would train its own copy of the model; on a host without GPUs use ./launch.sh, or export "

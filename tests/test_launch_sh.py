@@ -737,3 +737,20 @@ def test_variables_left_from_another_job_do_not_make_a_process_of_one_a_rank(tin
         lines = error_lines(proc.stderr)
         assert proc.returncode == 2 and len(lines) == 1 and f"of a group (no {missing}): left" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr and not by_hand.exists()
+
+
+@pytest.mark.slow
+def test_gpus_nvidia_smi_lists_but_torch_cannot_use_are_named_and_the_fix_runs(gpus, digits, tmp_path):
+    """nvidia-smi lists 2 GPUs (faked), this torch has no CUDA: launch.sh picks the 2-GPU config, and the processes
+    say that the two tools disagree, not that they formed no group (whose advice, ./launch.sh, was what ran). The
+    fix the line gives, followed literally, trains."""
+    out = tmp_path / "run"
+    args = digits_args(
+        digits, out, "--model", "resnet18", "--max_train_steps", "1", "--per_device_train_batch_size", "8"
+    )
+    proc = run([LAUNCH, "cifar", *args], env=gpus(2), check=False)
+    (line,) = error_lines(proc.stderr)
+    assert proc.returncode == 2 and line.startswith("error: nvidia-smi lists 2 GPU(s) but this torch ("), line
+    assert line.endswith("or train on the CPU: ./launch.sh --config cpu") and not out.exists(), line
+    run([LAUNCH, "cifar", "--config", "cpu", *args], env=gpus(2))
+    assert results(out)["steps"] == 1
