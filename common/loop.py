@@ -21,6 +21,7 @@ import itertools
 from .data import epoch_batches
 from .metrics import TrainLog
 from .preemption import StopOnSignal
+from .watchdog import watch
 
 
 class TrainingLoop:
@@ -34,7 +35,7 @@ class TrainingLoop:
         self.every = args.checkpointing_steps  # None, "epoch" or N optimizer steps
         self.eval_steps = getattr(args, "eval_steps", None)
         self.accumulation = args.gradient_accumulation_steps
-        self.stop = StopOnSignal(accelerator, args)  # signals; and a stalled process named (--hang_timeout)
+        self.stop = StopOnSignal(accelerator, watch(accelerator, args))  # signals; a stalled process named
         self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from)
 
     def steps(self, train_dl, optimizer=None, scheduler=None):

@@ -106,18 +106,15 @@ class StopOnSignal:
     """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
     every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
     their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
-    (--hang_timeout). `finishing.requested()`: progress alone, for a final evaluation a signal does not cut short."""
+    (`watchdog`'s, common.watchdog.watch). `finishing.requested()`: progress alone, for a final evaluation a signal
+    does not cut short."""
 
-    def __init__(self, accelerator, args):
-        from .watchdog import Watchdog  # here: it imports this module
-
+    def __init__(self, accelerator, watchdog=None):
         global _in_loop
         self._flag, self._pending, self.signal = torch.zeros(1, dtype=torch.int32), None, None
         spans = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if spans else None
-        self.watchdog = None
-        if args.hang_timeout:
-            self.watchdog = Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
+        self.watchdog = watchdog
         self.finishing = SimpleNamespace(requested=self.watchdog.beat if self.watchdog else lambda: None)
         _in_loop = True
 

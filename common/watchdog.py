@@ -49,6 +49,13 @@ def phase_of(frames) -> tuple[str, bool]:
     return found[0] + (" (data loading)" if "data loading" in found[1:] else ""), waiting
 
 
+def watch(accelerator, args):
+    """The run's Watchdog (--hang_timeout, --ddp_timeout, --output_dir), or None: --hang_timeout 0 watches nothing."""
+    if not args.hang_timeout:
+        return None
+    return Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)
+
+
 class Watchdog:
     def __init__(self, accelerator, hang_timeout: float, ddp_timeout: float, output_dir):
         self.timeout, self.folder = hang_timeout, Path(output_dir) / "hang"

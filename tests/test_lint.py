@@ -56,3 +56,26 @@ def test_commons_public_surface_is_what_the_recipes_import_sorted():
     submodules = {name for name in used if (REPO / "common" / f"{name}.py").is_file()}
     assert used - submodules == set(common.__all__)
     assert common.__all__ == sorted(common.__all__)
+
+
+def test_common_has_no_import_cycle():
+    """Each module of common/ imports others (at the top or inside a function) without one importing it back, however
+    far round: a cycle forces imports into functions and makes the import order matter."""
+    imports = {}
+    for path in sorted((REPO / "common").glob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+        imports[path.stem] = found - {path.stem}
+
+    def cycle(module, seen):
+        for other in sorted(imports.get(module, ())):
+            if other in seen:
+                return [*seen, other]
+            if found := cycle(other, [*seen, other]):
+                return found
+        return None
+
+    cycles = [c for m in imports if (c := cycle(m, [m]))]
+    assert not cycles, " -> ".join(cycles[0])
