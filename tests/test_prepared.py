@@ -15,7 +15,6 @@ from accelerate import PartialState
 from conftest import (
     BIN,
     REPO,
-    accelerate_cpu,
     error_lines,
     interrupt,
     lm_args,
@@ -189,24 +188,6 @@ def prepared_ahead(tiny_lm, tmp_path_factory):
     return folder, proc
 
 
-@pytest.mark.slow
-def test_prepare_only_then_two_processes_train_from_the_folder_and_evaluate_max_eval_samples(prepared_ahead, tiny_lm,
-                                                                                             tmp_path):  # fmt: skip
-    folder, proc = prepared_ahead
-    (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
-    assert done.startswith("done: prepared 196 train and 19 validation blocks of 32 tokens in ")
-    assert str(folder) in done
-    assert proc.stderr.count("preparing the data in") == 1  # the main process; the other found it ready
-    written = snapshot(folder)
-    out = tmp_path / "run"
-    args = lm_args(tiny_lm, out, "--prepared_data_dir", folder, "--max_train_steps", "3", "--max_eval_samples", "5")
-    cmd, env = accelerate_cpu(2, RECIPE, *args)
-    trained = run(cmd, env=env)
-    assert "preparing" not in trained.stderr and f"reusing the prepared data in {folder}" in trained.stderr
-    res = results(out)
-    assert res["world_size"] == 2 and res["steps"] == 3
-    assert res["eval_tokens"] == 5 * 31  # 5 blocks (odd: not one repeated for the second process), 31 targets each
-    assert snapshot(folder) == written
 
 
 @pytest.mark.slow
@@ -215,17 +196,24 @@ def test_a_run_on_prepared_data_stopped_in_two_processes_resumes_in_three_to_the
 ):
     """Through launch.sh from the folder prepared ahead: 2 processes x 12 x 2 accumulation stopped by SIGTERM in
     epoch 1, resumed with `latest` in 3 processes x 8 x 2 (the same effective batch of 48), end on the uninterrupted
-    2-process run's loss curve and weights."""
-    folder, _ = prepared_ahead
+    2-process run's loss curve and weights. Prepared ahead by --prepare_only, once, the folder is read and left as
+    it was; --max_eval_samples 5 counts each of its 5 blocks once on 2 and on 3 processes."""
+    folder, proc = prepared_ahead
+    (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
+    assert done.startswith("done: prepared 196 train and 19 validation blocks of 32 tokens in ")
+    assert str(folder) in done
+    assert proc.stderr.count("preparing the data in") == 1  # the main process; the other found it ready
+    written = snapshot(folder)
     args = ["--prepared_data_dir", folder, "--gradient_accumulation_steps", "2", "--max_train_steps", "10"]
-    args += ["--logging_steps", "1", "--checkpointing_steps", "2"]
+    args += ["--logging_steps", "1", "--checkpointing_steps", "2", "--max_eval_samples", "5"]
 
     def launch(processes, out, batch, *extra):
         cmd = [REPO / "launch.sh", "lm_finetune", "--num_processes", str(processes)]
         return cmd + lm_args(tiny_lm, out, *args, "--per_device_train_batch_size", str(batch), *extra)
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(launch(2, straight, 12))
+    trained = run(launch(2, straight, 12))
+    assert "preparing" not in trained.stderr and f"reusing the prepared data in {folder}" in trained.stderr
     proc, _ = interrupt(launch(2, resumed, 12), user_env(), resumed, after_step=4)
     stop = preempted_at(proc.stderr)
     assert stop is not None and 4 <= stop < 8, proc.stderr[-3000:]  # epoch 1: 196 blocks are 4 steps of 48
@@ -237,6 +225,9 @@ def test_a_run_on_prepared_data_stopped_in_two_processes_resumes_in_three_to_the
         assert after["samples_seen"] == before["samples_seen"]
         assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-5)
     assert update_distance(resumed, straight, tiny_lm["model"]) < 1e-5
+    assert a["eval_tokens"] == b["eval_tokens"] == 5 * 31  # 5 blocks (not one repeated to even out), 31 targets each
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+    assert snapshot(folder) == written
 
 
 def other_tokenizer(lm, tmp_path):
