@@ -117,7 +117,12 @@ def os_error_line(err: BaseException) -> str | None:
     origins = [*_args.GIVEN.items(), *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
     for origin, value in origins:
         base = os.path.abspath(os.path.expanduser(value))
-        if path == base or path.startswith(base.rstrip(os.sep) + os.sep):
+        inside = path.startswith(base.rstrip(os.sep) + os.sep)
+        if inside and found.errno in (errno.ENOTDIR, errno.EEXIST) and not os.path.isdir(base):
+            # a folder beneath it could not be made because the named folder cannot be one: said of the folder named
+            code = errno.EEXIST if os.path.lexists(base) else errno.ENOTDIR
+            found, path, name, inside = OSError(code, os.strerror(code), base), base, base, False
+        if path == base or inside:
             where = f"{origin} {value}" if path == base else f"{name} (in {origin} {value})"
             break
         if base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
