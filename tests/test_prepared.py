@@ -188,8 +188,6 @@ def prepared_ahead(tiny_lm, tmp_path_factory):
     return folder, proc
 
 
-
-
 @pytest.mark.slow
 def test_a_run_on_prepared_data_stopped_in_two_processes_resumes_in_three_to_the_uninterrupted_weights(
     prepared_ahead, tiny_lm, tmp_path
