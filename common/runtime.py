@@ -742,12 +742,21 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         fix = "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin is not None and plugin.deepspeed_config.get("fp16", {}).get("enabled") is True:  # it decides
-            fix = 'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file the accelerate config names'
+        if (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) and _enables_fp16(path):  # the file decides
+            fix = f'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {path}'
         raise RecipeError(
             f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}"
         )
+
+
+def _enables_fp16(deepspeed_config_file: str) -> bool:
+    """Whether a DeepSpeed JSON config sets fp16 on itself (not "auto", which --mixed_precision fills in)."""
+    import json
+
+    try:
+        return json.loads(Path(deepspeed_config_file).read_text()).get("fp16", {}).get("enabled") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def library_versions() -> dict:

@@ -1,8 +1,11 @@
 """The CIFAR/ImageFolder recipe, launched as users launch it, in 1 and 2 CPU processes."""
 
 import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from conftest import (
     accelerate_cpu,
     digits_args,
     error_lines,
+    free_port,
     interrupt,
     load_recipe,
     results,
@@ -171,33 +175,89 @@ def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(dig
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["--multi_gpu flag", "cpu.yaml without ACCELERATE_USE_CPU", "--num_processes alone"])
-def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path, how):
+def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, tmp_path):
+    """accelerate_configs/cpu.yaml without ACCELERATE_USE_CPU: 2 processes that form no group, each training its own
+    copy, refused in one line. (`--multi_gpu --num_processes 2` starts the very same processes, and `--num_processes
+    2` alone one process: the two tests below.)"""
     out = tmp_path / "run"
     env = user_env()
-    launch = {  # the last: accelerate starts one process alone, as if 2 had not been asked
-        "--multi_gpu flag": ["--multi_gpu", "--num_processes", "2"],
-        "cpu.yaml without ACCELERATE_USE_CPU": ["--config_file", REPO / "accelerate_configs/cpu.yaml"],
-        "--num_processes alone": ["--num_processes", "2"],
-    }[how]
-    proc = run(
-        [
-            BIN / "accelerate",
-            "launch",
-            *launch,
-            "--main_process_port",
-            env["MASTER_PORT"],
-            RECIPE,
-            *digits_args(digits, out, *FAST_MODEL),
-        ],
-        env=env,
-        check=False,
-    )
+    launch = ["--config_file", REPO / "accelerate_configs/cpu.yaml", "--main_process_port", env["MASTER_PORT"]]
+    proc = run([BIN / "accelerate", "launch", *launch, RECIPE, *digits_args(digits, out, *FAST_MODEL)], env=env,
+               check=False)  # fmt: skip
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert "ACCELERATE_USE_CPU=true" in lines[0] and "launch.sh" in lines[0]
+    assert lines[0].startswith(
+        "error: the launcher started 2 processes but they formed no group (distributed type NO): each process would "
+        "train its own copy of the model; on a host without GPUs use ./launch.sh, or export ACCELERATE_USE_CPU=true "
+        "before accelerate launch"
+    ), lines[0]
     assert not out.exists(), "a refused run must not write output"
+
+
+def started_by_accelerate_launch(monkeypatch, port, *launch) -> tuple:
+    """(environment, torchrun's arguments) the processes of `accelerate launch <launch> recipes/cifar.py` start with:
+    accelerate's own launcher, run in this process as a user's shell runs it, up to torchrun's start of them."""
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:  # as user_env()
+        monkeypatch.delenv(name)
+    started = []
+    monkeypatch.setattr(distrib_run, "run", lambda args: started.append((dict(os.environ), vars(args))))
+    argv = [*launch, "--main_process_port", port, RECIPE, "--output_dir", "run"]
+    launch_command(launch_command_parser().parse_args([str(a) for a in argv]))
+    (processes,) = started
+    return processes
+
+
+def test_multi_gpu_without_cpu_setting_starts_the_processes_the_refused_cpu_config_starts(monkeypatch):
+    """`accelerate launch --multi_gpu --num_processes 2` starts its 2 processes with the environment and torchrun
+    arguments of cpu.yaml without ACCELERATE_USE_CPU, byte for byte: the refusal launched above is theirs. (Should
+    accelerate ever pass the config's use_cpu on, this fails: then the flag needs a launch of its own.)"""
+    port = free_port()  # accelerate refuses one in use
+    flag = started_by_accelerate_launch(monkeypatch, port, "--multi_gpu", "--num_processes", "2")
+    config = started_by_accelerate_launch(monkeypatch, port, "--config_file", REPO / "accelerate_configs/cpu.yaml")
+    assert flag == config
+    assert flag[1]["nproc_per_node"] == "2" and "ACCELERATE_USE_CPU" not in flag[0]
+
+
+def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(digits, tmp_path, monkeypatch):
+    """`accelerate launch --num_processes 2` without --multi_gpu starts one process (accelerate says nothing): the
+    process reads its parent's command line (/proc) and refuses. Here the parent is a process with that very command
+    line, and the recipe's check runs with the environment accelerate's one-process launcher gives. (The refusal
+    through a real launch: tests/test_launch_sh.py's refusals of a cpu launch.)"""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    from common import runtime
+
+    out = tmp_path / "run"
+    port = free_port()
+    argv = [str(a) for a in ["--num_processes", "2", "--main_process_port", port, RECIPE, *digits_args(digits, out)]]
+    launched, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:  # as user_env()
+        monkeypatch.delenv(name)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in prepare_simple_launcher_cmd_env(launched)[1].items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "launch").write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")  # python runs it
+    parent = subprocess.Popen([str(BIN / "accelerate"), "launch", *argv], executable=sys.executable, cwd=tmp_path,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert parent.stdout.readline() == "started\n"  # its command line is in /proc (empty while it starts)
+        monkeypatch.setattr(runtime, "_PARENT", parent.pid)
+        with pytest.raises(RecipeError) as refused:
+            runtime.make_accelerator(None)  # refused before it reads its arguments
+    finally:
+        parent.kill()
+        parent.communicate()
+    assert str(refused.value) == (
+        "accelerate launch --num_processes 2 started one process: it starts several only with --multi_gpu, a "
+        "multi-process --config_file or more than one GPU; on a host without GPUs pass --multi_gpu with "
+        "ACCELERATE_USE_CPU=true exported (it starts the processes on the CPU), or use ./launch.sh"
+    )
 
 
 def initial_weights(*model_args, seed=42):

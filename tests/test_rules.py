@@ -374,7 +374,13 @@ def test_another_norm_layer_is_another_model(digits, tmp_path):
     "config, extra, message",
     [
         ("cpu", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32"),
-        ("zero2", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU"),  # DeepSpeed's ValueError else
+        (
+            "zero2",
+            ["--mixed_precision", "fp16"],
+            "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 "
+            "and would still report fp16; pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the "
+            "config",
+        ),  # fmt: skip  (DeepSpeed's ValueError else)
     ],
 )
 def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path, config, extra, message):
@@ -411,7 +417,7 @@ def test_fp16_a_deepspeed_config_file_enables_on_cpu_is_refused_naming_that_file
     proc = run(cmd, env=env, check=False)
     assert proc.returncode != 0 and error_lines(proc.stderr) == [
         "error: mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; set "
-        'fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file the accelerate config names'
+        f'fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {ds}'
     ], proc.stderr[-3000:]
     assert not (tmp_path / "r").exists()
 
@@ -438,9 +444,9 @@ def test_torch_compile_without_a_cpp_compiler_is_one_line_and_nothing_is_written
          "refuses it: Unknown dynamo backend: FOO"),
         ("fsdp", {"fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": "sometimes"}}, "error: Accelerate "
          "cannot set up the accelerate config's settings here (ValueError: invalid truth value sometimes)"),
-        ("zero2", {"deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "gpu0"}}, "error: DeepSpeed "
-         "refuses its config (DeepSpeedZeroConfig: offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme' "
-         "(got 'gpu0'))"),
+        ("zero2", {"deepspeed_config": {"zero_stage": 2, "offload_param_device": "gpu0"}}, "error: DeepSpeed "
+         "refuses its config (DeepSpeedZeroConfig: offload_param.device: Input should be 'none', 'cpu' or 'nvme' "
+         "(got 'gpu0'))"),  # offload_param: an optimizer offload would load DeepSpeed's CPU Adam first (6 s)
     ],
     ids=["accelerate launch", "fsdp plugin", "deepspeed"],
 )  # fmt: skip
@@ -810,29 +816,45 @@ def test_a_main_process_lost_while_it_prepares_the_data_is_named_by_the_one_wait
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "cache, processes, why",
-    [
-        ("file/cache", 1, "not a directory; a part of that path is a file, not a folder"),
-        ("file", 2, "file exists; it is a file where a folder must be: remove it or use another path"),
-    ],
-)
-def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path, cache, processes, why):
-    """HF_DATASETS_CACHE under a file, or a file itself: the one line names the variable, the path and what is wrong
-    with it, not the data file datasets was reading; in 2 processes the same line, whichever process says it."""
+def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path):
+    """HF_DATASETS_CACHE a file itself: the one line names the variable, the path and what is wrong with it, not the
+    folder beneath it the run was making; in 2 processes the same line, whichever process says it. (A cache under a
+    file: the next test.)"""
     (tmp_path / "file").write_text("not a folder")
-    env = user_env(HF_DATASETS_CACHE=str(tmp_path / cache))
-    args = lm_args(tiny_lm, tmp_path / "run")
-    cmd = (
-        [BIN / "python", LM, *args]
-        if processes == 1
-        else [REPO / "launch.sh", "lm_finetune", "--config", "cpu", *args]
-    )
-    proc = run(cmd, env=env, check=False)
+    env = user_env(HF_DATASETS_CACHE=str(tmp_path / "file"))
+    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", *lm_args(tiny_lm, tmp_path / "run")], env=env,
+               check=False)  # fmt: skip
     assert proc.returncode != 0 and error_lines(proc.stderr) == [
-        f"error: $HF_DATASETS_CACHE {tmp_path / cache}: {why}"
+        f"error: $HF_DATASETS_CACHE {tmp_path / 'file'}: file exists; it is a file where a folder must be: remove it "
+        "or use another path"
     ], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
+
+
+def test_a_cache_under_a_file_is_named_with_its_variable(tiny_lm, tmp_path, monkeypatch):
+    """HF_DATASETS_CACHE under a file: the folder the run makes first under it (the prepared blocks', as
+    recipes/lm_finetune.py does), with the variable and the recipe's arguments as a run has them; the line is the one
+    its process prints (runtime._how_it_ended)."""
+    import datasets
+
+    from common import args as common_args
+    from common import prepared
+    from common.runtime import _how_it_ended
+
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" / "cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)  # read when datasets is imported
+    monkeypatch.setattr(common_args, "GIVEN", {})
+    load_recipe("lm_finetune").parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "run")])
+    digest = "0" * 64
+    with pytest.raises(OSError) as failed, prepared.one_preparation(prepared.default_folder(digest), digest, 60):
+        pass
+    assert _how_it_ended(failed.value)[:3] == (
+        2,
+        "error",
+        f"error: $HF_DATASETS_CACHE {cache}: not a directory; a part of that path is a file, not a folder",
+    )
 
 
 # 7. No computation divides by data it did not check -----------------------------------------------
