@@ -9,10 +9,11 @@ import os
 import time
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from accelerate import PartialState
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
 from .preemption import ignore_stop_signals
-from .runtime import taking_turns
+from .runtime import RecipeError, logger, taking_turns
 
 # Who works in each turn of prepare_data_first, as the processes that wait for it name it.
 PREPARERS = ("the main process (rank 0)", "another node's first process", "another process")
@@ -32,20 +33,23 @@ def prepare_data_first(state, timeout: int):
 def make_dataloader(dataset, batch_size: int, *, train: bool, seed=None, num_workers=None, collate_fn=None):
     """A DataLoader with a data-parallel job's defaults: training in an EpochSampler's order without a last
     partial batch (every process takes the same steps); evaluation every sample in order (`gather_for_metrics`
-    removes Accelerate's padding)."""
-    on_device = getattr(dataset, "on_device", False)
+    removes Accelerate's padding). A stream (StreamOfBlocks) is read by one worker of the main process: Accelerate
+    dispatches its batches to the others."""
+    on_device, streamed = getattr(dataset, "on_device", False), isinstance(dataset, IterableDataset)
     if on_device:  # batches are cut on the device: nothing for workers to do, no host memory to pin
         num_workers, collate_fn = 0, lambda batch: batch
+    elif streamed:  # one reader (more would each read the whole stream); the others never iterate theirs
+        num_workers = 1 if PartialState().process_index == 0 else 0
     elif num_workers is None:
         num_workers = default_num_workers()
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochSampler(len(dataset), seed) if train else None,
+        sampler=EpochSampler(len(dataset), seed) if train and not streamed else None,
         drop_last=train,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() and not on_device,
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0 and not streamed,  # a stream's worker takes the epoch and resume point
         collate_fn=collate_fn,
         worker_init_fn=ignore_stop_signals,
         # an iterator draws its workers' seed from here, not from torch's global RNG: a resumed run's dropout draws
@@ -95,8 +99,8 @@ def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
     """The batches of `epoch` from sample `first_sample` of its order on. The dataset's epoch is set here:
     Accelerate passes set_epoch on to our sampler, and then not to the dataset."""
     dataloader.set_epoch(epoch)  # Accelerate's loader counts its iterations by it, and passes it to our sampler
-    sampler = dataloader
-    while not isinstance(sampler, EpochSampler):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler -> ours
+    sampler = dataloader.dataset if isinstance(dataloader.dataset, StreamOfBlocks) else dataloader
+    while not isinstance(sampler, (EpochSampler, StreamOfBlocks)):  # DataLoaderShard -> BatchSamplerShard -> ours
         sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
         if sampler is None:
             raise TypeError("the training DataLoader needs an EpochSampler (common.make_dataloader(train=True))")
@@ -124,8 +128,89 @@ class _Waited:
         tic = time.perf_counter()
         try:
             return next(self.items)
+        except RecipeError as err:  # met by a loader worker: its own line, not torch's report around it
+            raise RecipeError(worker_error_line(str(err))) from None
+        except ValueError as err:
+            if dispatched_nothing(err):
+                raise StopIteration from None
+            raise
         finally:
             self.waited += time.perf_counter() - tic
+
+
+def worker_error_line(message: str) -> str:
+    """The line a DataLoader worker raised, from the message torch re-raises it with in the main process ("Caught
+    RecipeError in DataLoader worker process 0. Original Traceback ... RecipeError: <line>"; torch's
+    ExceptionWrapper.reraise, no public API); any other message as it is."""
+    if "in DataLoader worker process" not in message:
+        return message
+    return message.rstrip().splitlines()[-1].split("RecipeError: ", 1)[-1]
+
+
+def dispatched_nothing(err: ValueError) -> bool:
+    """Whether Accelerate's DataLoaderDispatcher found no whole round of batches left in a stream as an iteration
+    began (it raises this ValueError rather than StopIteration; no public API): the stream's end."""
+    return str(err).startswith("Batch does not contain any data")
+
+
+class StreamOfBlocks(IterableDataset):
+    """Training samples made from a stream of rows as they are read (`datasets` streaming: a corpus that is never
+    prepared on disk), in an order of (seed, epoch) alone: rows shuffled in a buffer of `shuffle_buffer`, then
+    `make_blocks(each 1000 rows)` -> columns of samples. The main process reads it and Accelerate deals each round of
+    batches to the processes, so N processes of b train what one of N x b would. `identity()`: the data's digest,
+    for a checkpoint's (common.data.fingerprint)."""
+
+    ROWS = 1000  # rows made into blocks at a time: as many as datasets.map's batch, so the blocks are prepared ones
+
+    def __init__(self, rows, make_blocks, seed: int, shuffle_buffer: int, identity, timeout: int = 600):
+        self.rows, self.make_blocks, self.seed, self.shuffle_buffer = rows, make_blocks, seed, shuffle_buffer
+        self.identity, self.timeout, self.epoch = identity, timeout, 0
+        self._resume = (0, 0, 0)  # (epoch, batches of rows read past, samples of the next batch skipped)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self):
+        rows = self.rows.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer) if self.shuffle_buffer else self.rows
+        rows.set_epoch(self.epoch)  # datasets reseeds the buffer and the shards' order with it
+        return rows.iter(batch_size=self.ROWS)
+
+    def resume_at(self, epoch: int, sample: int) -> None:
+        """Start `epoch` at its sample `sample`. Where that is in the rows is known only by making the blocks before
+        it: the main process does that now, outside any collective with a deadline (runtime.taking_turns: the others
+        wait as long as it reads, knowing it works), then its loader reads the rows before it without making blocks.
+        The cost of a resume grows with its position (README: Streaming)."""
+        self._resume = (epoch, 0, 0)
+        if not sample:
+            return
+        state = PartialState()
+        with taking_turns(state, 0 if state.is_main_process else 1, PREPARERS[::2], self.timeout):
+            if not state.is_main_process:  # only the main process reads the stream
+                return
+            tic, self.epoch, rows, left = time.perf_counter(), epoch, 0, sample
+            for batch in self._batches():
+                made = self.make_blocks(batch)
+                count = len(next(iter(made.values()))) if made else 0
+                if left < count:
+                    break
+                rows, left = rows + 1, left - count
+            self._resume = (epoch, rows, left)
+            logger.info(
+                f"resumed the stream at sample {sample:,} of epoch {epoch}: {rows * self.ROWS:,} rows read and made "
+                f"into blocks again in {time.perf_counter() - tic:.1f} s"
+            )
+
+    def __iter__(self):
+        _, rows, skip = self._resume if self._resume[0] == self.epoch else (self.epoch, 0, 0)
+        for i, batch in enumerate(self._batches()):
+            if i < rows:  # read, not tokenized: resume_at counted its blocks
+                continue
+            blocks = self.make_blocks(batch)
+            columns = list(blocks)
+            count = len(blocks[columns[0]]) if columns else 0
+            for k in range(min(skip, count), count):
+                yield {key: torch.tensor(blocks[key][k]) for key in columns}
+            skip = max(0, skip - count)
 
 
 class SeededTransform(Dataset):
@@ -157,6 +242,8 @@ def fingerprint(dataset, samples: int = 64) -> str:
     what they are made from, common.prepared) and `samples` items spread over it, so that a checkpoint resumes only
     the data that wrote it."""
     base = dataset.dataset if isinstance(dataset, SeededTransform) else dataset
+    if isinstance(base, StreamOfBlocks):  # not read here: as long as the stream
+        return base.identity()
     digest = hashlib.sha256(str(len(base)).encode())
     if description := getattr(getattr(base, "info", None), "description", None):  # prepared blocks: their inputs
         digest.update(description.encode())

@@ -21,6 +21,7 @@ import itertools
 from .data import epoch_batches
 from .metrics import TrainLog
 from .preemption import StopOnSignal
+from .runtime import RecipeError
 from .watchdog import watch
 
 
@@ -45,11 +46,16 @@ class TrainingLoop:
         if self._evaluation_due():  # resumed from a stop at an evaluation point
             self._evaluate()
         while at.step < plan.max_train_steps:
-            batches = epoch_batches(train_dl, at.epoch, at.sample)
+            batches, ended = epoch_batches(train_dl, at.epoch, at.sample), False
             while at.step < plan.max_train_steps:
                 waited = batches.waited
                 window = list(itertools.islice(batches, self.accumulation))
-                if len(window) < self.accumulation:  # the epoch's remainder: too few for a whole step
+                if ended := len(window) < self.accumulation:  # the epoch's remainder: too few for a whole step
+                    if at.sample == 0:  # a stream (a dataset's size was checked by the plan)
+                        raise RecipeError(
+                            f"the training data holds fewer samples than one step trains ({plan.effective_batch_size}"
+                            "); add data, or lower --per_device_train_batch_size or --gradient_accumulation_steps"
+                        )
                     break
                 if scheduler is None:
                     lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
@@ -59,7 +65,7 @@ class TrainingLoop:
                 self._stepped(batches.waited - waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
             if self._evaluates_at_epoch_end():
                 self._evaluate()
-            if plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it where it was
+            if ended or plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it there
                 at.epoch, at.sample = at.epoch + 1, 0
             if self.every == "epoch":
                 self.out.save_checkpoint(self.model, plan, at, self.log)

@@ -49,7 +49,7 @@ class TrainingPlan:
     """What the loop needs to know in advance. A step takes `gradient_accumulation_steps` rounds of one batch per
     process; an epoch's remainder too short for a step is dropped, as one process's batch of them all would be."""
 
-    num_samples: int  # in the training set
+    num_samples: int | None  # in the training set; None: a stream, whose epoch ends where it does
     per_device_batch_size: int
     num_processes: int
     gradient_accumulation_steps: int
@@ -70,16 +70,21 @@ class TrainingPlan:
         return self.per_device_batch_size * self.num_processes
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_epoch(self) -> int | None:
+        if self.num_samples is None:
+            return None
         return self.num_samples // self.round_samples // self.gradient_accumulation_steps
 
     def epoch_done(self, at: Position) -> bool:
-        """Whether epoch `at.epoch` has no whole step left after sample `at.sample` of its order."""
-        return self.num_samples - at.sample < self.effective_batch_size
+        """Whether epoch `at.epoch` has no whole step left after sample `at.sample` of its order (a stream's: not
+        known before it ends)."""
+        return self.num_samples is not None and self.num_samples - at.sample < self.effective_batch_size
 
     def epochs(self, at: Position) -> float:
         """Epochs trained at `at`, as transformers counts them: the whole ones and the share of the current one's
-        steps (one trained in several layouts is whole once no step is left in it)."""
+        steps (one trained in several layouts is whole once no step is left in it); a stream's, the whole ones."""
+        if self.num_samples is None:
+            return float(at.epoch)
         if self.epoch_done(at):
             return at.epoch + 1.0
         return at.epoch + at.sample / (self.steps_per_epoch * self.effective_batch_size)
@@ -90,7 +95,7 @@ class TrainingPlan:
         k, per_round = self.gradient_accumulation_steps, self.round_samples
         epoch, sample, taken, trained = start.epoch, start.sample, 0, 0
         while taken < steps and trained < samples and epoch < epochs:
-            left = (self.num_samples - sample) // (k * per_round)  # whole steps left in this epoch
+            left = (NEVER if self.num_samples is None else self.num_samples - sample) // (k * per_round)  # this epoch
             n = min(left, steps - taken, -(-(samples - trained) // (k * per_round)))  # a ceiling: whole steps
             taken, trained = taken + n, trained + n * k * per_round
             epoch, sample = epoch + 1, 0
@@ -113,7 +118,7 @@ class TrainingPlan:
 def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     """The plan of a run of `args` (the shared training arguments) from step 0, made before `accelerator.prepare`."""
     batch, k = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    rounds = num_samples // (batch * num_processes)
+    rounds = NEVER if num_samples is None else num_samples // (batch * num_processes)  # a stream: --max_train_steps
     if rounds < k:  # no step would train the effective batch the rate is scaled for
         lower = [f"--gradient_accumulation_steps to {rounds} or less"] if rounds else []
         lower += [] if rounds or batch == 1 else ["--per_device_train_batch_size"]
@@ -157,7 +162,8 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
     """(plan, start) on `dataset`: from the arguments, or continuing checkpoint `resume` in any layout."""
     digest = decide_on_main(PartialState(), lambda: fingerprint(dataset))  # read once; a bad sample said once
-    plan = replace(plan_training(args, len(dataset), num_processes), data_fingerprint=digest)
+    num_samples = len(dataset) if hasattr(dataset, "__len__") else None  # a stream has no length
+    plan = replace(plan_training(args, num_samples, num_processes), data_fingerprint=digest)
     start = Position()
     if resume is not None:
         plan, start = _resumed(args, plan, read_state(resume), resume)
@@ -183,6 +189,10 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
 WARMUP_ARGS = ("warmup_steps", "warmup_ratio")
 
 
+def _samples(count: int | None) -> str:
+    return "a stream" if count is None else f"{count:,} samples"
+
+
 def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPlan, Position]:
     """Same data and seed (other changed settings listed); from the checkpoint's sample, the rest of
     --num_train_epochs, what its --max_train_steps meant, or the steps up to a new one, in steps of this layout, at
@@ -203,9 +213,9 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     if state["data_fingerprint"] != plan.data_fingerprint:
         differs = f"; this run differs in {', '.join(changed)}" if changed else ""
         raise RecipeError(
-            f"checkpoint {resume} was written for other training data ({state['num_samples']:,} samples, this run "
-            f"has {plan.num_samples:,}, the contents differ){differs}; resume with the data and preprocessing that "
-            "wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
+            f"checkpoint {resume} was written for other training data ({_samples(state['num_samples'])}, this run "
+            f"has {_samples(plan.num_samples)}, the contents differ){differs}; resume with the data and preprocessing "
+            "that wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
         )
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")

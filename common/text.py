@@ -68,7 +68,12 @@ def add_lm_args(parser):
       "(default: a folder named by the inputs in the datasets cache)")  # fmt: skip
     d("--prepare_only", action="store_true", help="prepare the data (e.g. on a CPU machine), then exit")
     d("--max_eval_samples", type="positive_int", help="evaluate on the first N blocks of the held-out set")
+    d("--streaming", action="store_true", help="read and tokenize the training data as the run trains (datasets "
+      "streaming): a corpus that does not fit the disk; needs --max_train_steps")  # fmt: skip
     parser.checks.append(_check_lm_args)
+    parser.does_nothing_unless(["--prepared_data_dir", "--prepare_only", "--preprocessing_num_workers"],
+                               lambda a: not a.streaming, "with --streaming (its blocks are made as the run reads "
+                               "the data, never prepared)", ", or drop --streaming")  # fmt: skip
     parser.does_nothing_unless(["--text_column"], lambda a: a.data_format == "text", "with --data_format chat (its "
                                "conversations are read from the messages column)")  # fmt: skip
     parser.does_nothing_unless(["--config_overrides"], lambda a: a.config_name, "without --config_name (they change "
@@ -86,6 +91,9 @@ def _check_lm_args(parser, args) -> None:
         parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
     if not args.dataset_name and not args.train_file:
         parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)")
+    if args.streaming and not args.max_train_steps:
+        parser.error("--streaming reads the data as it trains, so no epoch length is known to plan by: pass "
+                     "--max_train_steps (the stream starts again when it ends)")  # fmt: skip
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
             parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
@@ -135,25 +143,44 @@ def _load(source: str, builder: str, *load_args, **load_kwargs):
     except Exception as err:
         if _about_a_path(err):
             raise
-        found = causes(err)
-        decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
-        cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
-        what = f"{type(cause).__name__}: {one_line(cause)}" if str(cause).strip() else type(cause).__name__
-        if decode:
-            why = _not_utf8(decode)
-        # datasets has no one error for a file without rows: "corresponds to no data" for blank lines or a
-        # header alone, a format's own error for an empty file
-        elif path and ("corresponds to no data" in str(err) or Path(path).stat().st_size == 0):
-            why = "holds no rows; add data or pass another file"
-        elif path:
-            why = f"cannot be read as {builder} ({what}); {FORMAT_HINTS[builder]}"
-        elif Path(builder).is_dir() and "Cast" in type(cause).__name__:  # its data files are read as one table
-            why = f"{what}; its data files must share one format and the same columns: move the others out of it"
-        else:
-            why = f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
-        raise RecipeError(f"{source}: {why}") from err
+        raise _data_error(err, source, builder, path) from err
     finally:
         quiet.setLevel(level)
+
+
+def _first_rows(source: str, builder: str, stream, path=None, count: int = 100):
+    """The first `count` rows of a stream as a Dataset (a stream's data is read when iterated: what is wrong with
+    the file is said here, as _load says it), or None when it holds no rows."""
+    from datasets import Dataset
+
+    try:
+        rows = list(stream.take(count))
+    except Exception as err:
+        if _about_a_path(err):
+            raise
+        raise _data_error(err, source, builder, path) from err
+    return Dataset.from_list(rows) if rows else None
+
+
+def _data_error(err: BaseException, source: str, builder: str, path) -> RecipeError:
+    """What datasets, pyarrow or pandas raised reading `source` (`path`: a local file) as one line."""
+    found = causes(err)
+    decode = next((e for e in found if isinstance(e, UnicodeDecodeError)), None)
+    cause = next((e for e in found if type(e).__name__ != "DatasetGenerationError"), err)
+    what = f"{type(cause).__name__}: {one_line(cause)}" if str(cause).strip() else type(cause).__name__
+    if decode:
+        why = _not_utf8(decode)
+    # datasets has no one error for a file without rows: "corresponds to no data" for blank lines or a
+    # header alone, a format's own error for an empty file
+    elif path and ("corresponds to no data" in str(err) or Path(path).stat().st_size == 0):
+        why = "holds no rows; add data or pass another file"
+    elif path:
+        why = f"cannot be read as {builder} ({what}); {FORMAT_HINTS[builder]}"
+    elif Path(builder).is_dir() and "Cast" in type(cause).__name__:  # its data files are read as one table
+        why = f"{what}; its data files must share one format and the same columns: move the others out of it"
+    else:
+        why = f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
+    return RecipeError(f"{source}: {why}")
 
 
 def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
@@ -179,29 +206,41 @@ def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file
 
 
 def read_sources(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                 data_format=None, text_column="text"):  # fmt: skip
-    """The splits as the data has them (a `train`, maybe a `validation`), their columns checked for `data_format`."""
+                 data_format=None, text_column="text", streaming=False):  # fmt: skip
+    """The splits as the data has them (a `train`, maybe a `validation`), their columns checked for `data_format`;
+    `streaming`: as `datasets` streams, read when iterated, their columns checked on their first rows."""
     from datasets import DatasetDict
 
     sources = data_sources(dataset_name, train_file, validation_file)
+    paths = {"train": train_file, "validation": validation_file}
     if dataset_name:
         flag = f"--dataset_name {dataset_name}"
         flag += f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
         if dataset_name.startswith(("/", ".", "~")):  # a folder: say so if it is not there
             check_path("--dataset_name", dataset_name, folder=True)
-        raw = _load(flag, dataset_name, dataset_config_name)
+        raw = _load(flag, dataset_name, dataset_config_name, streaming=streaming)
         if "train" not in raw:
             raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
+        builders = dict.fromkeys(raw, dataset_name)
     else:
-        raw = DatasetDict()
-        for split, path in (("train", train_file), ("validation", validation_file)):
+        raw, builders = DatasetDict(), {}
+        for split, path in paths.items():
             if path:
                 check_path(f"--{split}_file", path)
-                fmt = LOCAL_FORMATS[Path(path).suffix.lower()]  # datasets never returns a split without rows
+                fmt = builders[split] = LOCAL_FORMATS[Path(path).suffix.lower()]  # never a split without rows
                 bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
-                raw[split] = _load(sources[split], fmt, data_files=str(path), split="train", **bom)
+                raw[split] = _load(
+                    sources[split], fmt, data_files=str(path), split="train", streaming=streaming, **bom
+                )
+    checked = raw
+    if streaming:  # a stream's rows are read as it is iterated: the first ones now, for what is wrong with them
+        checked = DatasetDict()
+        for split in [split for split in ("train", "validation") if split in raw]:
+            checked[split] = _first_rows(sources[split], builders[split], raw[split], paths.get(split))
+            if checked[split] is None:
+                raise RecipeError(f"{sources[split]}: holds no rows; add data or pass another file")
     if data_format:
-        check_columns(raw, data_format, text_column, sources)
+        check_columns(checked, data_format, text_column, sources)
     return raw
 
 
@@ -432,8 +471,11 @@ def data_inputs(args, tokenizer, block_size, raw=None) -> dict:
         "data_format": args.data_format,
         "text_column": args.text_column if args.data_format == "text" else None,
     }
-    if args.dataset_name:
-        fingerprints = {split: data._fingerprint for split, data in raw.items() if split in ("train", "validation")}
+    if args.dataset_name:  # a stream has no fingerprint: its name, and a local folder's files by their sha256
+        fingerprints = {s: getattr(d, "_fingerprint", None) for s, d in raw.items() if s in ("train", "validation")}
+        if args.streaming and Path(args.dataset_name).is_dir():
+            files = sorted(p for p in Path(args.dataset_name).rglob("*") if p.is_file() and ".cache" not in p.parts)
+            fingerprints["files"] = {str(p.relative_to(args.dataset_name)): prepared.file_sha256(p) for p in files}
         inputs["dataset"] = {"name": args.dataset_name, "config": args.dataset_config_name, **fingerprints}
         inputs["held_out"] = None if "validation" in raw else held_out
         return inputs
@@ -600,15 +642,88 @@ def lm_dataloaders(args, accelerator, tokenizer, config):
     from transformers import default_data_collator
 
     block_size = block_size_for(args, tokenizer, config)
-    with prepare_data_first(accelerator, args.ddp_timeout):
-        data, _ = prepared_blocks(args, tokenizer, block_size)
+    if args.streaming:  # read by every process, as it trains: nothing prepared first
+        train, data = streamed_data(args, tokenizer, block_size)
+    else:
+        with prepare_data_first(accelerator, args.ddp_timeout):
+            data, _ = prepared_blocks(args, tokenizer, block_size)
     if args.max_eval_samples:
         data["validation"] = data["validation"].select(range(min(args.max_eval_samples, len(data["validation"]))))
     data = data.with_format("torch")
     workers = args.dataloader_num_workers or 0  # the blocks are memory-mapped: no worker by default
     loader = partial(make_dataloader, seed=args.seed, num_workers=workers, collate_fn=default_data_collator)
-    train = loader(data["train"], args.per_device_train_batch_size, train=True)
+    train = loader(train if args.streaming else data["train"], args.per_device_train_batch_size, train=True)
     return train, loader(data["validation"], args.per_device_eval_batch_size, train=False), block_size
+
+
+# Streaming: blocks made as the run reads the data ---------------------------------------------------------------
+
+STREAM_SHUFFLE_BUFFER = 10_000  # rows: each epoch's order is the shards' and a buffer's shuffle of them (datasets)
+
+
+def read_streams(args) -> tuple[dict, dict]:
+    """(train and validation streams, sources) with --streaming (`datasets` streaming), their columns checked on their
+    first rows."""
+    sources = data_sources(args.dataset_name, args.train_file, args.validation_file)
+    if not args.dataset_name and not args.validation_file:
+        raise RecipeError(
+            "--streaming cannot hold a share of a stream out for validation: pass --validation_file (held-out "
+            "rows in the format of --train_file), or drop --streaming"
+        )
+    streams = read_sources(
+        dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
+        validation_file=args.validation_file, data_format=args.data_format, text_column=args.text_column,
+        streaming=True,
+    )  # fmt: skip
+    if "validation" not in streams:
+        raise RecipeError(
+            f"{sources['validation'].rsplit(' (', 1)[0]} has no validation split, and --streaming cannot hold a share "
+            "of a stream out; drop --streaming (5% is held out), or pass its files as --train_file and "
+            "--validation_file"
+        )
+    return streams, sources
+
+
+def _blocks_of_rows(batch: dict, tokenize, source: str, block_size: int) -> dict:
+    """A batch of a stream's rows tokenized and packed, as _blocks_of packs each 1000 documents."""
+    return pack(tokenize(batch, source), block_size)
+
+
+def streamed_data(args, tokenizer, block_size):
+    """(train StreamOfBlocks, {"validation": blocks}) with --streaming: the held-out blocks read now (the first
+    --max_eval_samples of them), in memory; the training blocks made as the run reads them."""
+    from datasets import Dataset, DatasetDict
+
+    from .data import StreamOfBlocks
+
+    streams, sources = read_streams(args)
+    _check_tokenizer(tokenizer, args.data_format)
+    column = args.text_column if args.data_format == "text" else "messages"
+    tokenize = _tokenizer_for(tokenizer, args.data_format, column)
+    held_out, documents = {"input_ids": [], "labels": []}, 0
+    for batch in streams["validation"].iter(batch_size=1000):
+        tokens = tokenize(batch, sources["validation"])
+        documents += len(tokens["input_ids"])
+        for key, blocks in pack(tokens, block_size).items():
+            held_out[key] += blocks
+        if args.max_eval_samples and len(held_out["input_ids"]) >= args.max_eval_samples:
+            break
+    validation = Dataset.from_dict({k: v[: args.max_eval_samples] for k, v in held_out.items()})
+    trained = _trained_blocks(validation, args.data_format)
+    _check_split(sources["validation"], documents, len(validation), trained, block_size)
+
+    def identity() -> str:  # the inputs of the training blocks: another --validation_file resumes the same run
+        inputs = data_inputs(args, tokenizer, block_size, streams)
+        inputs.pop("validation_file", None), inputs.pop("held_out", None)
+        return prepared.inputs_digest({**inputs, "streamed": STREAM_SHUFFLE_BUFFER})[:16]
+
+    make = partial(_blocks_of_rows, tokenize=tokenize, source=sources["train"], block_size=block_size)
+    train = StreamOfBlocks(streams["train"], make, args.seed, STREAM_SHUFFLE_BUFFER, identity, args.ddp_timeout)
+    logger.info(
+        f"streaming {sources['train']}: blocks of {block_size} tokens made as the run reads it (rows shuffled in a "
+        f"buffer of {STREAM_SHUFFLE_BUFFER:,}); {len(validation):,} validation blocks"
+    )
+    return train, DatasetDict(validation=validation)
 
 
 # Models and tokenizers ----------------------------------------------------------------------------

@@ -408,7 +408,7 @@ FILE_SECONDS = {
     "test_cifar.py": 1550, "test_zero.py": 830, "test_rules.py": 760, "test_fsdp.py": 580, "test_hang.py": 440,
     "test_fault.py": 420, "test_lm_finetune.py": 390, "test_selftest.py": 340, "test_launch_sh.py": 310,
     "test_prepared.py": 290, "test_readme.py": 280, "test_benchmarks.py": 250, "test_compile.py": 225,
-    "test_multinode.py": 145, "test_inputs.py": 100,
+    "test_streaming.py": 200, "test_multinode.py": 145, "test_inputs.py": 100,
 }  # fmt: skip
 
 
