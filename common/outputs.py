@@ -133,19 +133,30 @@ def _saved_by_this_job(output_dir: Path) -> bool:
     return any(saved_at(path) >= began for path in complete_checkpoints(output_dir))
 
 
+def _a_checkpoint_in(folder: Path, which: str) -> str:
+    """The newest complete checkpoint in `folder` (a run's), as a fix names it, or what to pass instead."""
+    newest = complete_checkpoints(folder)[-1:]
+    return f"{which}, {newest[0]}" if newest else "a checkpoint-<step> folder written by a recipe"
+
+
 def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     """On the main process: lock output_dir, refuse what would mix or overwrite runs."""
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not path.exists():
         hint = " (did you mean latest?)" if spec.strip().lower() == "latest" else ""
         raise RecipeError(f"--resume_from_checkpoint {spec}: no such file or directory{hint}; check the path")
-    if path is not None and path.is_file():
-        raise RecipeError(f"--resume_from_checkpoint {spec} is a file: pass the checkpoint folder, {path.parent}")
+    if path is not None and path.is_file():  # a file of a checkpoint, or of a run's folder, or neither
+        folder = path.parent if (path.parent / STATE_FILE).is_file() else None
+        fix = (
+            f"the checkpoint folder it is in, {folder}"
+            if folder
+            else _a_checkpoint_in(path.parent, "the newest checkpoint beside it")
+        )
+        raise RecipeError(f"--resume_from_checkpoint {spec} is a file, not a checkpoint folder: pass {fix}")
     if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
-        newest = [f"its newest, {p}" for p in complete_checkpoints(path)[-1:]]  # a run's folder
         raise RecipeError(
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass "
-            f"{newest[0] if newest else 'a checkpoint-<step> folder written by a recipe'}, or `latest`"
+            f"{_a_checkpoint_in(path, 'its newest')}, or `latest`"
         )
     if CHECKPOINT_RE.fullmatch(output_dir.name) and (output_dir / STATE_FILE).is_file():  # a run's, not a run
         raise RecipeError(

@@ -253,10 +253,11 @@ def hold_out(raw, validation_split_percentage, seed, sources):
     try:
         split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
     except ValueError as err:  # a side would be empty
+        rows = len(raw["train"])
+        other = ", or another --validation_split_percentage" if rows > 1 else ""  # one row: no share mends it
         raise RecipeError(
-            f"{sources['train']}: {len(raw['train'])} row(s) are too few to hold out "
-            f"{validation_split_percentage}% for validation; add rows, pass --validation_file, or change "
-            "--validation_split_percentage"
+            f"{sources['train']}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
+            f"validation; add rows, or pass --validation_file{other}"
         ) from err
     return DatasetDict(train=split["train"], validation=split["test"])
 

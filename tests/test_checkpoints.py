@@ -394,6 +394,18 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
     said = f"--resume_from_checkpoint {second}: not a complete checkpoint .no trainer_state.json.; pass its newest, "
     with pytest.raises(RecipeError, match=f"{said}{second / 'checkpoint-4'}, or `latest`"):
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second)))
+    # A file given for a checkpoint: the checkpoint it is in, else the newest beside it, else what a checkpoint is.
+    (second / "ckpt.bin").write_bytes(b"")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    newest = second / "checkpoint-4"
+    for spec, fix in ((newest / "trainer_state.json", f"the checkpoint folder it is in, {newest}"),
+                      (second / "ckpt.bin", f"the newest checkpoint beside it, {newest}"),
+                      (tmp_path / "weights.bin", "a checkpoint-<step> folder written by a recipe")):  # fmt: skip
+        said = f"--resume_from_checkpoint {spec} is a file, not a checkpoint folder: pass {fix}"
+        with pytest.raises(RecipeError, match=re.escape(said)):
+            outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(spec)))
+    (second / "ckpt.bin").unlink()
+    (tmp_path / "weights.bin").unlink()
     # A checkpoint of its own, given by path, continues the run (to train it further, say).
     assert (
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second / "checkpoint-4"))).resume_from
