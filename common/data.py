@@ -12,7 +12,7 @@ import torch
 from accelerate import PartialState
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
-from .preemption import ignore_stop_signals
+from .preemption import ignore_stop_signals, stop_received
 from .runtime import RecipeError, logger, taking_turns
 
 # Who works in each turn of prepare_data_first, as the processes that wait for it name it.
@@ -194,6 +194,8 @@ class StreamOfBlocks(IterableDataset):
                 if left < count:
                     break
                 rows, left = rows + 1, left - count
+                if (stop := stop_received()) is not None:  # this can take minutes: a stop is not kept waiting
+                    raise stop
             self._resume = (epoch, rows, left)
             logger.info(
                 f"resumed the stream at sample {sample:,} of epoch {epoch}: {rows * self.ROWS:,} rows read and made "

@@ -75,6 +75,12 @@ def stop_before_training(signum: int | None = None) -> BaseException | None:
     return Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
 
 
+def stop_received() -> BaseException | None:
+    """What ends a run a stop signal reached in its loop before the first step it can stop at (a resumed stream being
+    placed at its position): nothing new was trained, the checkpoint it resumed is still the latest."""
+    return stop_before_training(_received[0]) if _received else None
+
+
 def ending() -> None:
     global _ending
     _ending = True

@@ -3,6 +3,7 @@ N processes of b train what one of N x b trains, a stop saves a checkpoint, and 
 processes continues at the first block not trained, on the uninterrupted run's weights."""
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -241,3 +242,68 @@ def test_zero_py_under_zero3_streams_chats_as_one_process_of_the_whole_batch_doe
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
     assert update_distance(zero3, one, tiny_lm["model"]) < 1e-5
     assert a["eval_tokens"] == b["eval_tokens"] and b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+
+
+def test_a_folder_of_data_files_streams_and_is_known_by_its_files(tiny_lm, tmp_path):
+    """--dataset_name <folder> with --streaming: its train and validation files stream, and the checkpoint's identity
+    is their content: a changed byte in the train file is another identity."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    shutil.copy(tiny_lm["train"], folder / "train.jsonl")
+    shutil.copy(tiny_lm["validation"], folder / "validation.jsonl")
+    args = parse(tiny_lm, *STREAM, data=["--dataset_name", folder])
+    tokenizer, _ = load_tokenizer(args)
+    stream, held_out = streamed_data(args, tokenizer, 32)
+    stream.shuffle_buffer = 0
+    raw = load_raw_datasets(train_file=tiny_lm["train"], validation_file=tiny_lm["validation"])
+    made = tokenize_and_pack(raw, tokenizer, data_format="text", text_column="text", block_size=32)
+    assert blocks(stream) == [list(map(int, b)) for b in made["train"]["input_ids"]]
+    assert len(held_out["validation"]) == len(made["validation"])
+    before = fingerprint(stream)
+    text = (folder / "train.jsonl").read_text()
+    (folder / "train.jsonl").write_text(text.replace("one", "two", 1))
+    assert fingerprint(streamed_data(args, tokenizer, 32)[0]) != before
+
+
+PLACED_STOP = """
+import os, signal, sys
+from accelerate import Accelerator
+sys.path.insert(0, {repo!r})
+from common import preemption
+from common.text import load_tokenizer, streamed_data
+sys.path.insert(0, {recipes!r})
+import lm_finetune
+
+accelerator = Accelerator(cpu=True)
+preemption.install_stop_handlers()
+preemption.StopOnSignal(accelerator)  # in the loop: a signal is recorded, the loop stops at a step
+args = lm_finetune.parse_args({argv!r})
+stream, _ = streamed_data(args, load_tokenizer(args)[0], 32)
+made, read = stream.make_blocks, []
+
+def make_blocks(batch):
+    read.append(len(batch["text"]))
+    if len(read) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return made(batch)
+
+stream.make_blocks = make_blocks
+try:
+    stream.resume_at(0, 10**9)
+except preemption.Preempted as stop:
+    print(len(read), stop)
+"""
+
+
+def test_a_stop_while_a_resumed_stream_is_placed_ends_the_run_there(tiny_lm, tmp_path):
+    """Placing a resumed stream at its position reads the epoch up to it (minutes, deep into a large corpus): a stop
+    signal that comes meanwhile ends the run at the next 1000 rows, nothing trained, not after the whole placing."""
+    corpus = tmp_path / "train.jsonl"
+    corpus.write_text(tiny_lm["train"].read_text() * 9)  # 5,400 rows: 6 batches of rows
+    argv = [str(a) for a in lm_args(tiny_lm, tmp_path / "out", *STREAM)]
+    argv[argv.index("--train_file") + 1] = str(corpus)
+    script = PLACED_STOP.format(repo=str(REPO), recipes=str(REPO / "recipes"), argv=argv)
+    proc = run([BIN / "python", "-c", script], env=user_env(ACCELERATE_USE_CPU="true"))
+    assert proc.stdout.strip() == (
+        "2 stopped by SIGTERM before training started; nothing to save, run it again (exit 75)"
+    ), proc.stderr[-3000:]
