@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -288,6 +289,33 @@ def save(out: Path, name: str, payload: dict, markdown: str) -> Path:
     (out / f"{name}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
     return out / f"{name}.json"
+
+
+def in_fresh_process(script: str, work: Path, *argv) -> dict:
+    """The JSON `script --_measure <argv>` prints last, run in a process of its own with a fresh datasets cache under
+    `work` (nothing imported or cached before it)."""
+    cache = work / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, script, "--_measure", *map(str, argv)], env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode:
+        raise SystemExit(f"{argv} failed:\n{proc.stderr[-3000:]}")
+    shutil.rmtree(cache, ignore_errors=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def publish(args, name: str, result: dict, markdown: str) -> None:
+    """<out>/<name>.json and <name>.md, the table printed, and, with the default --out and not --smoke, the table in
+    benchmarks/README.md between <!-- <name>.py --> and <!-- /<name>.py -->."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown)
+    print(markdown)
+    if args.out == RESULTS and not args.smoke:
+        readme = REPO / "benchmarks" / "README.md"
+        section = re.compile(rf"(<!-- {name}.py -->\n).*?(<!-- /{name}.py -->)", re.S)
+        readme.write_text(section.sub(lambda m: m.group(1) + markdown + m.group(2), readme.read_text()))
 
 
 def plot(path: Path, title: str, xlabel: str, panels) -> Path:

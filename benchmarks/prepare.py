@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -29,9 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import BIN, REPO, RESULTS, parser
-
-SECTION = re.compile(r"(<!-- prepare.py -->\n).*?(<!-- /prepare.py -->)", re.S)
+from benchlib import BIN, REPO, in_fresh_process, parser, publish
 
 
 def write_prose(path: Path, megabytes: float, seed: int = 0) -> Path:
@@ -115,18 +112,6 @@ def measure_prepared(data: str, model: str, folder: str, workers: int) -> dict:
     return {"seconds": seconds, "blocks": len(blocks["train"]) + len(blocks["validation"]), "manifest": manifest}
 
 
-def in_fresh_process(work: Path, *argv) -> dict:
-    cache = work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--_measure", *map(str, argv)], env=env, capture_output=True,
-                          text=True)  # fmt: skip
-    if proc.returncode:
-        raise SystemExit(f"{argv} failed:\n{proc.stderr[-3000:]}")
-    shutil.rmtree(cache, ignore_errors=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def throughput(work: Path, megabytes: float, repeats: int) -> list:
     data = write_prose(work / "prose.jsonl", megabytes)
     model = write_bpe_model(work / "bpe", data)
@@ -135,7 +120,7 @@ def throughput(work: Path, megabytes: float, repeats: int) -> list:
         seconds = []
         for _ in range(repeats):
             shutil.rmtree(work / "prepared", ignore_errors=True)
-            got = in_fresh_process(work, kind, data, model, work / "prepared", workers)
+            got = in_fresh_process(__file__, work, kind, data, model, work / "prepared", workers)
             seconds.append(got["seconds"])
             tokens = got.get("tokens", tokens)  # the corpus's tokens, as the plain map counts them
         rows.append({"kind": kind, "workers": workers, "seconds": statistics.median(seconds), "runs": seconds})
@@ -239,13 +224,7 @@ def main() -> None:
         "throughput": throughput(work, args.throughput_mb, repeats),
         "start_up": start_up(work, args.sizes_mb, args.steps),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prepare.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "prepare.md").write_text(table(result))
-    print(table(result))
-    if args.out == RESULTS and not args.smoke:
-        readme = REPO / "benchmarks" / "README.md"
-        readme.write_text(SECTION.sub(lambda m: m.group(1) + table(result) + m.group(2), readme.read_text()))
+    publish(args, "prepare", result, table(result))
 
 
 if __name__ == "__main__":

@@ -24,17 +24,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-from benchlib import REPO, RESULTS, parser
+from benchlib import REPO, in_fresh_process, parser, publish
 from prepare import measure_plain, write_bpe_model, write_prose
 
-SECTION = re.compile(r"(<!-- streaming.py -->\n).*?(<!-- /streaming.py -->)", re.S)
 BLOCK = 1024
 
 
@@ -87,18 +83,6 @@ def measure_resume(data: str, model: str, sample: int) -> dict:
     return {"locate_seconds": located, "first_block_seconds": time.perf_counter() - tic - located}
 
 
-def in_fresh_process(work: Path, *argv) -> dict:
-    cache = work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--_measure", *map(str, argv)], env=env, capture_output=True,
-                          text=True)  # fmt: skip
-    if proc.returncode:
-        raise SystemExit(f"{argv} failed:\n{proc.stderr[-3000:]}")
-    shutil.rmtree(cache, ignore_errors=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def table(result: dict) -> str:
     t = result["throughput"]
     lines = [
@@ -148,9 +132,9 @@ def main() -> None:
     model = write_bpe_model(work / "bpe", data)
     cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]  # other jobs' load skews every rate here
     throughput = {
-        "plain": in_fresh_process(work, "plain", data, model),
-        "stream": in_fresh_process(work, "stream", data, model),
-        "prepared": in_fresh_process(work, "prepared", data, model, work / "prepared"),
+        "plain": in_fresh_process(__file__, work, "plain", data, model),
+        "stream": in_fresh_process(__file__, work, "stream", data, model),
+        "prepared": in_fresh_process(__file__, work, "prepared", data, model, work / "prepared"),
     }
     shutil.rmtree(work / "prepared", ignore_errors=True)
     blocks = throughput["stream"]["blocks"]
@@ -158,7 +142,7 @@ def main() -> None:
     for fraction in (0, 0.25, 0.5, 0.75):
         sample = int(blocks * fraction)
         resume.append(
-            {"fraction": fraction, "sample": sample, **in_fresh_process(work, "resume", data, model, sample)}
+            {"fraction": fraction, "sample": sample, **in_fresh_process(__file__, work, "resume", data, model, sample)}
         )
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {cores} cores, load average {load:.1f} at start",
@@ -167,13 +151,7 @@ def main() -> None:
         "throughput": throughput,
         "resume": resume,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "streaming.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "streaming.md").write_text(table(result))
-    print(table(result))
-    if args.out == RESULTS and not args.smoke:
-        readme = REPO / "benchmarks" / "README.md"
-        readme.write_text(SECTION.sub(lambda m: m.group(1) + table(result) + m.group(2), readme.read_text()))
+    publish(args, "streaming", result, table(result))
 
 
 if __name__ == "__main__":

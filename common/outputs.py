@@ -44,6 +44,7 @@ from .checkpoint import (
     write_json,
 )
 from .metrics import tracker_config, write_results
+from .preemption import stop_signals_held
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
 
 LOCK_FILE = ".run.lock"
@@ -301,6 +302,10 @@ class _RunLock:
         if not _RunLock.held:
             atexit.register(_RunLock.release_all)
         _RunLock.held[self.key] = self
+        with stop_signals_held():  # a stop between the file's creation and its lock would leave the file behind
+            self._acquire()
+
+    def _acquire(self) -> None:
         for _ in range(50):  # the file was removed between our open and our lock (its holder ended): again
             self.path.parent.mkdir(parents=True, exist_ok=True)  # _check_writable found it can
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

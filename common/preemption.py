@@ -9,6 +9,7 @@ the same step, after one checkpoint, whichever process the signal reached first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -73,6 +74,20 @@ def stop_before_training(signum: int | None = None) -> BaseException | None:
     if (name := stop_name(signum or _received[0])) == "Ctrl-C":
         return KeyboardInterrupt()
     return Preempted(f"stopped by {name} before training started; nothing to save, run it again (exit 75)")
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """A stop signal that comes during the block is delivered at its end (its handler runs then): for a few system
+    calls a stop must not cut in two, such as a lock file created and not yet locked."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def stop_received() -> BaseException | None:
