@@ -691,7 +691,7 @@ def _blocks_of_rows(batch: dict, tokenize, source: str, block_size: int) -> dict
 
 
 def streamed_data(args, tokenizer, block_size):
-    """(train StreamOfBlocks, {"validation": blocks}) with --streaming: the held-out blocks read now (the first
+    """(train StreamOfBlocks, DatasetDict(validation=blocks)) with --streaming: the held-out blocks read now (the first
     --max_eval_samples of them), in memory; the training blocks made as the run reads them."""
     from datasets import Dataset, DatasetDict
 
@@ -715,7 +715,8 @@ def streamed_data(args, tokenizer, block_size):
 
     def identity() -> str:  # the inputs of the training blocks: another --validation_file resumes the same run
         inputs = data_inputs(args, tokenizer, block_size, streams)
-        inputs.pop("validation_file", None), inputs.pop("held_out", None)
+        for key in ("validation_file", "held_out"):
+            inputs.pop(key, None)
         return prepared.inputs_digest({**inputs, "streamed": STREAM_SHUFFLE_BUFFER})[:16]
 
     make = partial(_blocks_of_rows, tokenize=tokenize, source=sources["train"], block_size=block_size)
