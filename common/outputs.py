@@ -243,7 +243,7 @@ def _finished(output_dir: Path) -> str | None:
         step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
         again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
         further = f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger "
-        further += "--max_train_steps or --num_train_epochs"
+        further += "--max_train_steps" + ("" if record.get("args", {}).get("streaming") else " or --num_train_epochs")
     return (
         f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train{further}; to start over, "
         "pass --overwrite_output_dir instead of --resume_from_checkpoint"

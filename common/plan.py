@@ -212,10 +212,12 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     changed = changed_settings(saved_args, args)
     if state["data_fingerprint"] != plan.data_fingerprint:
         differs = f"; this run differs in {', '.join(changed)}" if changed else ""
+        sizes = f"{_samples(state['num_samples'])}, this run has {_samples(plan.num_samples)}, the contents differ"
+        if state["num_samples"] is None and plan.num_samples is None:
+            sizes = "another stream"
         raise RecipeError(
-            f"checkpoint {resume} was written for other training data ({_samples(state['num_samples'])}, this run "
-            f"has {_samples(plan.num_samples)}, the contents differ){differs}; resume with the data and preprocessing "
-            "that wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
+            f"checkpoint {resume} was written for other training data ({sizes}){differs}; resume with the data and "
+            "preprocessing that wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
         )
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")

@@ -71,6 +71,8 @@ def add_lm_args(parser):
     d("--streaming", action="store_true", help="read and tokenize the training data as the run trains (datasets "
       "streaming): a corpus that does not fit the disk; needs --max_train_steps")  # fmt: skip
     parser.checks.append(_check_lm_args)
+    parser.does_nothing_unless(["--num_train_epochs"], lambda a: not a.streaming, "with --streaming (a stream has no "
+                               "length: --max_train_steps sets the run's)", ", or drop --streaming")  # fmt: skip
     parser.does_nothing_unless(["--prepared_data_dir", "--prepare_only", "--preprocessing_num_workers"],
                                lambda a: not a.streaming, "with --streaming (its blocks are made as the run reads "
                                "the data, never prepared)", ", or drop --streaming")  # fmt: skip

@@ -162,6 +162,11 @@ def test_what_streaming_cannot_do_is_one_line_naming_the_fix(tiny_lm, tmp_path, 
         "error: --streaming cannot hold a share of a stream out for validation: pass --validation_file (held-out "
         "rows in the format of --train_file), or drop --streaming"
     )
+    line = stream_error(capsys, tiny_lm, tmp_path, "--num_train_epochs", "3")
+    assert line == (
+        "error: --num_train_epochs would do nothing with --streaming (a stream has no length: --max_train_steps sets "
+        "the run's): drop it, or drop --streaming"
+    )
     line = stream_error(capsys, tiny_lm, tmp_path, "--prepare_only")
     assert line == (
         "error: --prepare_only would do nothing with --streaming (its blocks are made as the run reads the data, "
@@ -223,6 +228,20 @@ def test_a_stream_resumed_where_it_ended_starts_its_next_pass(tiny_lm, tmp_path)
     for got, want in zip(history, expected, strict=True):
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
     assert update_distance(out, straight, tiny_lm["model"]) < 1e-5
+    # Finished: trained further by a larger --max_train_steps alone (--num_train_epochs does nothing on a stream)
+    proc = run([*cmd, "--max_train_steps", "6", "--resume_from_checkpoint", "latest"])
+    (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
+    assert f"pass --resume_from_checkpoint {out / 'checkpoint-6'} with a larger --max_train_steps; " in done, done
+    other = tmp_path / "other.jsonl"
+    other.write_text(tiny_lm["train"].read_text().replace("one", "two", 1))
+    changed = [*cmd, "--max_train_steps", "8", "--resume_from_checkpoint", out / "checkpoint-6"]
+    changed[changed.index("--train_file") + 1] = other
+    proc = run(changed, check=False)
+    (line,) = error_lines(proc.stderr)
+    assert proc.returncode == 2 and line.startswith(
+        f"error: checkpoint {out / 'checkpoint-6'} was written for other training data (another stream); this run "
+        f"differs in --train_file {tiny_lm['train']} -> {other}; "
+    ), line
 
 
 @pytest.mark.slow
