@@ -30,6 +30,7 @@ from .runtime import RecipeError, RunFinished, causes, check_path, logger, one_l
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 LOCAL_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+COMPRESSED = (".gz", ".bz2", ".xz")  # datasets decompresses these as it reads (the standard library's codecs)
 FORMAT_HINTS = {  # what a file that datasets cannot read in its format must be
     "json": 'each line must be one JSON object, such as {"text": "..."}',
     "csv": "it must be comma-separated with a header row naming the columns",
@@ -56,7 +57,7 @@ def add_lm_args(parser):
     d = parser.add_argument_group("data").add_argument
     d("--dataset_name", help="a hub dataset, or a local folder of data files")
     d("--dataset_config_name")
-    d("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet")
+    d("--train_file", help="local .txt, .json, .jsonl, .csv or .parquet, or one of them .gz, .bz2 or .xz compressed")
     d("--validation_file", help="in the format of --train_file")
     d("--validation_split_percentage", type="percentage", default=5, help="held out when there is no validation split")
     d("--text_column", default="text")
@@ -99,8 +100,19 @@ def _check_lm_args(parser, args) -> None:
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
             parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
-        if path and Path(path).suffix.lower() not in LOCAL_FORMATS:
-            parser.error(f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
+        if path and local_format(path) is None:
+            parser.error(
+                f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)} (also "
+                f"compressed: {', '.join(COMPRESSED)})"
+            )
+
+
+def local_format(path) -> str | None:
+    """datasets' builder for a local data file by its name (data.jsonl, data.jsonl.gz), or None."""
+    suffixes = [suffix.lower() for suffix in Path(path).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED:
+        suffixes.pop()
+    return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
 
 
 def config_overrides(text):
@@ -229,7 +241,7 @@ def read_sources(*, dataset_name=None, dataset_config_name=None, train_file=None
         for split, path in paths.items():
             if path:
                 check_path(f"--{split}_file", path)
-                fmt = builders[split] = LOCAL_FORMATS[Path(path).suffix.lower()]  # never a split without rows
+                fmt = builders[split] = local_format(path)  # datasets never returns a split without rows
                 bom = {"encoding": "utf-8-sig"} if fmt == "text" else {}  # a byte-order mark is no text (json: none)
                 raw[split] = _load(
                     sources[split], fmt, data_files=str(path), split="train", streaming=streaming, **bom
@@ -486,7 +498,7 @@ def data_inputs(args, tokenizer, block_size, raw=None) -> dict:
         if path:
             check_path(f"--{flag}", path)
             inputs[flag] = {
-                "format": LOCAL_FORMATS[Path(path).suffix.lower()],
+                "format": local_format(path),
                 "bytes": Path(path).stat().st_size,
                 "sha256": prepared.file_sha256(path),
             }

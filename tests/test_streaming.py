@@ -2,6 +2,7 @@
 N processes of b train what one of N x b trains, a stop saves a checkpoint, and a resume on another number of
 processes continues at the first block not trained, on the uninterrupted run's weights."""
 
+import gzip
 import json
 import shutil
 from collections import Counter
@@ -326,3 +327,19 @@ def test_a_stop_while_a_resumed_stream_is_placed_ends_the_run_there(tiny_lm, tmp
     assert proc.stdout.strip() == (
         "2 stopped by SIGTERM before training started; nothing to save, run it again (exit 75)"
     ), proc.stderr[-3000:]
+
+
+def test_a_compressed_corpus_streams_and_prepares_as_the_plain_file_does(tiny_lm, tmp_path):
+    """data.jsonl.gz (a corpus too large for the disk is often kept compressed): the blocks of data.jsonl, streamed and
+    read whole."""
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(tiny_lm["train"].read_bytes()))
+    plain, compressed = [
+        parse(tiny_lm, *STREAM, data=["--train_file", train, "--validation_file", tiny_lm["validation"]])
+        for train in (tiny_lm["train"], packed)
+    ]
+    tokenizer, _ = load_tokenizer(plain)
+    streams = [streamed_data(args, tokenizer, 32)[0] for args in (plain, compressed)]
+    assert blocks(streams[0]) == blocks(streams[1]) and len(blocks(streams[0])) == 196
+    read = [load_raw_datasets(train_file=t, validation_file=tiny_lm["validation"]) for t in (packed, tiny_lm["train"])]
+    assert read[0]["train"]["text"] == read[1]["train"]["text"] and len(read[0]["train"]) == 600
