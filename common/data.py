@@ -189,8 +189,7 @@ class StreamOfBlocks(IterableDataset):
                 return
             tic, self.epoch, rows, left = time.perf_counter(), epoch, 0, sample
             for batch in self._batches():
-                made = self.make_blocks(batch)
-                count = len(next(iter(made.values()))) if made else 0
+                count = _samples_in(self.make_blocks(batch))
                 if left < count:
                     break
                 rows, left = rows + 1, left - count
@@ -208,11 +207,15 @@ class StreamOfBlocks(IterableDataset):
             if i < rows:  # read, not tokenized: resume_at counted its blocks
                 continue
             blocks = self.make_blocks(batch)
-            columns = list(blocks)
-            count = len(blocks[columns[0]]) if columns else 0
+            count = _samples_in(blocks)
             for k in range(min(skip, count), count):
-                yield {key: torch.tensor(blocks[key][k]) for key in columns}
+                yield {key: torch.tensor(column[k]) for key, column in blocks.items()}
             skip = max(0, skip - count)
+
+
+def _samples_in(columns: dict) -> int:
+    """The samples of a batch made as columns (every column holds one value a sample)."""
+    return len(next(iter(columns.values()))) if columns else 0
 
 
 class SeededTransform(Dataset):

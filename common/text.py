@@ -97,6 +97,9 @@ def _check_lm_args(parser, args) -> None:
     if args.streaming and not args.max_train_steps:
         parser.error("--streaming reads the data as it trains, so no epoch length is known to plan by: pass "
                      "--max_train_steps (the stream starts again when it ends)")  # fmt: skip
+    if args.streaming and args.train_file and not args.validation_file:
+        parser.error("--streaming cannot hold a share of a stream out for validation: pass --validation_file "
+                     "(held-out rows in the format of --train_file), or drop --streaming")  # fmt: skip
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
             parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
@@ -489,8 +492,10 @@ def data_inputs(args, tokenizer, block_size, raw=None) -> dict:
     if args.dataset_name:  # a stream has no fingerprint: its name, and a local folder's files by their sha256
         fingerprints = {s: getattr(d, "_fingerprint", None) for s, d in raw.items() if s in ("train", "validation")}
         if args.streaming and Path(args.dataset_name).is_dir():
-            files = sorted(p for p in Path(args.dataset_name).rglob("*") if p.is_file() and ".cache" not in p.parts)
-            fingerprints["files"] = {str(p.relative_to(args.dataset_name)): prepared.file_sha256(p) for p in files}
+            folder = Path(args.dataset_name)  # its files, less a cache datasets may keep in it
+            files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+            files = [p for p in files if ".cache" not in p.parts]
+            fingerprints["files"] = {str(p): prepared.file_sha256(folder / p) for p in files}
         inputs["dataset"] = {"name": args.dataset_name, "config": args.dataset_config_name, **fingerprints}
         inputs["held_out"] = None if "validation" in raw else held_out
         return inputs
@@ -678,13 +683,8 @@ STREAM_SHUFFLE_BUFFER = 10_000  # rows: each epoch's order is the shards' and a 
 
 def read_streams(args) -> tuple[dict, dict]:
     """(train and validation streams, sources) with --streaming (`datasets` streaming), their columns checked on their
-    first rows."""
+    first rows; a --train_file's held-out file is required when the arguments are parsed, a dataset's split here."""
     sources = data_sources(args.dataset_name, args.train_file, args.validation_file)
-    if not args.dataset_name and not args.validation_file:
-        raise RecipeError(
-            "--streaming cannot hold a share of a stream out for validation: pass --validation_file (held-out "
-            "rows in the format of --train_file), or drop --streaming"
-        )
     streams = read_sources(
         dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
         validation_file=args.validation_file, data_format=args.data_format, text_column=args.text_column,

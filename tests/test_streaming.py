@@ -267,8 +267,8 @@ def test_zero_py_under_zero3_streams_chats_as_one_process_of_the_whole_batch_doe
 def test_a_folder_of_data_files_streams_and_is_known_by_its_files(tiny_lm, tmp_path):
     """--dataset_name <folder> with --streaming: its train and validation files stream, and the checkpoint's identity
     is their content: a changed byte in the train file is another identity."""
-    folder = tmp_path / "corpus"
-    folder.mkdir()
+    folder = tmp_path / ".cache" / "corpus"  # under a cache folder, as data often is
+    folder.mkdir(parents=True)
     shutil.copy(tiny_lm["train"], folder / "train.jsonl")
     shutil.copy(tiny_lm["validation"], folder / "validation.jsonl")
     args = parse(tiny_lm, *STREAM, data=["--dataset_name", folder])
