@@ -276,9 +276,10 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_lm, tmp_pa
 # Signals outside the step loop, a diverging loss, and resuming with other settings -------------------
 
 
-def short_epochs(tmp_path, lm, eval_lines=6000):
+def short_epochs(tmp_path, lm, eval_lines=3000):
     """Training text of 16 blocks of 32 tokens (2 steps an epoch at batch 8) and a validation set of
-    about 1,700 blocks, which at batch 1 takes seconds to evaluate: time for a signal to arrive."""
+    750 blocks (23,250 target tokens), which at batch 1 in 2 processes takes seconds to evaluate (4 to 8 s
+    measured on 2 busy cores): time for a signal to arrive."""
     train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
     for path, lines in ((train, 64), (validation, eval_lines)):
         with open(path, "w") as f:
