@@ -127,7 +127,7 @@ def rank_process(proc, rank):
 def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
     out = tmp_path / "run"
     args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "1000", "--checkpointing_steps", "2")
-    args += ["--hang_timeout", "8", "--ddp_timeout", "120", "--dataloader_num_workers", "0"]
+    args += ["--hang_timeout", "8", "--ddp_timeout", "60", "--dataloader_num_workers", "0"]
     code, stderr, took, left = launch(
         args,
         out,
@@ -141,7 +141,7 @@ def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
     assert "rank 0 waits for it" in lines[0] and f"{out}/hang/" in lines[0] and "(exit 124)" in lines[0], lines[0]
     # Frozen within checkpoint-2's save (its marker is written before the save's last barrier), rank 0 waits in the
     # save, whose limit is --ddp_timeout less 40 s: the job ends within the limit its line names, and 40 s
-    limit = 120 - 40 if "for a checkpoint save" in lines[0] else 8
+    limit = 60 - 40 if "for a checkpoint save" in lines[0] else 8
     assert pid.isdigit() and not left and took < limit + 40, (took, lines[0])
     assert (out / "hang" / "rank-0.txt").is_file() and not (out / "hang" / "rank-1.txt").exists()
     report = json.loads((out / "hang" / "rank-0.txt").read_text().splitlines()[0])
@@ -152,8 +152,8 @@ def test_a_frozen_process_is_named_and_the_job_ends(digits, tmp_path):
 
 @pytest.mark.slow
 def test_a_job_suspended_and_continued_is_not_taken_for_a_hung_one_and_finishes(digits, tmp_path):
-    """Every process of the job stopped for 20 s (SIGSTOP, as Slurm's `scontrol suspend` does to a job), then
-    continued: 20 s without a step is more than --hang_timeout 6, but the watch knows that it did not run either (its
+    """Every process of the job stopped for 12 s (SIGSTOP, as Slurm's `scontrol suspend` does to a job), then
+    continued: 12 s without a step is twice --hang_timeout 6, but the watch knows that it did not run either (its
     own clock jumped), so the job trains on and finishes, exit 0 (it ended with exit 124, blamed on a stalled rank)."""
     out = tmp_path / "run"
     args = digits_args(digits, out, *FAST_MODEL, "--max_train_steps", "12", "--checkpointing_steps", "4")
@@ -164,7 +164,7 @@ def test_a_job_suspended_and_continued_is_not_taken_for_a_hung_one_and_finishes(
         job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         for p in job:
             p.suspend()
-        time.sleep(20)
+        time.sleep(12)
         for p in job:
             p.resume()
 
@@ -234,14 +234,16 @@ def stuck_copy(digits, tmp_path, split):
 @pytest.mark.slow
 @pytest.mark.parametrize("split, phase", [("train", "data loading"), ("val", "evaluation (data loading)")])
 def test_a_loader_stuck_on_a_file_is_named_with_its_phase_and_stack(digits, tmp_path, split, phase):
-    """The pipe is read by one rank only: that rank is named as stalled in data loading (in an evaluation: named so),
-    the other as waiting; the stalled rank's stack file shows the read."""
+    """The pipe is read by one rank only: that rank is named as stalled in data loading (in an evaluation, the one
+    --eval_steps 2 starts mid-epoch: named so), the other as waiting; the stalled rank's stack file shows the read."""
     data = stuck_copy(digits, tmp_path, split)
     out = tmp_path / "run"
     args = digits_args(
         data, out, *FAST_MODEL, "--num_train_epochs", "2", "--hang_timeout", "8", "--ddp_timeout", "120"
     )
     args += ["--dataloader_num_workers", "0", "--logging_steps", "1"]
+    if split == "val":  # a mid-run evaluation at step 2, not after epoch 0's 21 steps
+        args += ["--eval_steps", "2"]
     code, stderr, _, left = launch(args, out)
     lines = error_lines(stderr)
     assert code != 0 and len(lines) == 1, stderr[-3000:]
@@ -255,17 +257,24 @@ def test_a_loader_stuck_on_a_file_is_named_with_its_phase_and_stack(digits, tmp_
 
 @pytest.mark.slow
 def test_a_rank_slow_to_read_its_data_is_named_a_straggler_and_an_even_run_is_not(digits, tmp_path):
-    """Rank 1's images are large (slow to decode, as on a slow disk): after three logs one warning names it and the
-    data phase; results.json holds every rank's step and data time. The same run on the plain digits: no warning."""
+    """Rank 1's images are large (slow to decode, as on a slow disk; each a copy of its class's first, enlarged):
+    after three logs one warning names it and the data phase; results.json holds every rank's step and data time.
+    The same run on the plain digits: no warning."""
     from common.data import EpochSampler
 
     root = tmp_path / "digits"
     shutil.copytree(digits["train"].parent, root)
     images = sorted((root / "train").rglob("*.png"))
     order, batch = EpochSampler(len(images), 42).order(0).tolist(), 32
+    large = {}  # a class's image, enlarged once (a 1400x1400 PNG takes a second to write); its bytes for the rest
     for round_ in range(8):  # rank 1's batch of each round: the second of the two dealt
         for index in order[(2 * round_ + 1) * batch : (2 * round_ + 2) * batch]:
-            Image.open(images[index]).convert("RGB").resize((1400, 1400)).save(images[index])
+            label = images[index].parent.name
+            if label not in large:
+                Image.open(images[index]).convert("RGB").resize((1400, 1400)).save(images[index])
+                large[label] = images[index]
+            else:
+                shutil.copyfile(large[label], images[index])
     data = {**digits, "train": root / "train", "val": root / "val"}
     results = {}
     for name, folders in (("slow", data), ("even", digits)):
