@@ -36,6 +36,7 @@ CHUNK_BYTES_ENV = "RECIPES_PREPARE_CHUNK_BYTES"
 # costs more than it saves (benchmarks/prepare.py)
 SMALL_DATA_BYTES = 16 * 2**20
 MAX_WORKERS = 32  # a node's cores beyond this add little: the parts are written one at a time
+SETTLED_SECONDS = 3.0  # a file changed longer ago than this has its digest remembered (file_sha256)
 LOCK_BEAT = 1.0  # seconds between two looks at another run's preparation of the same inputs
 
 
@@ -43,11 +44,37 @@ LOCK_BEAT = 1.0  # seconds between two looks at another run's preparation of the
 
 
 def file_sha256(path) -> str:
+    """The sha256 of a file's bytes, remembered by its device, inode, size, mtime and ctime: a write changes the
+    ctime, which nothing sets back, so a corpus of gigabytes is read once, not by every process of every run. A
+    file written in the last seconds is not remembered (a coarse clock could miss a second write), as git does."""
+    key, memo = _stat_key(path), _digest_memo(path)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(memo.read_text())
+        if saved["stat"] == key:
+            return saved["sha256"]
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(8 * 2**20):
             digest.update(block)
+    settled = time.time() - key[4] / 1e9 > SETTLED_SECONDS  # key[4]: the ctime
+    if settled and _stat_key(path) == key:  # and not written while it was read
+        with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            write_json(memo, {"path": str(Path(path).resolve()), "stat": key, "sha256": digest.hexdigest()})
     return digest.hexdigest()
+
+
+def _stat_key(path) -> list:
+    stat = os.stat(path)
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _digest_memo(path) -> Path:
+    """Where file_sha256 remembers a file's digest: in the datasets cache, one small file per path."""
+    import datasets
+
+    name = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:32]
+    return Path(datasets.config.HF_DATASETS_CACHE) / "file_digests" / f"{name}.json"
 
 
 def tokenizer_identity(tokenizer) -> dict:

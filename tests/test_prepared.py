@@ -3,6 +3,7 @@ reused by later runs and other nodes with the same inputs, refused for other inp
 prepared ahead with --prepare_only."""
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -110,6 +111,40 @@ def test_tokenizing_uses_one_process_for_small_data_and_the_cpus_for_large():
     cpus = len(os.sched_getaffinity(0))
     assert prepared.default_workers(10 * 2**20) == 1
     assert prepared.default_workers(10 * 2**30) == min(cpus, prepared.MAX_WORKERS)
+
+
+def test_a_files_digest_is_read_once_and_again_after_any_write(tmp_path, monkeypatch):
+    """file_sha256 remembers a digest by the file's stat, ctime included: a file not written since is not read again
+    (the remembered digest is what it returns); one written since, even to the same size with its mtime set back,
+    is; and a cache it cannot write to costs a reading, not an error."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepared, "SETTLED_SECONDS", 0.0)
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"text": "one"}\n')
+    assert prepared.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    (memo,) = (tmp_path / "cache" / "file_digests").iterdir()
+    saved = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**saved, "sha256": "remembered"}))
+    assert prepared.file_sha256(path) == "remembered"  # not read again
+
+    mtime = path.stat().st_mtime_ns
+    path.write_bytes(b'{"text": "two"}\n')  # the same size
+    os.utime(path, ns=(mtime, mtime))
+    assert (
+        path.stat().st_mtime_ns == mtime
+        and prepared.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    )
+
+    monkeypatch.setattr(prepared, "SETTLED_SECONDS", 3600.0)  # just written: read each time, not remembered
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_bytes(b"x")
+    assert prepared.file_sha256(fresh) == hashlib.sha256(b"x").hexdigest() and len(list(memo.parent.iterdir())) == 1
+    monkeypatch.setattr(prepared, "SETTLED_SECONDS", 0.0)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "file" / "cache"))  # cannot be made
+    assert prepared.file_sha256(fresh) == hashlib.sha256(b"x").hexdigest()
 
 
 # Launched as users launch ---------------------------------------------------------------------------------------
