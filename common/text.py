@@ -335,10 +335,36 @@ def chat_example(tokenizer, messages) -> dict:
 
 
 def pack(examples: dict, block_size: int) -> dict:
-    """The examples concatenated and cut into blocks of `block_size` (the rest dropped): no compute on padding."""
-    joined = {key: list(chain.from_iterable(examples[key])) for key in ("input_ids", "labels")}
-    usable = len(joined["input_ids"]) // block_size * block_size
-    return {key: [ids[i : i + block_size] for i in range(0, usable, block_size)] for key, ids in joined.items()}
+    """The examples concatenated and cut into blocks of `block_size` (the rest dropped): no compute on padding.
+    Without labels (plain text), the labels are the token ids."""
+    ids = list(chain.from_iterable(examples["input_ids"]))
+    labels = list(chain.from_iterable(examples["labels"])) if "labels" in examples else ids
+    usable = len(ids) // block_size * block_size
+    return {key: [seq[i : i + block_size] for i in range(0, usable, block_size)] for key, seq in
+            (("input_ids", ids), ("labels", labels))}  # fmt: skip
+
+
+def token_table(tokens: dict):
+    """An Arrow table of tokenized rows (a tokenize() result): lists of int32."""
+    import pyarrow as pa
+
+    return pa.table({key: pa.array(rows, pa.list_(pa.int32())) for key, rows in tokens.items()})
+
+
+def pack_table(table, block_size: int):
+    """pack() of an Arrow table, in Arrow: the same blocks, without making a Python int of each token."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = {}
+    for key in ("input_ids", "labels"):
+        column = table.column(key if key in table.column_names else "input_ids")
+        flat = pc.list_flatten(column).combine_chunks().cast(pa.int32())  # any vocabulary; -100 for a masked label
+        usable = len(flat) // block_size * block_size
+        offsets = pa.array(np.arange(0, usable + 1, block_size, dtype=np.int32))
+        columns[key] = pa.ListArray.from_arrays(offsets, flat.slice(0, usable))
+    return pa.table(columns)
 
 
 def check_columns(raw, data_format, text_column, sources) -> None:
@@ -383,7 +409,8 @@ def _check_tokenizer(tokenizer, data_format) -> None:
 
 
 def _tokenizer_for(tokenizer, data_format, column):
-    """A datasets.map function: a batch of rows to token ids and labels (text: plus EOS; chat: prompts masked)."""
+    """A datasets.map function: a batch of rows to token ids (text: plus EOS) and, for chat, labels (prompts
+    masked); pack() makes plain text's labels."""
 
     def tokenize(batch, source):
         if data_format == "chat":
@@ -399,12 +426,8 @@ def _tokenizer_for(tokenizer, data_format, column):
             )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
-        ids = (
-            [tokens if tokens[-1:] == eos else tokens + eos for tokens in tokenizer(texts)["input_ids"]]
-            if texts
-            else []
-        )
-        return {"input_ids": ids, "labels": ids}
+        ids = tokenizer(texts, return_attention_mask=False)["input_ids"] if texts else []
+        return {"input_ids": [tokens if tokens[-1:] == eos else tokens + eos for tokens in ids]}  # labels: the same
 
     return tokenize
 
@@ -422,12 +445,14 @@ def _blocks_of(data, tokenize, source, block_size, num_proc=None, cache=None):
     except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
         raise RecipeError(f"{source}: {_not_utf8(err)}") from None
     if len(tokenized) == 0:
-        return tokenized, 0
-    blocks = tokenized.map(
-        pack, batched=True, fn_kwargs={"block_size": block_size}, desc=f"packing into blocks of {block_size}",
+        from datasets import Dataset
+
+        return Dataset(pack_table(token_table({"input_ids": []}), block_size)), 0
+    blocks = tokenized.with_format("arrow").map(
+        pack_table, batched=True, fn_kwargs={"block_size": block_size}, desc=f"packing into blocks of {block_size}",
         **files("blocks.arrow"),
     )  # fmt: skip
-    return blocks, len(tokenized)
+    return blocks.with_format(None), len(tokenized)
 
 
 def _trained_blocks(blocks, data_format) -> int:
@@ -707,6 +732,7 @@ def _blocks_of_rows(batch: dict, tokenize, source: str, block_size: int) -> dict
 def streamed_data(args, tokenizer, block_size):
     """(train StreamOfBlocks, DatasetDict(validation=blocks)) with --streaming: the held-out blocks read now (the first
     --max_eval_samples of them), in memory; the training blocks made as the run reads them."""
+    import pyarrow as pa
     from datasets import Dataset, DatasetDict
 
     from .data import StreamOfBlocks
@@ -715,15 +741,16 @@ def streamed_data(args, tokenizer, block_size):
     _check_tokenizer(tokenizer, args.data_format)
     column = args.text_column if args.data_format == "text" else "messages"
     tokenize = _tokenizer_for(tokenizer, args.data_format, column)
-    held_out, documents = {"input_ids": [], "labels": []}, 0
+    held_out, documents, count = [], 0, 0  # in Arrow: 4 bytes a token, where Python's ints take 18 times that
     for batch in streams["validation"].iter(batch_size=1000):
         tokens = tokenize(batch, sources["validation"])
         documents += len(tokens["input_ids"])
-        for key, blocks in pack(tokens, block_size).items():
-            held_out[key] += blocks
-        if args.max_eval_samples and len(held_out["input_ids"]) >= args.max_eval_samples:
+        held_out.append(pack_table(token_table(tokens), block_size))
+        count += held_out[-1].num_rows
+        if args.max_eval_samples and count >= args.max_eval_samples:
             break
-    validation = Dataset.from_dict({k: v[: args.max_eval_samples] for k, v in held_out.items()})
+    held_out = pa.concat_tables(held_out) if held_out else pack_table(token_table({"input_ids": []}), block_size)
+    validation = Dataset(held_out.slice(0, args.max_eval_samples))
     trained = _trained_blocks(validation, args.data_format)
     _check_split(sources["validation"], documents, len(validation), trained, block_size)
 
