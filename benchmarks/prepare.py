@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,18 +78,24 @@ def write_counting(path: Path, megabytes: float, unit: Path) -> Path:
 # One measurement, in a process of its own (a fresh datasets cache, nothing imported before) --------------------
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process's threads (a tokenizer's own) and of its children that ended (a pool's workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def measure_plain(data: str, model: str) -> dict:
     """Seconds and tokens of a plain datasets.map tokenization of `data` (as run_clm does it, one process)."""
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), cpu_seconds()
     raw = load_dataset("json", data_files=data, split="train")
     tokenized = raw.map(lambda batch: tokenizer(batch["text"]), batched=True, remove_columns=["text"])
-    seconds = time.perf_counter() - tic
+    seconds, cpu = time.perf_counter() - tic, cpu_seconds() - cpu
     tokens = sum(len(ids) for batch in tokenized.iter(10000) for ids in batch["input_ids"])
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens}
 
 
 def measure_prepared(data: str, model: str, folder: str, workers: int) -> dict:
@@ -105,11 +112,12 @@ def measure_prepared(data: str, model: str, folder: str, workers: int) -> dict:
          "--block_size", "1024", "--prepared_data_dir", folder, "--preprocessing_num_workers", str(workers)]
     )  # fmt: skip
     tokenizer, _ = load_tokenizer(args)
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), cpu_seconds()
     blocks, _ = prepared_blocks(args, tokenizer, 1024)
-    seconds = time.perf_counter() - tic
+    seconds, cpu = time.perf_counter() - tic, cpu_seconds() - cpu
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
-    return {"seconds": seconds, "blocks": len(blocks["train"]) + len(blocks["validation"]), "manifest": manifest}
+    blocks = len(blocks["train"]) + len(blocks["validation"])
+    return {"seconds": seconds, "cpu_seconds": cpu, "blocks": blocks, "manifest": manifest}
 
 
 def throughput(work: Path, megabytes: float, repeats: int) -> list:
@@ -117,13 +125,15 @@ def throughput(work: Path, megabytes: float, repeats: int) -> list:
     model = write_bpe_model(work / "bpe", data)
     rows, tokens = [], None
     for kind, workers in (("plain", 1), ("prepared", 1), ("prepared", 2)):
-        seconds = []
+        seconds, busy = [], []
         for _ in range(repeats):
             shutil.rmtree(work / "prepared", ignore_errors=True)
             got = in_fresh_process(__file__, work, kind, data, model, work / "prepared", workers)
             seconds.append(got["seconds"])
+            busy.append(got["cpu_seconds"] / got["seconds"])
             tokens = got.get("tokens", tokens)  # the corpus's tokens, as the plain map counts them
-        rows.append({"kind": kind, "workers": workers, "seconds": statistics.median(seconds), "runs": seconds})
+        rows.append({"kind": kind, "workers": workers, "seconds": statistics.median(seconds), "runs": seconds,
+                     "cores_busy": statistics.median(busy)})  # fmt: skip
     shutil.rmtree(work / "prepared", ignore_errors=True)
     for row in rows:
         row["tokens_per_second"] = tokens / row["seconds"]
@@ -180,13 +190,13 @@ def table(result: dict) -> str:
         f"Preparation throughput, {result['throughput'][0]['megabytes']} MB of jsonl, a byte-level BPE of 8192 "
         "tokens, each from a fresh process and datasets cache (reading the jsonl included):",
         "",
-        "| what | workers | seconds | tokens/s | vs plain map |",
-        "|---|---|---|---|---|",
+        "| what | workers | seconds | tokens/s | vs plain map | cores busy |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["throughput"]:
         what = "plain `datasets.map(tokenizer)`" if row["kind"] == "plain" else "preparation (`--prepare_only`)"
         lines.append(f"| {what} | {row['workers']} | {row['seconds']:.1f} | {row['tokens_per_second']:,.0f} | "
-                     f"{row['vs_plain']:.2f}x |")  # fmt: skip
+                     f"{row['vs_plain']:.2f}x | {row['cores_busy']:.2f} |")  # fmt: skip
     lines += [
         "",
         "Training from prepared data (tiny model, 1 process): start-up is launch to the end of a 1-step run (eval on "
