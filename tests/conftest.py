@@ -161,12 +161,26 @@ def load_recipe(name="cifar"):
     return module
 
 
+def untouched(folder: Path) -> dict:
+    """Every file under `folder` by its bytes' digest and its ctime, every folder by its mtime: a write (even of the
+    same bytes), a chmod, a rename, a file added or removed change them, and nothing sets a ctime back."""
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_ctime_ns)
+        if p.is_file()
+        else p.stat().st_mtime_ns
+        for p in [folder, *sorted(folder.rglob("*"))]
+    }
+
+
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
-    """scikit-learn's handwritten digits as an ImageFolder: 1400 train, 397 (odd) val images."""
+    """scikit-learn's handwritten digits as an ImageFolder: 1400 train, 397 (odd) val images. Every run of every test
+    reads it, and none may write into it: an input is never written (checked when the session ends)."""
     root = tmp_path_factory.mktemp("digits")
     n_train, n_val = write_digits(root)
-    return {"train": root / "train", "val": root / "val", "n_train": n_train, "n_val": n_val}
+    before = untouched(root)
+    yield {"train": root / "train", "val": root / "val", "n_train": n_train, "n_val": n_val}
+    assert untouched(root) == before, f"a run wrote into its input image folders, {root}"
 
 
 def digits_args(digits, output_dir, *extra):
@@ -186,9 +200,13 @@ def digits_args(digits, output_dir, *extra):
 @pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory):
     """scripts/make_tiny_lm.py's 2-layer Llama, tokenizer and counting text and chats (`./launch.sh selftest` uses the
-    same)."""
+    same). No run may write into them (checked when the session ends)."""
     pytest.importorskip("torch")
-    return write_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
+    root = tmp_path_factory.mktemp("tiny_lm")
+    lm = write_tiny_lm(root)
+    before = untouched(root)
+    yield lm
+    assert untouched(root) == before, f"a run wrote into its inputs, the model folder or data files in {root}"
 
 
 def lm_args(lm, output_dir, *extra, data=None):
