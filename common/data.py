@@ -81,7 +81,9 @@ class EpochSampler(Sampler):
 
     def order(self, epoch: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-        return torch.randperm(self.num_samples, generator=generator)
+        # 4 bytes a sample where it fits (23 MB at 5.8 million blocks): torch draws the same order in either dtype
+        dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
+        return torch.randperm(self.num_samples, generator=generator, dtype=dtype)
 
     def _start(self) -> int:
         return self._resume[1] if self.epoch == self._resume[0] else 0

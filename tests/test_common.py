@@ -530,6 +530,17 @@ def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first
     assert job_order(then, sampler) == sampler.order(epoch + 1).tolist()[: len(job_order(then, sampler))]
 
 
+def test_the_samplers_order_is_torchs_int64_permutation_in_half_the_memory():
+    """EpochSampler draws its order as int32 (4 bytes a sample), which is the order checkpoints of earlier versions
+    resume by only while torch draws the same permutation in either dtype: if a torch release changes that, this
+    fails, and resumed runs would train other samples."""
+    for n in (7, 65_537, 3_000_001):
+        for seed, epoch in ((42, 0), (7, 3)):
+            order = EpochSampler(n, seed=seed).order(epoch)
+            generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
+            assert order.dtype == torch.int32 and torch.equal(order.long(), torch.randperm(n, generator=generator))
+
+
 # Secrets ------------------------------------------------------------------------------------------
 
 
