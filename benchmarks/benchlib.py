@@ -291,6 +291,15 @@ def save(out: Path, name: str, payload: dict, markdown: str) -> Path:
     return out / f"{name}.json"
 
 
+def machine_now() -> str:
+    """The CPU, its cores and the load average now: the line the data benchmarks (prepare, streaming, loader) start
+    with, since other jobs' load skews every rate they measure."""
+    import platform
+
+    load = os.getloadavg()[0]
+    return f"{platform.processor() or platform.machine()}, {cores()} cores, load average {load:.1f} at start"
+
+
 def in_fresh_process(script: str, work: Path, *argv) -> dict:
     """The JSON `script --_measure <argv>` prints last, run in a process of its own with a fresh datasets cache under
     `work` (nothing imported or cached before it)."""

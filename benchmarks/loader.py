@@ -12,14 +12,12 @@ Writes <out>/loader.json and loader.md; with the default --out, the "Loader" sec
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
 import sys
 import time
 
-from benchlib import REPO, in_fresh_process, parser, publish
-from prepare import write_bpe_model, write_prose
+from benchlib import REPO, in_fresh_process, machine_now, parser, publish
+from prepare import prose_and_bpe
 
 # Model shapes (hidden, intermediate, layers, heads): the tests' tiny Llama, and GPT-2 small's width and depth (about
 # 100M parameters with the BPE's 8192 tokens).
@@ -97,16 +95,13 @@ def main() -> None:
     args = p.parse_args()
     megabytes, steps = (1, 1) if args.smoke else (args.megabytes, 3)
     work = args.work_dir or args.out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    data = write_prose(work / "prose.jsonl", megabytes)
-    model = write_bpe_model(work / "bpe", data)
+    data, model = prose_and_bpe(work, megabytes)
     shutil.rmtree(work / "loader", ignore_errors=True)
-    load = os.getloadavg()[0]  # other jobs' load skews both rates, not much their ratio
+    machine = machine_now()
     got = in_fresh_process(__file__, work, "loader", data, model, work / "loader", steps)
     shutil.rmtree(work / "loader", ignore_errors=True)
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, load "
-        f"average {load:.1f} at start",
+        "machine": machine,
         "command": " ".join(["python", "benchmarks/loader.py", *sys.argv[1:]]),
         "megabytes": megabytes,
         **got,

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import BIN, REPO, in_fresh_process, parser, publish
+from benchlib import BIN, REPO, in_fresh_process, machine_now, parser, publish
 
 
 def write_prose(path: Path, megabytes: float, seed: int = 0) -> Path:
@@ -65,6 +65,13 @@ def write_bpe_model(folder: Path, corpus: Path) -> Path:
     LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=1024).save_pretrained(folder)  # fmt: skip
     return folder
+
+
+def prose_and_bpe(work: Path, megabytes: float) -> tuple[Path, Path]:
+    """(jsonl, tokenizer folder): `megabytes` of generated prose in `work`, and a byte-level BPE trained on it."""
+    work.mkdir(parents=True, exist_ok=True)
+    data = write_prose(work / "prose.jsonl", megabytes)
+    return data, write_bpe_model(work / "bpe", data)
 
 
 def write_counting(path: Path, megabytes: float, unit: Path) -> Path:
@@ -122,8 +129,7 @@ def measure_prepared(data: str, model: str, folder: str, workers: int) -> dict:
 
 
 def throughput(work: Path, megabytes: float, repeats: int) -> list:
-    data = write_prose(work / "prose.jsonl", megabytes)
-    model = write_bpe_model(work / "bpe", data)
+    data, model = prose_and_bpe(work, megabytes)
     rows, tokens = [], None
     for kind, workers in (("plain", 1), ("prepared", 1), ("prepared", 2)):
         seconds, busy = [], []
@@ -184,7 +190,7 @@ def start_up(work: Path, sizes: list, steps: int) -> list:
         shutil.rmtree(folder, ignore_errors=True)
         base = ["--model_name_or_path", lm["model"], "--train_file", data, "--validation_file", lm["validation"],
                 "--block_size", "32", "--prepared_data_dir", folder, "--max_eval_samples", "8"]  # fmt: skip
-        prepared_in, _ = run_recipe([*base, "--prepare_only", "--output_dir", work / "unused"], env)
+        prepared_in, _, _ = run_recipe([*base, "--prepare_only", "--output_dir", work / "unused"], env)
         manifest = json.loads((folder / "manifest.json").read_text())
         again = ["--overwrite_output_dir", "--output_dir", work / "run"]
         first, rss_first, private_first = run_recipe([*base, *again, "--max_train_steps", "1"], env)
@@ -244,11 +250,9 @@ def main() -> None:
     repeats = args.repeats or 1
     work = args.work_dir or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    import platform
-
-    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]  # other jobs' load skews every rate here
+    machine = machine_now()
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {cores} cores, load average {load:.1f} at start",
+        "machine": machine,
         "command": " ".join(["python", "benchmarks/prepare.py", *sys.argv[1:]]),
         "throughput": throughput(work, args.throughput_mb, repeats),
         "start_up": start_up(work, args.sizes_mb, args.steps),

@@ -22,14 +22,12 @@ benchmarks/README.md too.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
 import sys
 import time
 
-from benchlib import REPO, in_fresh_process, parser, publish
-from prepare import measure_plain, write_bpe_model, write_prose
+from benchlib import REPO, in_fresh_process, machine_now, parser, publish
+from prepare import measure_plain, prose_and_bpe
 
 BLOCK = 1024
 
@@ -127,10 +125,8 @@ def main() -> None:
     if args.smoke:
         args.megabytes = 1
     work = args.work_dir or args.out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    data = write_prose(work / "prose.jsonl", args.megabytes)
-    model = write_bpe_model(work / "bpe", data)
-    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]  # other jobs' load skews every rate here
+    data, model = prose_and_bpe(work, args.megabytes)
+    machine = machine_now()
     throughput = {
         "plain": in_fresh_process(__file__, work, "plain", data, model),
         "stream": in_fresh_process(__file__, work, "stream", data, model),
@@ -145,7 +141,7 @@ def main() -> None:
             {"fraction": fraction, "sample": sample, **in_fresh_process(__file__, work, "resume", data, model, sample)}
         )
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {cores} cores, load average {load:.1f} at start",
+        "machine": machine,
         "command": " ".join(["python", "benchmarks/streaming.py", *sys.argv[1:]]),
         "megabytes": args.megabytes,
         "throughput": throughput,
