@@ -357,14 +357,20 @@ def pack_table(table, block_size: int):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    columns = {}
-    for key in ("input_ids", "labels"):
-        column = table.column(key if key in table.column_names else "input_ids")
-        flat = pc.list_flatten(column).combine_chunks().cast(pa.int32())  # any vocabulary; -100 for a masked label
-        usable = len(flat) // block_size * block_size
-        offsets = pa.array(np.arange(0, usable + 1, block_size, dtype=np.int32))
-        columns[key] = pa.ListArray.from_arrays(offsets, flat.slice(0, usable))
-    return pa.table(columns)
+    def flat(key):  # any vocabulary fits int32, and -100 for a masked label
+        return pc.list_flatten(table.column(key)).combine_chunks().cast(pa.int32())
+
+    ids = flat("input_ids")
+    labels = flat("labels") if "labels" in table.column_names else ids
+    usable = len(ids) // block_size * block_size
+    offsets = pa.array(np.arange(0, usable + 1, block_size, dtype=np.int32))
+    return pa.table({key: pa.ListArray.from_arrays(offsets, seq.slice(0, usable)) for key, seq in
+                     (("input_ids", ids), ("labels", labels))})  # fmt: skip
+
+
+def no_blocks(block_size: int):
+    """The Arrow table of blocks of no rows, typed as pack_table makes them."""
+    return pack_table(token_table({"input_ids": []}), block_size)
 
 
 def check_columns(raw, data_format, text_column, sources) -> None:
@@ -447,7 +453,7 @@ def _blocks_of(data, tokenize, source, block_size, num_proc=None, cache=None):
     if len(tokenized) == 0:
         from datasets import Dataset
 
-        return Dataset(pack_table(token_table({"input_ids": []}), block_size)), 0
+        return Dataset(no_blocks(block_size)), 0
     blocks = tokenized.with_format("arrow").map(
         pack_table, batched=True, fn_kwargs={"block_size": block_size}, desc=f"packing into blocks of {block_size}",
         **files("blocks.arrow"),
@@ -749,7 +755,7 @@ def streamed_data(args, tokenizer, block_size):
         count += held_out[-1].num_rows
         if args.max_eval_samples and count >= args.max_eval_samples:
             break
-    held_out = pa.concat_tables(held_out) if held_out else pack_table(token_table({"input_ids": []}), block_size)
+    held_out = pa.concat_tables(held_out) if held_out else no_blocks(block_size)
     validation = Dataset(held_out.slice(0, args.max_eval_samples))
     trained = _trained_blocks(validation, args.data_format)
     _check_split(sources["validation"], documents, len(validation), trained, block_size)
