@@ -108,6 +108,10 @@ def _check_lm_args(parser, args) -> None:
                 f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)} (also "
                 f"compressed: {', '.join(COMPRESSED)})"
             )
+        try:  # here, not when the data loads: a mistyped path costs a second, not the loading of a model's weights
+            path and check_path(flag, path)
+        except RecipeError as err:
+            parser.error(str(err))
 
 
 def local_format(path) -> str | None:

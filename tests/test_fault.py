@@ -105,10 +105,11 @@ def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninter
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("mistake", ["--per_device_batch_size 3", "--validation_file missing.jsonl"])
+@pytest.mark.parametrize("mistake", ["--per_device_batch_size 3", "--text_column body"])
 def test_max_restarts_do_not_repeat_a_mistake(tiny_lm, tmp_path, mistake):
-    """A restart mends a crash, not a mistake: with --max_restarts 2, an unknown flag (argparse) or a missing file
-    (RecipeError) is said once, and the job ends with exit 2 (before: the line three times)."""
+    """A restart mends a crash, not a mistake: with --max_restarts 2, an unknown flag (argparse) or a column the
+    data lacks (RecipeError, met as the data loads) is said once, and the job ends with exit 2 (before: the line
+    three times)."""
     out = tmp_path / "run"
     refused(
         [REPO / "launch.sh", "lm_finetune", "--max_restarts", "2", *lm_args(tiny_lm, out), *mistake.split()],

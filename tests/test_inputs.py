@@ -26,13 +26,23 @@ from common.runtime import RecipeError
 from common.text import chat_example, data_sources, lm_dataloaders, load_raw_datasets, tokenize_and_pack
 
 RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
-BASE = {  # the least each recipe's parser needs; paths are not read at parse time
+BASE = {  # the least each recipe's parser needs; of paths, parsing reads only that the data files are there
     "cifar": [],
     "lm_finetune": ["--model_name_or_path", "m", "--train_file", "t.jsonl"],
     "zero": ["--config_name", "m", "--train_file", "t.jsonl"],
 }
 FOLDER = ["--dataset", "imagefolder", "--train_dir", "t", "--val_dir", "v"]
 HF_TOKEN = "hf_" + "Zq7" * 10
+
+
+@pytest.fixture(autouse=True)
+def in_a_folder_with_data(tmp_path_factory, monkeypatch):
+    """Each test runs in a folder of its own holding the data files BASE and the cases name (t.jsonl, v.jsonl)."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    (cwd / "data").mkdir()
+    for name in ("t.jsonl", "v.jsonl"):
+        (cwd / name).write_text('{"text": "one two"}\n')
+    monkeypatch.chdir(cwd)
 
 
 def parse_error(capsys, recipe, argv) -> str:
@@ -254,9 +264,11 @@ RECIPE_ONLY = [
     ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
     (
         "lm_finetune",
-        ["--train_file", "tests"],
-        "--train_file tests is a folder: pass a file in it, or the folder as --dataset_name tests",
+        ["--train_file", "data"],
+        "--train_file data is a folder: pass a file in it, or the folder as --dataset_name data",
     ),  # fmt: skip
+    ("lm_finetune", ["--train_file", "tain.jsonl"], "--train_file tain.jsonl: no such file or directory; check the"),
+    ("zero", ["--validation_file", "v.jsonl.gz"], "--validation_file v.jsonl.gz: no such file or directory"),
     ("zero", ["--save_fp32"], "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config"),
     ("lm_finetune", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
     ("lm_finetune", ["--config_name", "c"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
@@ -446,9 +458,10 @@ def test_a_tracker_that_is_not_installed_is_refused():
     assert exit_.value.code == 2
 
 
-def test_a_tilde_in_any_path_option_is_home():
+def test_a_tilde_in_any_path_option_is_home(monkeypatch):
     """A shell expands ~ only at a word's start: --output_dir=~/out reaches the recipe as it is. Every option's
     value is expanded once, after parsing (a model folder as well as the data and the output)."""
+    monkeypatch.setenv("HOME", os.getcwd())  # which holds t.jsonl
     args = RECIPES["cifar"].parse_args(["--output_dir=~/out", "--resume_from_checkpoint=~/out/checkpoint-2"])
     assert args.output_dir == os.path.expanduser("~/out") and not args.output_dir.startswith("~")
     assert args.resume_from_checkpoint == os.path.expanduser("~/out/checkpoint-2")

@@ -7,12 +7,14 @@ recipe arguments parsed by the recipe itself; `sbatch` lines run their template 
 job (tests/conftest.py) and `./launch.sh doctor` runs on CPU.
 """
 
+import contextlib
 import os
 import re
 import shlex
 import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from unittest import mock
 
@@ -160,7 +162,14 @@ def parse_recipe_args(args):
             at = recipe_args.index(option)
             del recipe_args[at : at + 2]
     deepspeed = {"ACCELERATE_USE_DEEPSPEED": "true"} if config.startswith("zero") else {}  # as accelerate launch sets
-    with mock.patch.dict(os.environ, deepspeed):
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder), mock.patch.dict(os.environ, deepspeed):
+        for flag in ("--train_file", "--validation_file"):  # parsing reads that they are there: made, in here
+            if flag in recipe_args:
+                at = recipe_args.index(flag) + 1
+                path = Path(folder, recipe_args[at].lstrip("/"))  # /mnt/corpus/train.jsonl too
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text('{"text": "a line"}\n')
+                recipe_args[at] = str(path)
         return (doctor.parse_args if args[0] == "doctor" else load_recipe(args[0]).parse_args)(recipe_args)
 
 
