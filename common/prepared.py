@@ -343,18 +343,24 @@ def install(partial: Path, folder: Path, manifest: dict) -> None:
 
 
 class Progress:
-    """One bar over the corpus in tokens/s, its total estimated from the raw bytes (tokens per byte so far)."""
+    """One bar over the corpus in tokens/s, its total estimated from the raw bytes (tokens per byte so far). Chunks
+    are counted once a quarter of one chunk's bytes is done: a small held-out split alone, its few tokens over the
+    map's start-up, showed a rate of a thousand tokens/s and an ETA of hours for a corpus of minutes."""
 
     def __init__(self, total_bytes: int, done_bytes: int, done_tokens: int, desc: str):
         from tqdm.auto import tqdm
 
         self.total_bytes, self.bytes, self.started = max(total_bytes, 1), done_bytes, time.monotonic()
+        self.shown_from = done_bytes + min(chunk_bytes() // 4, total_bytes - done_bytes)
+        self.held = 0  # tokens done and not yet counted
         self.bar = tqdm(total=None, initial=done_tokens, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
 
     def add(self, nbytes: int, tokens: int) -> None:
-        self.bytes += nbytes
-        self.bar.total = int((self.bar.n + tokens) * self.total_bytes / max(self.bytes, 1))
-        self.bar.update(tokens)
+        self.bytes, self.held = self.bytes + nbytes, self.held + tokens
+        if self.bytes >= self.shown_from:
+            self.bar.total = int((self.bar.n + self.held) * self.total_bytes / max(self.bytes, 1))
+            self.bar.update(self.held)
+            self.held = 0
 
     def close(self) -> float:
         self.bar.close()

@@ -113,6 +113,27 @@ def test_tokenizing_uses_one_process_for_small_data_and_the_cpus_for_large():
     assert prepared.default_workers(10 * 2**30) == min(cpus, prepared.MAX_WORKERS)
 
 
+def test_the_progress_bar_counts_a_small_split_with_the_next_chunk_and_estimates_the_total_from_bytes(monkeypatch):
+    """A held-out split of a few hundred tokens, done in the map's start-up time, is not shown alone (it said
+    1k tok/s and an ETA of hours); once a quarter chunk is done the bar holds every token, its total the corpus's
+    bytes at the tokens-per-byte seen so far. A resumed preparation starts from the chunks it had finished."""
+    monkeypatch.setenv(prepared.CHUNK_BYTES_ENV, str(4000))
+    progress = prepared.Progress(total_bytes=10_000, done_bytes=0, done_tokens=0, desc="tokenizing")
+    progress.add(nbytes=200, tokens=50)  # the held-out split
+    assert (progress.bar.n, progress.bar.total) == (0, None)
+    progress.add(nbytes=4000, tokens=1000)  # the first chunk of train
+    assert (progress.bar.n, progress.bar.total) == (1050, 1050 * 10_000 // 4200)
+    progress.add(nbytes=5800, tokens=1450)
+    assert (progress.bar.n, progress.bar.total) == (2500, 2500)
+    progress.close()
+    resumed = prepared.Progress(total_bytes=10_000, done_bytes=4200, done_tokens=1050, desc="tokenizing")
+    resumed.add(nbytes=800, tokens=200)  # under a quarter chunk: held
+    assert resumed.bar.n == 1050
+    resumed.add(nbytes=1000, tokens=250)
+    assert (resumed.bar.n, resumed.bar.total) == (1500, 1500 * 10_000 // 6000)
+    resumed.close()
+
+
 def test_a_files_digest_is_read_once_and_again_after_any_write(tmp_path, monkeypatch):
     """file_sha256 remembers a digest by the file's stat, ctime included: a file not written since is not read again
     (the remembered digest is what it returns); one written since, even to the same size with its mtime set back,
