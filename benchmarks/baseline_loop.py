@@ -16,7 +16,6 @@ whose median gives the rate at the median step):
   accum_sync_every_step  the same accumulation without no_sync: an all-reduce after every micro-batch
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,24 +30,31 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 import common
 from common import vision
+from common.args import ArgumentParser  # benchlib put the repository on the path
 from common.data import default_num_workers
 from common.plan import scale_lr
 
 VARIANTS = ("ddp", "accum_no_sync", "accum_sync_every_step")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["ddp"])
-    p.add_argument("--accumulation", type=int, default=4, help="micro-batches per step of the accum_* variants")
+    p.add_argument(
+        "--accumulation", type="positive_int", default=4, help="micro-batches per step of the accum_* variants"
+    )
     p.add_argument(
         "--accumulation_max_steps",
-        type=int,
+        type="positive_int",
         help="optimizer steps of the accum_* variants (default: --max_train_steps)",
     )
-    p.add_argument("--repeats", type=int, default=1)
-    own, recipe_argv = p.parse_known_args()
+    p.add_argument("--repeats", type="positive_int", default=1)
+    return p
+
+
+def main():
+    own, recipe_argv = build_parser().parse_known_args()
     cifar = load_recipe("cifar")
     args = cifar.parse_args([a for a in recipe_argv if a != "--"])
 

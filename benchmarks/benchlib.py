@@ -4,7 +4,6 @@ same run; nothing here asserts a speed."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -25,14 +24,17 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from launcher import free_port  # noqa: E402  (launch.sh's own)
 
+from common.args import ArgumentParser  # noqa: E402
 
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+
+def parser(description: str) -> ArgumentParser:
+    """The options every benchmark takes, on the recipes' parser (one error line, numbers checked)."""
+    p = ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=RESULTS, help="where <name>.json, <name>.md and plots go")
     p.add_argument(
         "--smoke", action="store_true", help="the smallest setting: keeps the script working, measures little"
     )
-    p.add_argument("--repeats", type=int, help="repetitions per measurement (the median is reported)")
+    p.add_argument("--repeats", type="positive_int", help="repetitions per measurement (the median is reported)")
     p.add_argument("--work_dir", type=Path, help="scratch folder for data and run outputs (default: OUT/work)")
     p.add_argument(
         "--reuse_runs",

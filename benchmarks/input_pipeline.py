@@ -28,15 +28,21 @@ from common import vision
 NAME = "input_pipeline"
 
 
-def parse_args(argv=None):
+def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
-    p.add_argument("--per_device_train_batch_size", type=int, help="default: 128 (smoke: 32)")
-    p.add_argument("--num_workers", type=int, nargs="+", help="default: 0, 1, 2, ... up to the cores")
-    p.add_argument("--epochs", type=int, help="epochs per configuration")
-    p.add_argument("--max_batches", type=int, help="batches per epoch (default: the whole epoch, at most 100)")
+    p.add_argument("--per_device_train_batch_size", type="positive_int", help="default: 128 (smoke: 32)")
+    p.add_argument("--num_workers", type="non_negative_int", nargs="+", help="default: 0, 1, 2, ... up to the cores")
+    p.add_argument("--epochs", type="positive_int", help="epochs per configuration")
+    p.add_argument(
+        "--max_batches", type="positive_int", help="batches per epoch (default: the whole epoch, at most 100)"
+    )
     p.add_argument("--model", help="the consumer: default resnet18 (CPU), resnet18_cifar (GPU)")
     p.add_argument("--cifar_dir", help="CIFAR-10 in this folder instead of the bundled digits")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     cuda = benchlib.has_cuda()
     args.per_device_train_batch_size = args.per_device_train_batch_size or (32 if args.smoke else 128)
     args.num_workers = args.num_workers or ([0, 1] if args.smoke else sorted({0, 1, 2, benchlib.cores()}))

@@ -18,17 +18,21 @@ NAME = "lm"
 CONFIGS = {"ddp": None, "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
 
 
-def parse_args(argv=None):
+def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all (smoke: ddp)")
-    p.add_argument("--processes", type=int, help="default: 2 (CPU) or every GPU")
-    p.add_argument("--hidden_size", type=int)
-    p.add_argument("--num_layers", type=int)
-    p.add_argument("--block_size", type=int)
-    p.add_argument("--per_device_train_batch_size", type=int, default=8)
-    p.add_argument("--steps", type=int)
+    p.add_argument("--processes", type="positive_int", help="default: 2 (CPU) or every GPU")
+    p.add_argument("--hidden_size", type="positive_int")
+    p.add_argument("--num_layers", type="positive_int")
+    p.add_argument("--block_size", type="positive_int")
+    p.add_argument("--per_device_train_batch_size", type="positive_int", default=8)
+    p.add_argument("--steps", type="positive_int")
     p.add_argument("--torch_compile", action="store_true", help="add a DDP run with --torch_compile")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     big = gpus and not args.smoke
     args.configs = args.configs or (["ddp"] if args.smoke else list(CONFIGS))

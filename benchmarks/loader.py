@@ -89,10 +89,14 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser():
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--megabytes", type=float, default=64)
-    args = p.parse_args()
+    p.add_argument("--megabytes", type="positive_float", default=64)
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     megabytes, steps = (1, 1) if args.smoke else (args.megabytes, 3)
     work = args.work_dir or args.out / "work"
     data, model = prose_and_bpe(work, megabytes)

@@ -23,17 +23,23 @@ import benchlib
 NAME = "overhead"
 
 
-def parse_args(argv=None):
+def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
-    p.add_argument("--processes", type=int, nargs="+", help="default: 1 and 2 (CPU) or 1 and every GPU")
-    p.add_argument("--steps", type=int, help="optimizer steps per run")
-    p.add_argument("--per_device_train_batch_size", type=int, default=32)
+    p.add_argument("--processes", type="positive_int", nargs="+", help="default: 1 and 2 (CPU) or 1 and every GPU")
+    p.add_argument("--steps", type="positive_int", help="optimizer steps per run")
+    p.add_argument("--per_device_train_batch_size", type="positive_int", default=32)
     p.add_argument("--model", help="default: resnet18 (CPU: a stride-2 stem, fast), resnet18_cifar (GPU)")
-    p.add_argument("--accumulation", type=int, default=4, help="micro-batches per step in the accumulation rows")
+    p.add_argument(
+        "--accumulation", type="positive_int", default=4, help="micro-batches per step in the accumulation rows"
+    )
     p.add_argument("--data", choices=["device", "loader"], default="device")
     p.add_argument("--cifar_dir", help="measure on CIFAR-10 in this folder instead of the bundled digits")
     p.add_argument("--torch_compile", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     args.processes = args.processes or ([1] if args.smoke else [1, max(2, gpus)] if gpus > 1 else [1, 2])
     args.steps = args.steps or (3 if args.smoke else 40)

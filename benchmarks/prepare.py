@@ -239,12 +239,16 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser():
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--throughput_mb", type=float, default=64)
-    p.add_argument("--sizes_mb", type=float, nargs="+", default=[10, 300])
-    p.add_argument("--steps", type=int, default=50)
-    args = p.parse_args()
+    p.add_argument("--throughput_mb", type="positive_float", default=64)
+    p.add_argument("--sizes_mb", type="positive_float", nargs="+", default=[10, 300])
+    p.add_argument("--steps", type="positive_int", default=50)
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.smoke:
         args.throughput_mb, args.sizes_mb, args.steps = 1, [1, 2], 3
     repeats = args.repeats or 1

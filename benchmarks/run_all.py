@@ -19,13 +19,15 @@ from pathlib import Path
 
 import benchlib
 
+from common.args import ArgumentParser  # benchlib put the repository on the path
+
 BENCHMARKS = ("overhead", "scaling", "input_pipeline", "lm")
 README = benchlib.REPO / "benchmarks" / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=benchlib.RESULTS)
     p.add_argument("--smoke", action="store_true", help="every benchmark in its smallest setting")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
@@ -34,7 +36,11 @@ def main(argv=None):
         action=argparse.BooleanOptionalAction,
         help="update benchmarks/README.md (default: on for a full run into benchmarks/results)",
     )
-    args, passed = p.parse_known_args(argv)
+    return p
+
+
+def main(argv=None):
+    args, passed = build_parser().parse_known_args(argv)
     passed = [a for a in passed if a != "--"]
     readme = args.readme if args.readme is not None else (not args.smoke and args.out.resolve() == benchlib.RESULTS)
     args.out.mkdir(parents=True, exist_ok=True)

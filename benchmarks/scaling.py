@@ -12,20 +12,26 @@ import benchlib
 NAME = "scaling"
 
 
-def parse_args(argv=None):
+def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
-    p.add_argument("--processes", type=int, nargs="+", help="default: 1..cores (CPU, at most 4) or 1, 2, 4, ... GPUs")
-    p.add_argument("--steps", type=int, help="optimizer steps per run")
+    p.add_argument(
+        "--processes", type="positive_int", nargs="+", help="default: 1..cores (CPU, at most 4) or 1, 2, 4, ... GPUs"
+    )
+    p.add_argument("--steps", type="positive_int", help="optimizer steps per run")
     p.add_argument(
         "--per_device_train_batch_size",
-        type=int,
+        type="positive_int",
         default=32,
         help="weak scaling's per-device batch; strong scaling keeps this x max(processes) global",
     )
     p.add_argument("--model", help="default: resnet18 (CPU), resnet18_cifar (GPU)")
     p.add_argument("--modes", nargs="+", choices=["weak", "strong"], help="default: both (smoke: weak)")
     p.add_argument("--cifar_dir", help="measure on CIFAR-10 in this folder instead of the bundled digits")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     args.modes = args.modes or (["weak"] if args.smoke else ["weak", "strong"])
     if args.smoke and not args.processes:

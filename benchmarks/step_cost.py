@@ -9,7 +9,6 @@ disturbs less than the wall clock; each round runs every loop once, each loop fi
     python benchmarks/step_cost.py --out step_cost.json        # overhead.py runs it
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import load_recipe  # noqa: E402
 
 import common  # noqa: E402
+from common.args import ArgumentParser  # noqa: E402
 
 BATCH, FEATURES = 8, 16
 
@@ -107,12 +107,16 @@ def recipe(steps, accelerator, out):
     return seconds / steps
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=9)
-    args = p.parse_args()
+    p.add_argument("--steps", type="positive_int", default=300)
+    p.add_argument("--repeats", type="positive_int", default=9)
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     torch.set_num_threads(1)  # a step this small only waits for more threads
     accelerator = common.make_accelerator(recipe_args(args.steps, args.out.parent / "step_cost_run"), cpu=True)
     loops = {

@@ -118,10 +118,14 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser():
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--megabytes", type=float, default=32)
-    args = p.parse_args()
+    p.add_argument("--megabytes", type="positive_float", default=32)
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.smoke:
         args.megabytes = 1
     work = args.work_dir or args.out / "work"

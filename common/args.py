@@ -80,14 +80,28 @@ def _said_file(attempts_back: int = 0) -> Path | None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one `error:` line (no usage block), exit 2, printed by the first process only,
-    credentials masked; unknown and empty arguments refused; then each `check(parser, args)` in `checks`."""
+    """The one parser of every entry point (the recipes, launch.sh's doctor and selftest, the benchmarks and the
+    scripts that make test data): errors are one `error:` line (no usage block), exit 2, printed by the first process
+    only, credentials masked; unknown and empty arguments refused; a number's option takes one of TYPES (a bare int
+    or float let nan, 0 and -1 through, to fail later inside a collective); then each `check(parser, args)`."""
 
     checks = ()  # training_parser's, then each recipe's: check(parser, args)
     unless = ()  # (options, applies(args), why, fix): options given that would do nothing (does_nothing_unless)
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # --num would be --num_processes, or --num_train_epochs tomorrow
+        super().__init__(*args, **kwargs)
+        for name, kind in TYPES.items():
+            self.register("type", name, kind)
+
     def parse_args(self, args=None, namespace=None):
-        unset = [name for name in TRAINING_HYPERPARAMETERS if self.get_default(name) is None]
+        if bare := [(a.option_strings or [a.dest])[0] for a in self._actions if a.type in (int, float)]:
+            raise TypeError(  # the script's mistake, met by its first parse (its tests'), not by its users
+                f"{', '.join(bare)}: a bare int or float takes nan, inf and any sign; name one of common.args.TYPES "
+                f"({', '.join(TYPES)})"
+            )
+        recipe = self.get_default("recipe") is not None  # training_parser's: each recipe states HYPERPARAMETERS
+        unset = [name for name in TRAINING_HYPERPARAMETERS if recipe and self.get_default(name) is None]
         if unset:  # a mistake in the recipe, not the user's
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
         namespace, extras = self.parse_known_args(args, namespace)
@@ -131,7 +145,11 @@ class ArgumentParser(argparse.ArgumentParser):
             near = difflib.get_close_matches(unknown[0], options, 1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             self.error(f"the recipe's HYPERPARAMETERS has {unknown[0]}, which is no option of it{hint}")
+        # positionals as parsed (a script's folder), so that the parse of the defaults finds what it requires
         typed, defaults = [], []
+        for action in self._actions:
+            if not action.option_strings and (value := getattr(namespace, action.dest, None)) is not None:
+                typed += map(str, value if isinstance(value, list) else [value])
         for dest, action in options.items():
             value = getattr(namespace, dest, None)
             if dest in given or value is None or action.nargs == 0:  # a flag's default: True or False
@@ -283,13 +301,9 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     """The shared arguments; `recipe` is the name checkpoints record (a copy renamed train.py still resumes them),
     `doc` the recipe's docstring, whose first line describes it."""
     p = ArgumentParser(
-        description=(doc or recipe).strip().split("\n")[0],
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(doc or recipe).strip().split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.set_defaults(recipe=recipe)
-    for name, kind in TYPES.items():
-        p.register("type", name, kind)
     p.checks = [_check_timeouts]
     warmup = lambda a: a.warmup_ratio if a.warmup_steps is None else a.warmup_steps  # noqa: E731  --warmup_steps wins
     p.does_nothing_unless(

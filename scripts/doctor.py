@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import math
 import os
 import platform
 import re
@@ -30,6 +29,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.args import TYPES, ArgumentParser  # noqa: E402  (imports no torch: a mistaken option is said at once)
 
 MiB = 2**20
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
@@ -312,48 +315,35 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         sys.exit(1)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """A mistaken argument is one line and exit 2 (argparse's usage block above it says nothing more)."""
+def mib_list(text) -> list:
+    """--sizes_mib: positive numbers separated by commas (nan, inf, 0 or less would fail inside the all-reduce,
+    blamed on the network)."""
+    try:
+        return [TYPES["positive_float"](size) for size in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"pass positive numbers separated by commas (1,16,64), got {text!r}"
+        ) from None
 
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
 
-
-def _positive(kind):
-    """An argparse type: a finite number of `kind` above 0 (nan, inf, 0 or less would fail later, inside the
-    all-reduce, blamed on the network)."""
-
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'whole ' if kind is int else ''}number")
-        return value
-
-    return convert
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
+    p.add_argument("--num_processes", type="positive_int", help="processes requested on this node, for the report")
+    p.add_argument(
+        "--timeout", type="positive_float", default=60, help="seconds before a group that does not form fails"
+    )
+    p.add_argument(
+        "--sizes_mib",
+        type=mib_list,
+        help=f"all-reduce sizes in MiB (default {GPU_SIZES_MIB} on GPUs, {CPU_SIZES_MIB} on CPU)",
+    )
+    p.add_argument("--iters", type="positive_int", default=10, help="timed all-reduces per size")
+    return p
 
 
 def parse_args(argv=None):
-    p = _OneLineParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
-    p.add_argument("--num_processes", type=_positive(int), help="processes requested on this node, for the report")
-    p.add_argument(
-        "--timeout", type=_positive(float), default=60, help="seconds before a group that does not form fails"
-    )
-    p.add_argument(
-        "--sizes_mib", help=f"all-reduce sizes in MiB (default {GPU_SIZES_MIB} on GPUs, {CPU_SIZES_MIB} on CPU)"
-    )
-    p.add_argument("--iters", type=_positive(int), default=10, help="timed all-reduces per size")
-    args = p.parse_args(argv)
-    if args.sizes_mib is not None:
-        try:
-            args.sizes_mib = [_positive(float)(s) for s in args.sizes_mib.split(",")]
-        except argparse.ArgumentTypeError:
-            p.error(f"--sizes_mib takes positive numbers separated by commas, got '{args.sizes_mib}'")
-    return args
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None):

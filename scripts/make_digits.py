@@ -4,12 +4,17 @@ ImageFolder of 32x32 RGB PNGs: a real image-classification set for trying the re
     python scripts/make_digits.py data/digits    # -> data/digits/{train,val}/<digit>/<n>.png
 """
 
-import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from sklearn.datasets import load_digits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.args import ArgumentParser  # noqa: E402
+
+DIGITS = 1797  # scikit-learn's 8x8 digits
 
 
 def write_digits(root, val_size=397, size=32, seed=0):
@@ -26,10 +31,20 @@ def write_digits(root, val_size=397, size=32, seed=0):
     return len(order) - val_size, val_size
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("root", help="output folder")
-    parser.add_argument("--val_size", type=int, default=397)
-    args = parser.parse_args()
+    parser.add_argument("--val_size", type="positive_int", default=397, help="images held out, of the 1797")
+    parser.checks = [_check_val_size]
+    return parser
+
+
+def _check_val_size(parser, args) -> None:
+    if args.val_size >= DIGITS:
+        parser.error(f"--val_size {args.val_size} leaves no training image of the {DIGITS}: pass at most {DIGITS - 1}")
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
     n_train, n_val = write_digits(args.root, args.val_size)
     print(f"wrote {n_train} training and {n_val} validation images to {args.root}")

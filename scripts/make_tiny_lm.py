@@ -5,10 +5,13 @@ jsonl, plus chats whose assistant continues the user's count. The tests and `./l
     python scripts/make_tiny_lm.py data/tiny_lm
 """
 
-import argparse
 import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.args import ArgumentParser  # noqa: E402
 
 NUMBERS = "zero one two three four five six seven eight nine".split()
 
@@ -63,7 +66,11 @@ def write_tiny_lm(root) -> dict:
     return {"model": root / "model", **{name: root / f"{name}.jsonl" for name in names}}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("root", nargs="?", default="data/tiny_lm", help="output folder")
-    print(write_tiny_lm(parser.parse_args().root)["model"])
+    return parser
+
+
+if __name__ == "__main__":
+    print(write_tiny_lm(build_parser().parse_args().root)["model"])

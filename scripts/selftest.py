@@ -13,7 +13,6 @@ Run it on new hardware (a GPU node, a laptop) before a long job. Each check laun
                     GPUs with --norm_layer sync_batch, channels_last and bf16 autocast, the paths a CPU cannot run
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -31,6 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from launcher import read_config  # noqa: E402
 from make_digits import write_digits  # noqa: E402
 from make_tiny_lm import write_tiny_lm  # noqa: E402
+
+from common.args import ArgumentParser  # noqa: E402  (launcher put the repository on the path)
 
 TOLERANCE = {"no": 1e-4, "bf16": 5e-2, "fp16": 5e-2}  # a distance relative to the update itself
 
@@ -132,12 +133,16 @@ def lm_args(lm, out, batch, *extra):
     return [*common, *chats, "--per_device_train_batch_size", batch, "--dataloader_num_workers", "0", *extra]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="an accelerate_configs/ name (default: launch.sh's choice for this host)")
-    p.add_argument("--num_processes", type=int, help="processes on this node (default: the config's)")
+    p.add_argument("--num_processes", type="positive_int", help="processes on this node (default: the config's)")
     p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"])
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     ours = [*(["--config", args.config] if args.config else [])]
     ours += ["--num_processes", str(args.num_processes)] if args.num_processes else []
     ours += ["--mixed_precision", args.mixed_precision] if args.mixed_precision else []

@@ -186,11 +186,17 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--sizes_mib", "big"], "error: --sizes_mib takes positive numbers separated by commas, got 'big'"),
-        (["--sizes_mib", "1,-1"], "error: --sizes_mib takes positive numbers separated by commas, got '1,-1'"),
-        (["--timeout", "nan"], "error: argument --timeout: 'nan' is not a positive number"),
-        (["--timeout", "0"], "error: argument --timeout: '0' is not a positive number"),
-        (["--iters", "2.5"], "error: argument --iters: '2.5' is not a positive whole number"),
+        (
+            ["--sizes_mib", "big"],
+            "error: argument --sizes_mib: pass positive numbers separated by commas (1,16,64), got 'big'",
+        ),
+        (
+            ["--sizes_mib", "1,-1"],
+            "error: argument --sizes_mib: pass positive numbers separated by commas (1,16,64), got '1,-1'",
+        ),
+        (["--timeout", "nan"], "error: argument --timeout: nan is not a finite number; pass a number greater than 0"),
+        (["--timeout", "0"], "error: argument --timeout: 0 is out of range: pass a number greater than 0"),
+        (["--iters", "2.5"], "error: argument --iters: '2.5' is not a whole number; pass a whole number at least 1"),
     ],
 )
 @pytest.mark.parametrize("how", ["python", "launch.sh"])

@@ -1320,3 +1320,44 @@ def test_the_zero_recipe_without_deepspeed_installed_trains_without_its_memory_e
     with caplog.at_level(logging.INFO, logger="recipes"):
         assert zero.memory_estimates(Accelerator(cpu=True), model) == {}
     assert "no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)" in caplog.text
+
+
+ENTRY_POINTS = [  # every script a user runs besides the recipes (whose parse the tests above call)
+    "scripts/doctor.py", "scripts/selftest.py", "scripts/make_digits.py", "scripts/make_tiny_lm.py",
+    *(f"benchmarks/{p.name}" for p in sorted((REPO / "benchmarks").glob("*.py")) if p.name != "benchlib.py"),
+]  # fmt: skip
+
+
+def test_every_entry_point_parses_with_the_recipes_parser_and_checks_every_number(capsys, monkeypatch):
+    """The doctor, the selftest, the benchmarks and the data scripts take their options through common.args's
+    parser, as the recipes do: a number given as nan (or 0, or -1 where a count must be positive) is one line naming
+    the option and exit 2 before anything starts (the doctor's nan failed inside the all-reduce, blamed on the
+    network). No script builds a parser of its own, and a bare int or float (which lets nan through) is refused by
+    the parser itself, so a new script cannot skip the checks."""
+    from common.args import TYPES, ArgumentParser
+
+    for path in [*REPO.glob("recipes/*.py"), *REPO.glob("scripts/*.py"), *REPO.glob("benchmarks/*.py")]:
+        assert "argparse.ArgumentParser(" not in path.read_text(), f"{path.name} builds a parser of its own"
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    checked = []
+    for entry in ENTRY_POINTS:
+        spec = importlib.util.spec_from_file_location(f"entry_{Path(entry).stem}", REPO / entry)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parser = module.build_parser()
+        assert isinstance(parser, ArgumentParser), entry
+        needed = [word for a in parser._actions if a.required for word in (*a.option_strings[:1], "x")]
+        numbers = [a for a in parser._actions if a.option_strings and a.type in TYPES]  # registered by name
+        for action in numbers:
+            for bad in ("nan", "-1"):
+                with pytest.raises(SystemExit) as exit_:
+                    parser.parse_args([*needed, action.option_strings[0], bad])
+                lines = error_lines(capsys.readouterr().err)
+                assert exit_.value.code == 2 and len(lines) == 1, (entry, action.option_strings, lines)
+                assert re.match(rf"error: argument {action.option_strings[0]}: '?{bad}'? is ", lines[0]), lines
+            checked.append(f"{Path(entry).stem} {action.option_strings[0]}")
+    assert {"doctor --timeout", "doctor --iters", "selftest --num_processes", "prepare --sizes_mb"} <= set(checked)
+    bare = ArgumentParser()
+    bare.add_argument("--steps", type=int)
+    with pytest.raises(TypeError, match="--steps: a bare int or float takes nan, inf and any sign"):
+        bare.parse_args([])
