@@ -37,7 +37,7 @@ class TrainingLoop:
         self.eval_steps = getattr(args, "eval_steps", None)
         self.accumulation = args.gradient_accumulation_steps
         self.stop = StopOnSignal(accelerator, watch(accelerator, args))  # signals; a stalled process named
-        self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from)
+        self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from, loader_fixes(args))
 
     def steps(self, train_dl, optimizer=None, scheduler=None):
         """A Step per optimizer step. The rate of each of `optimizer`'s groups is set from the plan (times the group's
@@ -118,6 +118,17 @@ class TrainingLoop:
     def summary(self, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training (common.metrics.TrainLog.summary)."""
         return self.log.summary(self.at, tokens_per_sample)
+
+
+def loader_fixes(args) -> str:
+    """What a run whose steps wait for their data can do, as its arguments allow."""
+    workers = f"now {args.dataloader_num_workers}" if args.dataloader_num_workers is not None else "default: by CPUs"
+    fixes = [f"give the loader more workers (--dataloader_num_workers, {workers})"]
+    if getattr(args, "data_on_device", True) is False:
+        fixes.append("keep the set on the accelerator with --data_on_device (CIFAR, or images of 64 px or less)")
+    if getattr(args, "dataset", None) == "imagefolder":
+        fixes.append("read --train_dir from a faster filesystem (a local disk, not a network share)")
+    return "; ".join(fixes)
 
 
 class Step:

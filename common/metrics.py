@@ -19,6 +19,8 @@ from .args import public_args
 from .checkpoint import read_state, write_json
 from .runtime import RecipeError, library_versions, logger
 
+INPUT_BOUND = 0.2  # of a step spent waiting for data, on the median rank: the run is input-bound
+
 
 class TrainLog:
     """The training loss weighted by items (samples, or target tokens) over micro-batches and processes, its
@@ -26,8 +28,9 @@ class TrainLog:
     it each micro-batch's loss and each step; a log costs one collective. Resumed (`resume_from`, a checkpoint), it
     goes on with the checkpoint's history and the loss since its last log, as if never stopped."""
 
-    def __init__(self, accelerator, plan, start, logging_steps: int, resume_from=None):
+    def __init__(self, accelerator, plan, start, logging_steps: int, resume_from=None, loader_fixes: str = ""):
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
+        self.loader_fixes, self._logs = loader_fixes, 0  # said with a run whose steps wait for their data
         self.hosts = gather_object([socket.gethostname()])
         self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
         self.eval_history = []  # each evaluation's metrics, at its step
@@ -111,10 +114,11 @@ class TrainLog:
     def _stragglers(self, times: torch.Tensor) -> dict:
         """Each process's mean step and data wait since the last log; a warning, once, for a rank that waits for its
         data a fifth of a step longer than the median rank three logs in a row: every rank waits for it."""
-        if len(times) < 2:
-            return {}
         per_step = times[:, 1:] / times[:, :1].clamp(min=1)
         (step_rank, rank), (median_step, median_data) = per_step.argmax(0).tolist(), per_step.median(0).values.tolist()
+        self._input_bound(median_step, median_data)
+        if len(times) < 2:
+            return {}
         slowest_step, slowest_data = per_step[step_rank, 0].item(), per_step[rank, 1].item()
         slow = slowest_data - median_data > 0.2 * median_step
         self._streak = (rank, self._streak[1] + 1 if slow and self._streak[0] == rank else int(slow))
@@ -133,6 +137,17 @@ class TrainLog:
             "data_seconds_slowest": round(slowest_data, 4),
             "data_seconds_median": round(median_data, 4),
         }
+
+    def _input_bound(self, step: float, waited: float) -> None:
+        """A warning, once, when the median rank's steps spend more than INPUT_BOUND of their time waiting for data
+        (every rank, not one straggler): the accelerator idles that share of the run. Not at the first log, whose
+        steps wait for loader workers to start."""
+        self._logs += 1
+        if self._logs == 2 and step > 0 and waited / step > INPUT_BOUND:
+            logger.warning(
+                f"the steps wait for their data: {waited / step:.0%} of each step ({waited:.3f} s of {step:.3f} s, "
+                f"the median rank) is spent waiting for the next batch, while the model idles; {self.loader_fixes}"
+            )
 
     def check_finite(self, step: int, model) -> None:
         """Before a save: raise if the loss since the last log or the weights this process holds are NaN or inf."""
@@ -163,6 +178,7 @@ class TrainLog:
         steps, samples = at.step - self._start[0], at.seen - self._start[1]
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
+        median_step, median_data = per_step.median(0).values.tolist()
         steady = None
         if steps > 1 and self.train_seconds > self._first[0]:
             steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
@@ -173,6 +189,7 @@ class TrainLog:
             "train_loss": self.train_loss,
             "samples_per_second": rate,
             "steady_samples_per_second": steady,
+            "data_wait_share": round(median_data / median_step, 4) if median_step else None,  # the median rank's
             "log_history": self.history,
             "eval_history": self.eval_history,
             "per_rank": [

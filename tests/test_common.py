@@ -495,6 +495,37 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
     assert TrainLog(accelerator, plan, Position(8, 1, 0, 8), 4, tmp_path / "checkpoint-8").train_loss == 6.5
 
 
+@pytest.mark.parametrize("waits, said", [(0.03, True), (0.002, False)])
+def test_steps_that_wait_for_their_data_are_said_once_with_the_fixes_this_run_has(caplog, waits, said):
+    """A step that spends more than a fifth of its time waiting for its batch (every rank: the loader is too slow
+    for the model) is one warning at the second log (the first holds the loader workers' start), with the share and
+    the fixes that apply to the run's arguments; results.json records the share either way."""
+    import time
+
+    from common.loop import loader_fixes
+
+    accelerator = Accelerator(cpu=True)
+    plan = SimpleNamespace(max_train_steps=12, lr_at=lambda seen: 0.1, epochs=lambda at: 1.0)
+    args = SimpleNamespace(dataloader_num_workers=2, data_on_device=False, dataset="imagefolder")
+    log = TrainLog(accelerator, plan, Position(), 3, loader_fixes=loader_fixes(args))
+    with caplog.at_level("WARNING", logger="recipes"):
+        for step in range(1, 13):
+            time.sleep(0.04)  # the step: waiting for the batch, then computing
+            log.add(torch.tensor(1.0), 1)
+            log.step(step, step, waited=waits)
+    lines = [r.getMessage() for r in caplog.records if "wait for their data" in r.getMessage()]
+    share = log.summary(SimpleNamespace(step=12, seen=12))["data_wait_share"]
+    assert (share > 0.2) == said and 0 < share < 1
+    assert len(lines) == int(said), lines
+    if said:
+        assert "the steps wait for their data: " in lines[0] and "s, the median rank) is spent waiting" in lines[0]
+        for fix in ("--dataloader_num_workers, now 2", "--data_on_device", "a faster filesystem"):
+            assert fix in lines[0], lines[0]
+    assert loader_fixes(SimpleNamespace(dataloader_num_workers=None)) == (
+        "give the loader more workers (--dataloader_num_workers, default: by CPUs)"
+    )  # an LM run: no --data_on_device, no image folder
+
+
 @pytest.mark.parametrize("first, then", [((2, 8), (1, 16)), ((1, 16), (2, 8)), ((2, 8), (3, 5)), ((4, 3), (1, 7))])
 def test_a_run_resumed_in_another_layout_trains_each_sample_once_per_epoch(first, then):
     """The job's samples, in the order Accelerate deals batches to processes (one batch per process a
