@@ -145,11 +145,7 @@ class ArgumentParser(argparse.ArgumentParser):
             near = difflib.get_close_matches(unknown[0], options, 1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             self.error(f"the recipe's HYPERPARAMETERS has {unknown[0]}, which is no option of it{hint}")
-        # positionals as parsed (a script's folder), so that the parse of the defaults finds what it requires
         typed, defaults = [], []
-        for action in self._actions:
-            if not action.option_strings and (value := getattr(namespace, action.dest, None)) is not None:
-                typed += map(str, value if isinstance(value, list) else [value])
         for dest, action in options.items():
             value = getattr(namespace, dest, None)
             if dest in given or value is None or action.nargs == 0:  # a flag's default: True or False
@@ -161,11 +157,16 @@ class ArgumentParser(argparse.ArgumentParser):
                 if action.nargs
                 else [f"{action.option_strings[0]}={value}"]
             )
+        required = [a for a in self._actions if a.required]  # given already (a script's folder, its --out)
         self._checking_defaults = True
         try:
+            for action in required:
+                action.required = False
             checked = super().parse_known_args(typed, argparse.Namespace())[0]
         finally:
             self._checking_defaults = False
+            for action in required:
+                action.required = True
         for dest in defaults:
             setattr(namespace, dest, getattr(checked, dest))
 

@@ -1347,6 +1347,7 @@ def test_every_entry_point_parses_with_the_recipes_parser_and_checks_every_numbe
         parser = module.build_parser()
         assert isinstance(parser, ArgumentParser), entry
         needed = [word for a in parser._actions if a.required for word in (*a.option_strings[:1], "x")]
+        parser.parse_args(needed)  # what it requires, and its defaults, parse
         numbers = [a for a in parser._actions if a.option_strings and a.type in TYPES]  # registered by name
         for action in numbers:
             for bad in ("nan", "-1"):
