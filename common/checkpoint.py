@@ -327,6 +327,8 @@ def remove_checkpoint(path: Path) -> bool:
 def saved_at(path: Path) -> float:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return float(read_state(path).get("saved_at") or (path / STATE_FILE).stat().st_mtime)
+    with contextlib.suppress(OSError):  # a record cut short: among the newest, where latest meets it and says so
+        return (path / STATE_FILE).stat().st_mtime
     return 0.0
 
 

@@ -89,21 +89,39 @@ def damage(path, how):
     elif how == "position altered":  # the marker itself: where a resume would start
         marker = path / ckpt.STATE_FILE
         marker.write_text(marker.read_text().replace('"samples_in_epoch": 6', '"samples_in_epoch": 7'))
+    elif how == "marker cut short":  # a copy, or a disk, that stopped inside it
+        marker = path / ckpt.STATE_FILE
+        marker.write_text(marker.read_text()[:100])
+    elif how == "marker empty":
+        (path / ckpt.STATE_FILE).write_bytes(b"")
     else:  # a folder without its marker (an old copy cut short)
         (path / ckpt.STATE_FILE).unlink()
 
 
-@pytest.mark.parametrize("how", ["truncated", "bytes altered", "position altered", "no marker"])
+@pytest.mark.parametrize(
+    "how", ["truncated", "bytes altered", "position altered", "marker cut short", "marker empty", "no marker"]
+)
 def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit_keeps_intact_ones(
     acc, tmp_path, how, caplog
 ):
+    """Whatever is damaged in the newest checkpoint, even the marker itself (a requeued job always passes latest),
+    a resume with latest passes it over with a warning and continues from the one before; given by path, it is
+    refused with a fix that, followed, resumes; a save of its step later replaces it."""
     out = tmp_path / "run"
     for step in (2, 4, 6):
         save(acc, out, step, limit=2)
+    outputs._RunLock.release_all()
     assert steps(out) == [4, 6]
     damage(out / "checkpoint-6", how)
-    with caplog.at_level(logging.WARNING, logger="recipes"):
-        assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-4"  # the run resumes there...
+    if how != "no marker":  # given by path (a folder without its marker is refused as not a checkpoint)
+        with pytest.raises(RecipeError, match="the checkpoint is damaged: .*or `latest` to pick the newest intact"):
+            outputs.OutputDir(acc[0], options(out, resume_from_checkpoint=str(out / "checkpoint-6")))
+        outputs._RunLock.release_all()
+    with caplog.at_level(logging.WARNING, logger="recipes"):  # the run resumes there...
+        assert (
+            outputs.OutputDir(acc[0], options(out, resume_from_checkpoint="latest")).resume_from
+            == out / "checkpoint-4"
+        )
     assert "ignoring damaged checkpoint" in caplog.text or "ignoring incomplete checkpoint" in caplog.text
 
     change_weights(acc)  # ...and reaches step 6 again, with other weights than the damaged folder's
@@ -115,7 +133,7 @@ def test_a_complete_save_replaces_a_damaged_checkpoint_of_its_step_and_the_limit
     for name, value in acc[0].get_state_dict(acc[1]).items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert ckpt.resolve_checkpoint(out, "latest") == out / "checkpoint-6"
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no .tmp- or .old- folder left
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != outputs.LOCK_FILE]  # no .tmp-
 
 
 def test_a_checkpoint_replaced_keeps_a_users_file_inside_its_shard_folder(tmp_path, acc):  # acc: the logger's state

@@ -66,7 +66,7 @@ def options(out, **kw):
 @pytest.mark.parametrize("flags", [{}, {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}])
 @pytest.mark.parametrize(
     "what",
-    ["a model", "results.json", "another trainer's checkpoints", "a link to a checkpoint", "a record cut short"],
+    ["a model", "results.json", "another trainer's checkpoints", "a link to a checkpoint"],
 )
 def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags, what):
     """--output_dir pointed at the pretrained model's own folder, at a folder with a results.json of the user's, or
@@ -88,19 +88,38 @@ def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, 
         (target / "w.bin").write_bytes(b"w")
         folder.mkdir()
         (folder / "checkpoint-8").symlink_to(target)
-    else:  # a copy cut short: nothing tells whose it is
-        (folder / "checkpoint-8").mkdir(parents=True)
-        (folder / "checkpoint-8" / "trainer_state.json").write_text('{"sha256": {"w.b')
     before = snapshot(tmp_path)
     named = {"a model": "model.safetensors, config", "results.json": "results.json (no versions in results.json"}
     named["another trainer's checkpoints"] = "checkpoint-500 (no sha256 in trainer_state.json: another program's)"
     named["a link to a checkpoint"] = "checkpoint-8 (a symbolic link)"
-    named["a record cut short"] = "checkpoint-8 (its trainer_state.json is unreadable: "
     with pytest.raises(
         RecipeError, match=f"holds files that no run of these recipes wrote \\({re.escape(named[what])}"
     ):
         outputs.OutputDir(acc[0], options(folder, **flags))
     assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_whose_record_is_cut_short_is_a_runs_damaged_one_and_is_never_deleted(acc, tmp_path):
+    """A checkpoint-<step> whose trainer_state.json does not read (a copy cut short, a disk error) is a run's,
+    damaged, not another program's (whose record reads and lacks the checksums): a new run is told the folder holds a
+    run, latest says every checkpoint is damaged, and --overwrite_output_dir starts over without deleting it (which of
+    its files a run wrote, its record no longer says)."""
+    folder = tmp_path / "folder"
+    (folder / "checkpoint-8").mkdir(parents=True)
+    (folder / "checkpoint-8" / "trainer_state.json").write_text('{"sha256": {"w.b')
+    (folder / "checkpoint-8" / "w.bin").write_bytes(b"w")
+    before = snapshot(tmp_path)
+    for flags, said in (
+        ({}, "already holds a run \\(checkpoint-8\\); pass --resume_from_checkpoint latest to continue it"),
+        ({"resume_from_checkpoint": "latest"}, "every checkpoint in .* is damaged \\(the newest, checkpoint-8: "
+                                               "trainer_state.json is unreadable"),
+    ):  # fmt: skip
+        with pytest.raises(RecipeError, match=said):
+            outputs.OutputDir(acc[0], options(folder, **flags))
+        outputs._RunLock.release_all()
+        assert snapshot(tmp_path) == before
+    outputs.OutputDir(acc[0], options(folder, overwrite_output_dir=True))
+    assert {k: v for k, v in snapshot(tmp_path).items() if "checkpoint-8" in k} == before
 
 
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):
