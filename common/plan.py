@@ -212,7 +212,9 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     changed = changed_settings(saved_args, args)
     if state["data_fingerprint"] != plan.data_fingerprint:
         differs = f"; this run differs in {', '.join(changed)}" if changed else ""
-        sizes = f"{_samples(state['num_samples'])}, this run has {_samples(plan.num_samples)}, the contents differ"
+        sizes = f"{_samples(state['num_samples'])}, this run has {_samples(plan.num_samples)}"
+        if state["num_samples"] == plan.num_samples:  # the sampled contents, or the prepared blocks' inputs
+            sizes += ": other contents, or blocks prepared from other inputs or by another version of the recipes"
         if state["num_samples"] is None and plan.num_samples is None:
             sizes = "another stream"
         raise RecipeError(

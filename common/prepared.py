@@ -25,7 +25,7 @@ from .checkpoint import write_json
 from .preemption import stop_before_training
 from .runtime import RecipeError, logger
 
-FORMAT_VERSION = 1  # how blocks are made and laid out: a change makes earlier folders another input
+FORMAT_VERSION = 2  # how blocks are made and laid out: a change makes earlier folders another input (2: int32)
 MANIFEST = "manifest.json"
 PART_INFO = "part.json"  # in a part folder: its counts, written last (a part with it is complete)
 # Raw text per chunk: what an interrupted preparation loses at most, and the progress bar's step. The tests set
