@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler, parse_flag_from_env, set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 
 import common
 from common import logger
@@ -182,11 +182,15 @@ def build_optimizer(args, accelerator, model, plan, at):
                 )
             if key in params and part == "scheduler":
                 params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
-    if "optimizer" in ds_config:
+    if "optimizer" in ds_config:  # (Accelerate has the stand-ins only where DeepSpeed is installed)
+        from accelerate.utils import DummyOptim
+
         optimizer = DummyOptim(groups, lr=plan.learning_rate)
     else:
         optimizer = torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)  # one kernel: CUDA and CPU
     if "scheduler" in ds_config:
+        from accelerate.utils import DummyScheduler
+
         return optimizer, DummyScheduler(optimizer, plan.max_train_steps, max(plan.warmup_steps, 1))
     return optimizer, None
 

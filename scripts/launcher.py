@@ -17,6 +17,7 @@ SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.s
 """
 
 import glob
+import importlib.util
 import logging
 import os
 import re
@@ -260,6 +261,9 @@ def main(argv: list[str]) -> int:
         num_processes = num_processes or (gpus if config == "2gpu" else None)
     config_file = Path(config) if config.endswith((".yaml", ".yml")) else CONFIGS / f"{config}.yaml"
     machines, processes, kind, use_cpu, yaml_config = read_config(config_file)
+    if kind == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:  # accelerate launch: a traceback
+        die(f"{config_file.name} runs DeepSpeed, which is not installed here: pip install -e '.[deepspeed]', or pass "
+            "another --config (fsdp trains sharded without it)")  # fmt: skip
     if nodes == 1 and machines > 1:  # a multi-node config: one launch.sh a machine, by hand
         nodes, rank = machines, yaml_config.get("machine_rank", 0)
         head = str(env("MASTER_ADDR") or yaml_config.get("main_process_ip") or "")

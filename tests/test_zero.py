@@ -353,3 +353,28 @@ def test_zero_recipe_bad_input(tiny_lm, tmp_path):
     (line,) = error_lines(proc.stderr)
     assert "num_hiden_layers" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_without_deepspeed_zero_trains_under_ddp_and_a_deepspeed_config_is_one_line(tiny_lm, tmp_path):
+    """As if DeepSpeed were not installed (a sitecustomize hides it from every process): zero.py trains under
+    --config cpu with one info line for its memory estimate (it could not even import: Accelerate has DummyOptim
+    only with DeepSpeed), and a DeepSpeed config is refused by launch.sh in one line naming the install, before any
+    process starts (accelerate launch's traceback ended it)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['deepspeed'] = None  # as if not installed\n")
+    env = user_env(PYTHONPATH=str(hide))
+    out = tmp_path / "ddp"
+    cmd = [REPO / "launch.sh", "zero", "--config", "cpu", "--num_processes", "1"]
+    proc = run([*cmd, *lm_args(tiny_lm, out, "--max_train_steps", "2")], env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)" in proc.stderr
+    assert results(out)["steps"] == 2
+    out = tmp_path / "zero2"
+    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "zero2", *lm_args(tiny_lm, out)], env=env, check=False)
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and lines == [
+        "launch.sh: error: zero2.yaml runs DeepSpeed, which is not installed here: pip install -e '.[deepspeed]', or "
+        "pass another --config (fsdp trains sharded without it)"
+    ], proc.stderr
+    assert not out.exists()
