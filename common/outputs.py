@@ -155,9 +155,12 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
         )
         raise RecipeError(f"--resume_from_checkpoint {spec} is a file, not a checkpoint folder: pass {fix}")
     if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
+        latest = "" if not complete_checkpoints(path) else ", or `latest`"
+        if latest and path.resolve() != output_dir.resolve():  # latest means --output_dir's newest, not this one's
+            latest += f" with --output_dir {path} to continue that run in its folder"
         raise RecipeError(
             f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass "
-            f"{_a_checkpoint_in(path, 'its newest')}, or `latest`"
+            f"{_a_checkpoint_in(path, 'its newest')}{latest}"
         )
     if CHECKPOINT_RE.fullmatch(output_dir.name) and (output_dir / STATE_FILE).is_file():  # a run's, not a run
         raise RecipeError(

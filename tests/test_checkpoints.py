@@ -410,8 +410,13 @@ def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tm
             outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(spec)))
     # The run's folder itself is not a checkpoint: said so, not taken for another folder's checkpoint.
     said = f"--resume_from_checkpoint {second}: not a complete checkpoint .no trainer_state.json.; pass its newest, "
-    with pytest.raises(RecipeError, match=f"{said}{second / 'checkpoint-4'}, or `latest`"):
+    with pytest.raises(RecipeError, match=f"{said}{second / 'checkpoint-4'}, or `latest`$"):
         outputs.OutputDir(acc[0], options(second, resume_from_checkpoint=str(second)))
+    # ... and given with a new --output_dir, where `latest` alone would start over: the fix says where latest looks.
+    elsewhere = f"{second / 'checkpoint-4'}, or `latest` with --output_dir {second} to continue that run in its folder"
+    with pytest.raises(RecipeError, match=re.escape(elsewhere)):
+        outputs.OutputDir(acc[0], options(tmp_path / "new", resume_from_checkpoint=str(second)))
+    assert not (tmp_path / "new").exists()
     # A file given for a checkpoint: the checkpoint it is in, else the newest beside it, else what a checkpoint is.
     (second / "ckpt.bin").write_bytes(b"")
     (tmp_path / "weights.bin").write_bytes(b"")
