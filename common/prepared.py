@@ -365,3 +365,9 @@ class Progress:
     def close(self) -> float:
         self.bar.close()
         return time.monotonic() - self.started
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()

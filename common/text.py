@@ -473,18 +473,19 @@ def _trained_blocks(blocks, data_format) -> int:
     return sum(int((b["labels"][:, 1:] != IGNORE_INDEX).any(1).sum()) for b in found)
 
 
-def _check_split(source, documents, blocks, trained, block_size) -> None:
-    """A split's blocks are enough to train or evaluate on: text, at least one block, most with a target token."""
+def _check_split(source, documents, blocks, trained, block_size, train_rows=2) -> None:
+    """A split's blocks are enough to train or evaluate on: text, at least one block, most with a target token.
+    `train_rows`: the rows left to train on (a larger held-out share needs more than one)."""
     if documents == 0:  # whatever the file's size: no row holds text
         raise RecipeError(f"{source}: holds no text (no row has any); pass data that does")
     if blocks == 0:
-        more = " (a larger --validation_split_percentage)" if "held out" in source else ""
+        more = " (a larger --validation_split_percentage)" if "held out" in source and train_rows > 1 else ""
         raise RecipeError(f"{source} holds fewer than {block_size} tokens; add data{more} or lower --block_size")
     if trained * 2 < blocks:  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing
         what = f"{'no' if not trained else f'only {trained} of {blocks}'} block(s) of {block_size}"
-        why = (
-            f"{source}: {what} tokens hold a token to train on (an assistant's reply, in chat data); "
-            "raise --block_size, or pass data with longer replies"
+        why = (  # a larger block holds more replies only where the model takes one: not a fix at its limit
+            f"{source}: {what} tokens hold a token to train on (an assistant's reply, in chat data); pass data "
+            "whose replies are more of each conversation, or a larger --block_size if the model accepts one"
         )
         if not trained:
             raise RecipeError(why)
@@ -505,7 +506,7 @@ def tokenize_and_pack(raw, tokenizer, *, data_format, text_column, block_size, n
     for split, data in raw.items():
         packed[split], documents = _blocks_of(data, tokenize, sources[split], block_size, num_proc)
         trained = _trained_blocks(packed[split], data_format)
-        _check_split(sources[split], documents, len(packed[split]), trained, block_size)
+        _check_split(sources[split], documents, len(packed[split]), trained, block_size, len(raw["train"]))
     return packed.with_format("torch")
 
 
@@ -590,7 +591,8 @@ def prepared_blocks(args, tokenizer, block_size):
                 return prepared.load_prepared(folder, manifest), folder
     splits = manifest["splits"]
     for split, counts in splits.items():  # its warnings, as the run that prepared it said them
-        _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size)
+        rows = splits["train"]["rows"]
+        _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size, rows)
     logger.info(
         f"reusing the prepared data in {folder}: {splits['train']['blocks']:,} train and "
         f"{splits['validation']['blocks']:,} validation blocks of {block_size} tokens"
@@ -623,7 +625,7 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
         desc="tokenizing",
     )  # fmt: skip
     splits = {}
-    with _one_progress_bar():
+    with progress, _one_progress_bar():  # the bar closed first: a line saying why stands on its own
         for split in ("validation", "train"):  # the held-out split first: too little of it is said in seconds
             parts, data, n = [], raw[split], chunks[split]
             progress.bar.set_description(f"tokenizing {split}")
@@ -648,7 +650,8 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
                         raise stop
                 parts.append(info)
             totals = {key: sum(p[key] for p in parts) for key in ("rows", "documents", "blocks", "trained")}
-            _check_split(sources[split], totals["documents"], totals["blocks"], totals["trained"], block_size)
+            rows = len(raw["train"])
+            _check_split(sources[split], totals["documents"], totals["blocks"], totals["trained"], block_size, rows)
             splits[split] = {**totals, "tokens": totals["blocks"] * block_size, "parts": parts}
     seconds = progress.close()
     manifest = {

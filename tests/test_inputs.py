@@ -577,6 +577,19 @@ TEXT_FILES = [  # (file name, content, the error line's text)
 ]
 
 
+def test_too_little_held_out_text_advises_a_larger_share_only_where_one_holds_more():
+    """Two rows, one held out: no --validation_split_percentage holds more (a larger one leaves nothing to train on,
+    refused), so the fix is more data or a smaller --block_size; with rows to spare, a larger share is one."""
+    from common.text import _check_split
+
+    source = "the part of --train_file two.txt held out for validation"
+    for rows, said in ((1, "add data or lower --block_size"),
+                       (40, "add data (a larger --validation_split_percentage) or lower --block_size")):  # fmt: skip
+        with pytest.raises(RecipeError) as err:
+            _check_split(source, 1, 0, 0, 32, train_rows=rows)
+        assert str(err.value) == f"{source} holds fewer than 32 tokens; {said}"
+
+
 def test_a_byte_order_mark_is_not_text(tmp_path, tokenizer):
     """Notepad's UTF-8 with a BOM: the first word is 'one', not '\\ufeffone' (an unknown token)."""
     path = write(tmp_path / "bom.txt", "\ufeffone two three\r\n" * 40)
