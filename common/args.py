@@ -261,6 +261,7 @@ TYPES = {  # registered with every training_parser: a recipe names them, add_arg
     "fraction_below_one": _ranged(float, at_least=0, below=1),  # dropout, smoothing, momentum: 1 leaves nothing
     "seed": _ranged(int, at_least=0, below=2**32),  # what numpy's and torch's generators accept
     "percentage": _ranged(float, greater_than=0, below=100),  # a held-out split: neither side empty
+    "seconds": _ranged(float, greater_than=0, at_most=365 * 86400),  # a wait: torch's timers hold a year, not 1e30
 }
 
 

@@ -315,24 +315,27 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         sys.exit(1)
 
 
+MAX_MIB = 65536  # more than any accelerator holds: a bigger all-reduce measures the allocator, not the network
+
+
 def mib_list(text) -> list:
-    """--sizes_mib: positive numbers separated by commas (nan, inf, 0 or less would fail inside the all-reduce,
-    blamed on the network)."""
+    """--sizes_mib: positive numbers up to MAX_MIB separated by commas (nan, inf, 0 or less, or more than the memory
+    holds would fail inside the all-reduce, blamed on the network)."""
     try:
-        return [TYPES["positive_float"](size) for size in text.split(",")]
+        sizes = [TYPES["positive_float"](size) for size in text.split(",")]
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"pass positive numbers separated by commas (1,16,64), got {text!r}"
-        ) from None
+        sizes = []
+    if not sizes or max(sizes) > MAX_MIB:
+        raise argparse.ArgumentTypeError(f"pass positive numbers up to {MAX_MIB} separated by commas (1,16,64), got "
+                                         f"{text!r}")  # fmt: skip
+    return sizes
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
     p.add_argument("--num_processes", type="positive_int", help="processes requested on this node, for the report")
-    p.add_argument(
-        "--timeout", type="positive_float", default=60, help="seconds before a group that does not form fails"
-    )
+    p.add_argument("--timeout", type="seconds", default=60, help="seconds before a group that does not form fails")
     p.add_argument(
         "--sizes_mib",
         type=mib_list,
