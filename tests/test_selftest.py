@@ -52,3 +52,22 @@ def test_selftest_under_ddp_fails_just_the_promise_a_recipe_breaks(tmp_path):
     assert set(said) == {"exact eval", "save reloads", "exact resume", "images learn"}, proc.stdout
     assert all(row.startswith("pass") for row in said.values()), proc.stdout
     assert proc.stdout.rstrip().endswith("4 of 5 passed; FAILED: one big batch")
+
+
+@pytest.mark.slow
+def test_a_mistake_every_check_would_meet_is_one_line_and_exit_2(tmp_path):
+    """fp16 asked on a CPU (a cache variable that is a file, ...) is wrong for every check alike: its line, once, and
+    exit 2, not five FAIL rows each with the same line after minutes. An option out of range is refused by the
+    parser before anything starts (0 processes ran the whole selftest as the config's number)."""
+    fp16 = ["--config", "cpu", "--num_processes", "1", "--mixed_precision", "fp16"]
+    proc = run([REPO / "launch.sh", "selftest", *fp16], env=cpu_env(), check=False)
+    assert proc.returncode == 2 and rows(proc.stdout) == {}, proc.stdout + proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if "error" in line] == [
+        "error: mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; pass "
+        "--mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+    ], proc.stderr
+    proc = run([REPO / "launch.sh", "selftest", "--num_processes", "0"], env=cpu_env(), check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.strip().endswith(
+        "error: argument --num_processes: 0 is out of range: pass a whole number at least 1"
+    )
