@@ -4,6 +4,7 @@ same run; nothing here asserts a speed."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -214,9 +215,21 @@ def digits(work_dir: Path) -> dict:
     from make_digits import write_digits
 
     root = Path(work_dir) / "digits"
-    if not (root / "val").is_dir():
-        write_digits(root)
+    if not root.is_dir():
+        with made_whole(root) as tmp:
+            write_digits(tmp)
     return {"train": root / "train", "val": root / "val"}
+
+
+@contextlib.contextmanager
+def made_whole(folder: Path):
+    """A folder written beside `folder` and renamed to it when complete: a benchmark stopped while it wrote leaves
+    no half of one that the next would take for the whole (416 of 1797 images, a PNG of 0 bytes)."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    yield tmp
+    os.replace(tmp, folder)
 
 
 NUMBERS = "zero one two three four five six seven eight nine".split()
@@ -225,44 +238,49 @@ NUMBERS = "zero one two three four five six seven eight nine".split()
 def tiny_lm(work_dir: Path, hidden_size=64, num_layers=2, block_size=64, lines=600) -> dict:
     """A Llama of the given size built from a config and saved like a hub model, a word-level
     tokenizer and counting text: no network, nothing downloaded (as tests/conftest.py's tiny_lm)."""
+    final = Path(work_dir) / f"lm-{hidden_size}x{num_layers}"
+    if not final.is_dir():
+        with made_whole(final) as root:
+            _write_tiny_lm(root, hidden_size, num_layers, block_size, lines)
+    return {"model": final / "model", "train": final / "train.jsonl", "validation": final / "validation.jsonl"}
+
+
+def _write_tiny_lm(root: Path, hidden_size: int, num_layers: int, block_size: int, lines: int) -> None:
     import random
 
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    root = Path(work_dir) / f"lm-{hidden_size}x{num_layers}"
-    if not (root / "train.jsonl").is_file():
-        words = ["<unk>", "<eos>", *NUMBERS]
-        backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=block_size
-        )
-        tokenizer.save_pretrained(root / "model")
-        heads = max(1, hidden_size // 64)
-        config = LlamaConfig(
-            vocab_size=len(words),
-            hidden_size=hidden_size,
-            intermediate_size=4 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            max_position_embeddings=block_size,
-            eos_token_id=1,
-            bos_token_id=None,
-            pad_token_id=None,
-        )
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(root / "model")
-        rng = random.Random(0)
-        for name, count in (("train", lines), ("validation", max(20, lines // 20))):
-            with open(root / f"{name}.jsonl", "w") as f:
-                for _ in range(count):
-                    start = rng.randrange(10)
-                    text = " ".join(NUMBERS[(start + i) % 10] for i in range(rng.randrange(20, 60)))
-                    f.write(json.dumps({"text": text}) + "\n")
-    return {"model": root / "model", "train": root / "train.jsonl", "validation": root / "validation.jsonl"}
+    words = ["<unk>", "<eos>", *NUMBERS]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", model_max_length=block_size
+    )
+    tokenizer.save_pretrained(root / "model")
+    heads = max(1, hidden_size // 64)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=block_size,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    rng = random.Random(0)
+    for name, count in (("train", lines), ("validation", max(20, lines // 20))):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for _ in range(count):
+                start = rng.randrange(10)
+                text = " ".join(NUMBERS[(start + i) % 10] for i in range(rng.randrange(20, 60)))
+                f.write(json.dumps({"text": text}) + "\n")
 
 
 def markdown_table(headers, rows) -> str:

@@ -9,6 +9,7 @@ Options after `--` go to every benchmark (for example `-- --cifar_dir data`).
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -42,6 +43,10 @@ def build_parser() -> ArgumentParser:
 def main(argv=None):
     args, passed = build_parser().parse_known_args(argv)
     passed = [a for a in passed if a != "--"]
+    for name in args.only:  # each takes what is passed on, or says so in one line now, not after the ones before it
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+        spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+        module.build_parser().parse_args(["--out", str(args.out), *passed])
     readme = args.readme if args.readme is not None else (not args.smoke and args.out.resolve() == benchlib.RESULTS)
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -1375,3 +1375,19 @@ def test_every_entry_point_parses_with_the_recipes_parser_and_checks_every_numbe
     bare.add_argument("--steps", type=int)
     with pytest.raises(TypeError, match="--steps: a bare int or float takes nan, inf and any sign"):
         bare.parse_args([])
+
+
+def test_run_all_refuses_an_option_a_benchmark_would_refuse_before_running_any(tmp_path, monkeypatch, capsys):
+    """run_all passes options on to each benchmark: one that a benchmark does not take (or a bad value) is its one
+    line before any of them runs (it was said by the first benchmark to meet it, with a usage block and a second
+    line), and nothing is written."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("run_all", REPO / "benchmarks" / "run_all.py")
+    spec.loader.exec_module(run_all := importlib.util.module_from_spec(spec))
+    for extra, said in ((["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+                        (["--repeats", "0"], "argument --repeats: 0 is out of range")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            run_all.main(["--out", str(tmp_path / "out"), "--only", "overhead", "lm", *extra])
+        lines = error_lines(capsys.readouterr().err)
+        assert exit_.value.code == 2 and len(lines) == 1 and said in lines[0], lines
+    assert not (tmp_path / "out").exists()
