@@ -233,12 +233,12 @@ INVALID = [
     (
         ["--config", "cpu"],
         {},
-        "unknown recipe '--config' (available: cifar lm_finetune zero, doctor, or a recipe's .py file)",
+        "unknown recipe '--config' (available: cifar lm_finetune zero, doctor, selftest, or a recipe's .py file)",
     ),
     (
         ["imagenet"],
         {},
-        "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor, or a recipe's .py file)",
+        "unknown recipe 'imagenet' (available: cifar lm_finetune zero, doctor, selftest, or a recipe's .py file)",
     ),
     (["../recipes/cifar"], {}, "unknown recipe '../recipes/cifar'"),
     (["cifar", "--num_processes"], {}, "--num_processes needs a value (see ./launch.sh --help)"),
