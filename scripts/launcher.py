@@ -191,7 +191,8 @@ def main(argv: list[str]) -> int:
         script = ROOT / ("scripts/doctor.py" if recipe == "doctor" else f"recipes/{recipe}.py")
     else:  # also a first argument that is an option
         first = "; the recipe comes first: ./launch.sh RECIPE [options]" if argv[0].startswith("-") else ""
-        die(f"unknown recipe {argv[0]!r} (available: {' '.join(recipes)}, doctor, selftest, or a recipe's .py file){first}")
+        known = f"{' '.join(recipes)}, doctor, selftest, or a recipe's .py file"
+        die(f"unknown recipe {argv[0]!r} (available: {known}){first}")
     ours, rest, words = {}, [], iter(argv[1:])  # launch.sh's options; the rest is the recipe's
     for word in words:
         name, eq, value = word.partition("=")
