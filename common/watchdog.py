@@ -4,6 +4,7 @@ line naming the ranks that stalled and those waiting for them, and the job ends 
 output folder, which every node sees: no collective is added to a step. Phases slow by nature (saves, loads, the
 first step) get as long as the collectives around them can wait (--ddp_timeout), less the time to report."""
 
+import collections
 import faulthandler
 import json
 import os
@@ -23,6 +24,7 @@ from .args import first_to_say
 from .preemption import HUNG_EXIT_CODE, run_ended, write_status
 
 MARGIN = 20.0  # seconds a reporting process waits for the others' stacks
+STEPS_OF_NO_PROGRESS = 3  # a step is not stalled before it has taken this many of the run's median steps
 SLOW_PHASES = ("checkpoint save", "final save", "checkpoint load")
 # (function names, the phase): the first phase here with a function in the main thread's stack names it.
 PHASES = (
@@ -63,11 +65,22 @@ class Watchdog:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.ranks = gather_object([(socket.gethostname(), os.getpid())])  # who each rank is, for the report
         self.step, self.last, self._main = 0, time.monotonic(), threading.main_thread().ident
+        self.steps = collections.deque(maxlen=32)  # the last steps' durations (beat to beat, no evaluation between)
+        self._stepped = False  # whether the last beat ended a step
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
     def beat(self, step=None) -> None:
-        self.last = time.monotonic()
+        now = time.monotonic()
+        if step is not None and step == self.step + 1 and self._stepped:
+            self.steps.append(now - self.last)
+        self.last, self._stepped = now, step is not None
         self.step = self.step if step is None else step
+
+    def limit(self) -> float:
+        """Seconds without progress that make a stall: --hang_timeout, or more where the run's steps are long for it
+        (--ddp_timeout 10 gives 5 s; a step of 4 s under load took 6 and was killed as a hang)."""
+        steps = sorted(self.steps)
+        return max(self.timeout, STEPS_OF_NO_PROGRESS * steps[len(steps) // 2]) if steps else self.timeout
 
     def _watch(self) -> None:
         """Until the main thread stalls; then this rank's report, the line, and the exit. Not once the run has ended:
@@ -88,9 +101,11 @@ class Watchdog:
                 continue
             slow_seen = now if slow else slow_seen
             idle = now - (self.last if slow else max(self.last, slow_seen))
-            if idle >= (self.slow_timeout if slow else self.timeout):
+            if idle >= (self.slow_timeout if slow else self.limit()):
                 break
         limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
+        if not slow and self.limit() > self.timeout:
+            limit = f"{STEPS_OF_NO_PROGRESS} of the run's median steps, above --hang_timeout"
         self.folder.mkdir(parents=True, exist_ok=True)
         host, pid = self.ranks[self.rank]
         mine = {"rank": self.rank, "host": host, "pid": pid, "step": self.step, "phase": phase, "waiting": waiting}

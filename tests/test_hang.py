@@ -4,6 +4,7 @@ named pipe (as on a dead network mount), in training and in a mid-run evaluation
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -76,6 +77,34 @@ def test_the_time_a_slow_save_took_is_not_counted_against_the_step_after_it(tmp_
         [BIN / "python", "-c", script, tmp_path], cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=60
     )
     assert (proc.returncode, proc.stdout) == (0, "no hang\n"), proc.stderr[-2000:]
+
+
+def test_a_step_is_not_a_stall_before_it_has_taken_three_of_the_runs_median_steps(tmp_path):
+    """--ddp_timeout 10 gives --hang_timeout 5: a run whose steps take 4 s had one take 6 under load, and the watch
+    ended it as a hang (exit 124, which a scheduler does not requeue). Steps of 1.2 s against --hang_timeout 2: one
+    of 3 s goes on; no progress for longer than 3 median steps is a stall, said with that limit."""
+    script = """if True:
+        import sys, time
+        from accelerate import Accelerator
+        from common.watchdog import Watchdog
+        dog = Watchdog(Accelerator(cpu=True), hang_timeout=2, ddp_timeout=100, output_dir=sys.argv[1])
+        dog.beat(1)  # the first step: slow by nature
+        for step in range(2, 6):
+            time.sleep(1.2)
+            dog.beat(step)
+        def forward():
+            time.sleep(3)
+        forward()
+        dog.beat(6)
+        print("no hang", flush=True)
+        forward(), forward()
+    """
+    proc = subprocess.run(
+        [BIN / "python", "-c", script, tmp_path], cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (124, "no hang\n"), proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert re.match(r"error: no progress for \d s \(3 of the run's median steps, above --hang_timeout\): ", line), line
 
 
 def launch(args, out, until=None, then=None, timeout=240, **env_extra):
