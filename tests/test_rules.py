@@ -941,3 +941,46 @@ def test_what_a_run_writes_gets_the_permissions_the_umask_gives(acc, tmp_path):
     modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert "model.safetensors" in modes and "checkpoint-2/model.safetensors" in modes
     assert set(modes.values()) == {0o664}, modes
+
+
+def read_only(*folders) -> list:
+    """A command prefix that runs the rest with `folders` read-only (a bind mount in a mount namespace of its own:
+    nothing outside it changes, nothing is left mounted, however it ends); as root, chmod would not stop a write."""
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "--bind", "/", "/mnt"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode:
+        pytest.skip(f"no mount namespace here for a read-only bind mount: {probe.stderr.strip()[-200:]}")
+    mounts = " && ".join(f"mount --bind '{f}' '{f}' && mount -o remount,ro,bind '{f}'" for f in folders)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+
+
+@pytest.mark.slow
+def test_a_run_from_read_only_inputs_resumes_on_another_layout_and_writes_only_its_output_dir(tiny_lm, tmp_path):
+    """The model folder, the data files, the prepared data and a 2-process run's checkpoint, all on a read-only
+    mount: a 1-process run resumes that checkpoint (by path, into its own new --output_dir) from the same prepared
+    data and ends with the uninterrupted run's weights; every input is as it was (a conversion, a lock, a cache
+    written beside an input fails on a read-only archive)."""
+    from safetensors.torch import load_file
+
+    inputs = tmp_path / "inputs"
+    shutil.copytree(tiny_lm["model"], inputs / "model")
+    lm = {"model": inputs / "model"}
+    for name in ("train", "validation"):
+        lm[name] = shutil.copy(tiny_lm[name], inputs / f"{name}.jsonl")
+    steps = ["--max_train_steps", "6", "--checkpointing_steps", "3", "--prepared_data_dir", inputs / "prepared"]
+    first = tmp_path / "first"
+    run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", "--num_processes", "2", *lm_args(lm, first, *steps)],
+        env=user_env())  # fmt: skip
+    before = {"inputs": snapshot(inputs), "first": snapshot(first)}
+    denied = subprocess.run([*read_only(inputs), "touch", inputs / "model" / "x"], capture_output=True, text=True)
+    assert denied.returncode and "Read-only file system" in denied.stderr, denied.stderr  # the mount holds
+    resumed = tmp_path / "resumed"
+    again = [*steps, "--resume_from_checkpoint", first / "checkpoint-3", "--per_device_train_batch_size", "16"]
+    proc = run([*read_only(inputs, first), REPO / "launch.sh", "lm_finetune", "--config", "cpu", "--num_processes",
+                "1", *lm_args(lm, resumed, *again)], env=user_env(), check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "reusing the prepared data" in proc.stderr
+    assert {"inputs": snapshot(inputs), "first": snapshot(first)} == before
+    a, b = load_file(first / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
