@@ -736,8 +736,9 @@ def counting_corpus(path: Path, rows: int = CORPUS_ROWS, last: str = "") -> Path
 
 
 def tokenized_for(text: str) -> int:
-    """The seconds the main process spent tokenizing the training data, as datasets' progress bar last said."""
-    times = re.findall(r"tokenizing train: [^\n]*\[(\d+):(\d+)<", text.replace("\r", "\n"))
+    """The seconds the main process spent tokenizing the training data, as the progress bar last said (with an ETA,
+    [mm:ss<, once a chunk is done; [mm:ss, before: a bar closed by an error in the first chunk)."""
+    times = re.findall(r"tokenizing train: [^\n]*\[(\d+):(\d+)[<,]", text.replace("\r", "\n"))
     return max((int(minutes) * 60 + int(seconds) for minutes, seconds in times), default=0)
 
 
