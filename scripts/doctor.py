@@ -315,18 +315,18 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
         sys.exit(1)
 
 
-MAX_MIB = 65536  # more than any accelerator holds: a bigger all-reduce measures the allocator, not the network
+MIN_MIB, MAX_MIB = 0.001, 65536  # from 1 KiB (less made an all-reduce of nothing) to more than any accelerator holds
 
 
 def mib_list(text) -> list:
-    """--sizes_mib: positive numbers up to MAX_MIB separated by commas (nan, inf, 0 or less, or more than the memory
+    """--sizes_mib: sizes from MIN_MIB to MAX_MIB separated by commas (nan, inf, 0 or less, or more than the memory
     holds would fail inside the all-reduce, blamed on the network)."""
     try:
         sizes = [TYPES["positive_float"](size) for size in text.split(",")]
     except argparse.ArgumentTypeError:
         sizes = []
-    if not sizes or max(sizes) > MAX_MIB:
-        raise argparse.ArgumentTypeError(f"pass positive numbers up to {MAX_MIB} separated by commas (1,16,64), got "
+    if not sizes or max(sizes) > MAX_MIB or min(sizes) < MIN_MIB:
+        raise argparse.ArgumentTypeError(f"pass sizes from {MIN_MIB} to {MAX_MIB} separated by commas (1,16,64), got "
                                          f"{text!r}")  # fmt: skip
     return sizes
 

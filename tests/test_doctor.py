@@ -188,12 +188,11 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
     [
         (
             ["--sizes_mib", "big"],
-            "error: argument --sizes_mib: pass positive numbers up to 65536 separated by commas (1,16,64), got 'big'",
+            "error: argument --sizes_mib: pass sizes from 0.001 to 65536 separated by commas (1,16,64), got 'big'",
         ),
         (
             ["--sizes_mib", "1,2e9"],  # a petabyte: the allocator's error, said after the processes started
-            "error: argument --sizes_mib: pass positive numbers up to 65536 separated by commas (1,16,64), got "
-            "'1,2e9'",
+            "error: argument --sizes_mib: pass sizes from 0.001 to 65536 separated by commas (1,16,64), got '1,2e9'",
         ),
         (
             ["--timeout", "nan"],
