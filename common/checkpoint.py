@@ -325,9 +325,12 @@ def remove_checkpoint(path: Path) -> bool:
 
 
 def saved_at(path: Path) -> float:
+    """When a checkpoint was saved: as its record says, else (an older record, or one cut short: among the newest,
+    where latest meets it and says so) its record's mtime."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        return float(read_state(path).get("saved_at") or (path / STATE_FILE).stat().st_mtime)
-    with contextlib.suppress(OSError):  # a record cut short: among the newest, where latest meets it and says so
+        if saved := read_state(path).get("saved_at"):
+            return float(saved)
+    with contextlib.suppress(OSError):
         return (path / STATE_FILE).stat().st_mtime
     return 0.0
 

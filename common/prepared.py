@@ -370,4 +370,4 @@ class Progress:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.bar.close()
+        self.close()

@@ -589,9 +589,8 @@ def prepared_blocks(args, tokenizer, block_size):
                 raw = hold_out(raw, args.validation_split_percentage, args.seed, sources)
                 manifest = _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources)
                 return prepared.load_prepared(folder, manifest), folder
-    splits = manifest["splits"]
+    splits, rows = manifest["splits"], manifest["splits"]["train"]["rows"]
     for split, counts in splits.items():  # its warnings, as the run that prepared it said them
-        rows = splits["train"]["rows"]
         _check_split(sources[split], counts["documents"], counts["blocks"], counts["trained"], block_size, rows)
     logger.info(
         f"reusing the prepared data in {folder}: {splits['train']['blocks']:,} train and "
@@ -624,7 +623,7 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
         sum(nbytes.values()), sum(i["bytes"] for i in finished), sum(i["blocks"] for i in finished) * block_size,
         desc="tokenizing",
     )  # fmt: skip
-    splits = {}
+    splits, rows = {}, len(raw["train"])
     with progress, _one_progress_bar():  # the bar closed first: a line saying why stands on its own
         for split in ("validation", "train"):  # the held-out split first: too little of it is said in seconds
             parts, data, n = [], raw[split], chunks[split]
@@ -650,7 +649,6 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
                         raise stop
                 parts.append(info)
             totals = {key: sum(p[key] for p in parts) for key in ("rows", "documents", "blocks", "trained")}
-            rows = len(raw["train"])
             _check_split(sources[split], totals["documents"], totals["blocks"], totals["trained"], block_size, rows)
             splits[split] = {**totals, "tokens": totals["blocks"] * block_size, "parts": parts}
     seconds = progress.close()
