@@ -212,7 +212,7 @@ def table(result: dict) -> str:
         "",
         f"Machine: {result['machine']}. Command: `{result['command']}`.",
         "",
-        f"Preparation throughput, {result['throughput'][0]['megabytes']} MB of jsonl, a byte-level BPE of 8192 "
+        f"Preparation throughput, {result['throughput'][0]['megabytes']:g} MB of jsonl, a byte-level BPE of 8192 "
         "tokens, each from a fresh process and datasets cache (reading the jsonl included):",
         "",
         "| what | workers | seconds | tokens/s | vs plain map | cores busy |",
@@ -233,7 +233,7 @@ def table(result: dict) -> str:
     ]
     for row in result["start_up"]:
         prepared = f"{row['prepare_seconds']:.0f} ({row['prepare_workers']} workers)"
-        size, blocks = f"{row['megabytes']} MB", f"{row['train_blocks']:,}"
+        size, blocks = f"{row['megabytes']:g} MB", f"{row['train_blocks']:,}"
         lines.append(f"| {size} | {blocks} | {prepared} | {row['startup_seconds']:.1f} | "
                      f"{row['peak_rss_mb']:,} | {row['peak_private_mb']:,} |")  # fmt: skip
     return "\n".join(lines) + "\n"

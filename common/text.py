@@ -418,9 +418,31 @@ def _check_tokenizer(tokenizer, data_format) -> None:
         )
 
 
+def ids_of(tokenizer):
+    """texts -> their token ids, as tokenizer(texts)["input_ids"] makes them. A fast tokenizer's backend encodes
+    without computing offsets (encode_batch_fast, about 1.5x as fast), used once it made the same ids as
+    tokenizer() for the first batch's first rows (tokenizer() also sets the backend's truncation and special-token
+    switches); otherwise, and for a slow tokenizer, tokenizer()."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    fast = None  # decided at the first batch
+
+    def encode(texts: list) -> list:
+        nonlocal fast
+        if fast is None:
+            sample = texts[:16]
+            ids = tokenizer(sample, return_attention_mask=False)["input_ids"]
+            fast = hasattr(backend, "encode_batch_fast") and [e.ids for e in backend.encode_batch_fast(sample)] == ids
+        if not fast:
+            return tokenizer(texts, return_attention_mask=False)["input_ids"]
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts)]
+
+    return encode
+
+
 def _tokenizer_for(tokenizer, data_format, column):
     """A datasets.map function: a batch of rows to token ids (text: plus EOS) and, for chat, labels (prompts
     masked); pack() makes plain text's labels."""
+    encode = ids_of(tokenizer)
 
     def tokenize(batch, source):
         if data_format == "chat":
@@ -436,7 +458,7 @@ def _tokenizer_for(tokenizer, data_format, column):
             )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
-        ids = tokenizer(texts, return_attention_mask=False)["input_ids"] if texts else []
+        ids = encode(texts) if texts else []
         return {"input_ids": [tokens if tokens[-1:] == eos else tokens + eos for tokens in ids]}  # labels: the same
 
     return tokenize

@@ -720,7 +720,7 @@ def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_
 # Data prepared by one process while the others wait: for as long as it takes, not for --ddp_timeout ------------
 
 NUMBERS = "zero one two three four five six seven eight nine".split()
-CORPUS_ROWS = 100_000  # tokenizing and packing them takes the main process about 15 s here, 3 times --ddp_timeout 5
+CORPUS_ROWS = 300_000  # tokenized and packed in about 10 s on 2 quiet cores (twice --ddp_timeout 5), 30 s loaded
 
 
 def counting_corpus(path: Path, rows: int = CORPUS_ROWS, last: str = "") -> Path:
@@ -744,8 +744,8 @@ def tokenized_for(text: str) -> int:
 
 def preparing(tiny_lm, tmp_path, corpus, *extra):
     """./launch.sh lm_finetune in 2 processes on `corpus` with --ddp_timeout 5, a datasets cache of its own (the
-    main process tokenizes it: nothing is cached), and its environment. One worker, so that tokenizing takes about 15 s
-    whatever the machine's cores. The watchdog is off: at --ddp_timeout 5 it would name a first step
+    main process tokenizes it: nothing is cached), and its environment. One worker, so that tokenizing takes about 10 s
+    or more whatever the machine's cores. The watchdog is off: at --ddp_timeout 5 it would name a first step
     slower than 2 s, which a loaded CI machine takes."""
     args = lm_args(tiny_lm, tmp_path / "run", "--ddp_timeout", "5", "--hang_timeout", "0",
                    "--preprocessing_num_workers", "1", *extra,
