@@ -70,9 +70,9 @@ def main():
     torch.manual_seed(args.seed)
 
     if args.data_on_device:
-        train, _, num_classes = cifar.build_device_datasets(args, device)
+        train, _, num_classes = cifar.build_device_datasets(args, cifar.load_images(args), device)
     else:
-        train, _, num_classes = cifar.build_datasets(args)
+        train, _, num_classes = cifar.build_datasets(args, cifar.load_images(args))
     on_device = isinstance(train, common.DeviceTensorDataset)
     workers = (
         0

@@ -194,7 +194,7 @@ def cifar_args(args, per_device: int, steps: int, accumulation: int = 1, data_on
         steps,
         "--logging_steps",
         1,
-        *(["--data_on_device"] if data_on_device else []),
+        "--data_on_device" if data_on_device else "--no-data_on_device",
         *(["--torch_compile"] if getattr(args, "torch_compile", False) else []),
     ]
 

@@ -11,7 +11,9 @@ means compute sets the pace.
 Each configuration is timed for --epochs epochs; the first epoch includes starting the workers,
 later ones show what persistent_workers saves. In one process, alone: during training the
 workers and the model share the same cores (on a CPU-only machine, all of them), so these are
-upper bounds of what each side can do, not a combined rate.
+upper bounds of what each side can do, not a combined rate. The recipe itself then runs on each path (one
+process, --logging_steps 1): its samples/s and the share of each step it spent waiting for data (results.json's
+data_wait_share), and which path it takes by default for this data on this device.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 import common
 from common import vision
+from common.data import default_num_workers
 
 NAME = "input_pipeline"
 
@@ -118,8 +121,9 @@ def main(argv=None):
     cifar = benchlib.load_recipe("cifar")
     recipe = cifar.parse_args(recipe_args(args))
     device = torch.device("cuda" if benchlib.has_cuda() else "cpu")
-    train, _, num_classes = cifar.build_datasets(recipe)
-    on_device, _, _ = cifar.build_device_datasets(recipe, device)
+    images = cifar.load_images(recipe)
+    train, _, num_classes = cifar.build_datasets(recipe, images)
+    on_device, _, _ = cifar.build_device_datasets(recipe, images, device)
 
     configs = [
         SimpleNamespace(workers=w, pin=p, persistent=s)
@@ -151,6 +155,26 @@ def main(argv=None):
         )
 
     consume = benchlib.median(consumed)
+    # The path the recipe takes by default for this data on this device, and each path's share of a training step
+    # spent waiting for data, measured in recipe runs (results.json's data_wait_share: the median rank's).
+    held = vision.held_on_device(recipe, images, SimpleNamespace(device=device, num_processes=1, is_main_process=True))
+    default_workers = default_num_workers()
+    runs = []
+    for on_device_path in (True, False):
+        steps = 4 if args.smoke else 40
+        run_args = benchlib.cifar_args(args, args.per_device_train_batch_size, steps, data_on_device=on_device_path)
+        reps = [benchlib.recipe_run(args, "cifar", 1, run_args, rep)[0] for rep in range(args.repeats)]
+        runs.append(
+            {
+                "path": "--data_on_device"
+                if on_device_path
+                else f"DataLoader, {default_workers} worker(s), persistent",
+                "default": on_device_path == held,
+                "samples_per_second": benchlib.median([benchlib.median_step_rate(r) for r in reps]),
+                "data_wait_share": benchlib.median([r["data_wait_share"] for r in reps]),
+                "all": [{k: r[k] for k in ("data_wait_share", "samples_per_second")} for r in reps],
+            }
+        )
     results, rows = [], []
     for (kind, workers, pin, persistent), reps in measured.items():
         per_epoch = [benchlib.median([r[e] for r in reps]) for e in range(args.epochs)]
@@ -167,6 +191,8 @@ def main(argv=None):
             "model_samples_per_second": consume,
             "loader_over_model": steady / consume,
             "verdict": verdict,
+            "default": (kind == "device") == held
+            and (held or (workers == default_workers and persistent == (workers > 0) and not pin)),
         }
         results.append(entry)
         rows.append(
@@ -179,6 +205,7 @@ def main(argv=None):
                 steady,
                 steady / consume,
                 verdict,
+                "yes" if entry["default"] else "",
             ]
         )
     pin_note = "" if device.type == "cuda" else " pin_memory off only: no CUDA here, nothing to pin for."
@@ -198,8 +225,15 @@ def main(argv=None):
                 "steady samples/s",
                 "loader / model",
                 "verdict",
+                "the recipe's default",
             ],
             rows,
+        )
+        + f"\n\nThe recipe itself, {'4' if args.smoke else '40'} steps of one process on each path, median of "
+        f"{args.repeats} (samples/s at the median step; results.json's data_wait_share):\n\n"
+        + benchlib.markdown_table(
+            ["path", "recipe samples/s", "share of each step waiting for data", "the recipe's default"],
+            [[r["path"], r["samples_per_second"], r["data_wait_share"], "yes" if r["default"] else ""] for r in runs],
         )
     )
     benchlib.save(
@@ -209,6 +243,7 @@ def main(argv=None):
             "settings": {k: str(v) for k, v in vars(args).items()},
             "model_samples_per_second": consume,
             "results": results,
+            "recipe_runs": runs,
         },
         md,
     )

@@ -19,10 +19,11 @@ from PIL import Image
 from safetensors.torch import load_file
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .checkpoint import read_state
 from .data import prepare_data_first
 from .metrics import count_parameters
 from .plan import decay_groups
-from .runtime import DataError, RecipeError, check_path, logger, one_line
+from .runtime import DataError, RecipeError, check_path, decide_on_main, logger, one_line
 
 CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -168,6 +169,59 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         index = {nfc(name): i for i, name in enumerate(self.train_classes)}
         self.unknown = [name for name in classes if nfc(name) not in index]
         return self.train_classes, {name: index[nfc(name)] for name in classes if nfc(name) in index}
+
+
+# The input path ----------------------------------------------------------------------------------
+
+# Without --data_on_device or --no-data_on_device, images of 64 px or less are held on the device when, as uint8,
+# they take at most this much and a tenth of the memory a process has there (each process holds its own copy).
+DEVICE_DATA_BYTES = 2**30
+
+
+def _memory_per_process(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil  # accelerate's dependency
+
+    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def held_on_device(args, images, accelerator, resume_from=None) -> bool:
+    """--data_on_device when it is not given: the checkpoint's choice on a resume (its augmentation is the one the
+    resume replays), else the device path for a set of images of 64 px or less that fits (on CPU about 10x the
+    decoding loaders' rate), else DataLoader workers. Decided by the main process, said in one line."""
+    if args.data_on_device is not None:
+        return args.data_on_device
+    saved = read_state(resume_from).get("args", {}) if resume_from is not None else {}
+    if saved.get("data_on_device") is not None:
+        return saved["data_on_device"]
+    train, evals, size = images[:3]
+    count = len(train) + len(evals)
+    nbytes = count * size * size * 3
+
+    def choose():
+        device = accelerator.device
+        limit = min(DEVICE_DATA_BYTES, _memory_per_process(device) // 10)
+        these = f"the {count:,} images ({nbytes / 2**20:,.0f} MB as uint8)"
+        if size > 64:
+            why = "images above 64 px are cropped by PIL (scale-and-crop)"
+        elif args.dataloader_num_workers is not None:
+            why = f"--dataloader_num_workers asks for them (--data_on_device would hold {these} on {device.type})"
+        elif nbytes > limit:
+            why = (
+                f"{these} take more than the {limit / 2**20:,.0f} MB a process may hold on {device.type} (the smaller "
+                "of 1 GiB and a tenth of its memory); --data_on_device holds them there all the same"
+            )
+        else:
+            logger.info(
+                f"input: {these} are held on {device.type} and cropped and flipped there (--data_on_device), many "
+                "times the rate of decoding loaders; --no-data_on_device decodes them in DataLoader workers instead"
+            )
+            return True
+        logger.info(f"input: DataLoader workers decode, crop and flip each image: {why}")
+        return False
+
+    return decide_on_main(accelerator, choose)
 
 
 # Model arguments ----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 from torchvision import transforms as T
 
 import common
-from common.vision import add_model_args, build_model, load_images, param_groups
+from common.vision import add_model_args, build_model, held_on_device, load_images, param_groups
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -72,8 +72,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--data_on_device",
-        action="store_true",
-        help="keep the dataset on the accelerator as uint8 and crop/flip there (images of 64 px or less)",
+        action=argparse.BooleanOptionalAction,
+        help="keep the dataset on the accelerator as uint8 and crop/flip there (images of 64 px or less); default: "
+        "when the set fits (said in one line), else decoding DataLoader workers",
     )
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
     p.set_defaults(**HYPERPARAMETERS)
@@ -106,9 +107,10 @@ def parse_args(argv=None):
     return args
 
 
-def build_datasets(args):
-    """(train, eval, num_classes); augmentation is seeded per sample so resumes replay it exactly."""
-    train, evals, size, mean, std, num_classes = load_images(args)
+def build_datasets(args, images):
+    """(train, eval, num_classes) of `images` (load_images); augmentation is seeded per sample so resumes replay it
+    exactly."""
+    train, evals, size, mean, std, num_classes = images
     if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
         eval_tf = [T.Resize((size, size))]
         train_tf = [*eval_tf, T.RandomCrop(size, padding=size // 8)] if args.random_crop else eval_tf
@@ -123,18 +125,19 @@ def build_datasets(args):
 
 
 def as_uint8(dataset, size):
-    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels."""
+    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels (read from its files,
+    whatever transform build_datasets gave it)."""
     if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
         return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
-    dataset.transform = T.Compose([T.Resize((size, size)), T.PILToTensor()])
-    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
-    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor(labels)
+    resized = T.Compose([T.Resize((size, size)), T.PILToTensor()])
+    images = [resized(dataset.loader(path)) for path, _ in dataset.samples]
+    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor([label for _, label in dataset.samples])
 
 
-def build_device_datasets(args, device):
-    """--data_on_device: (train, eval, num_classes) held on `device` as uint8. A batch is padded,
+def build_device_datasets(args, images, device):
+    """--data_on_device: (train, eval, num_classes) of `images` held on `device` as uint8. A batch is padded,
     cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
-    train, evals, size, mean, std, num_classes = load_images(args)
+    train, evals, size, mean, std, num_classes = images
     pad = size // 8 if args.random_crop else 0
     mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
@@ -161,10 +164,13 @@ def build_device_datasets(args, device):
     return train, evals, num_classes
 
 
-def get_dataloaders(args, accelerator):
-    train, evals, num_classes = (
-        build_device_datasets(args, accelerator.device) if args.data_on_device else build_datasets(args)
-    )
+def get_dataloaders(args, accelerator, resume_from=None):
+    images = load_images(args)
+    args.data_on_device = held_on_device(args, images, accelerator, resume_from)  # when not given: if the set fits
+    if args.data_on_device:
+        train, evals, num_classes = build_device_datasets(args, images, accelerator.device)
+    else:
+        train, evals, num_classes = build_datasets(args, images)
     train_dl = common.make_dataloader(
         train, args.per_device_train_batch_size, train=True, seed=args.seed, num_workers=args.dataloader_num_workers
     )
@@ -210,7 +216,7 @@ def main(argv=None):
     set_seed(args.seed)  # every process builds the same initial model
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
-    train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator)
+    train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator, out.resume_from)
     plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"

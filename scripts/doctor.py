@@ -12,7 +12,12 @@ does it), every process then joins one group (NCCL on GPUs, gloo on CPU) and tim
 rank 0 prints the bus bandwidth as nccl-tests computes it. A group that does not form, or a
 collective that does not finish, within --timeout seconds ends with the likely causes, not a hang.
 
-Imports only torch and the standard library, so the file can be copied alone.
+Then each process measures what would bound an image run here: the image recipe's ResNet-18 training on 32 px
+images against its decoding loader (PNGs decoded, cropped and flipped in the recipes' default number of loader
+workers), one line on rank 0 (with torchvision installed).
+
+Imports only torch and the standard library (and torchvision for the image line, when installed), so the file can
+be copied alone.
 """
 
 from __future__ import annotations
@@ -294,6 +299,12 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
             f"{likely_causes(backend)}"
         )
     watchdog.cancel()
+    try:  # not the network's: a failure here is said as such, and every rank still meets the gather below
+        measured = image_input(device, local_world)
+    except Exception as err:  # noqa: BLE001
+        measured = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    rates = [None] * world
+    dist.all_gather_object(rates, measured)
     if rank == 0:
         print(f"all_reduce, float32 sum, {backend}, {group}; busbw = algbw x 2(n-1)/n as in nccl-tests")
         print(f"{'size':>10} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
@@ -310,9 +321,106 @@ def allreduce(sizes_mib: list[float], iters: int, timeout: float) -> None:
                 "the median: a straggler every step of a run would wait for (check its GPU clocks, load, temperature)",
                 flush=True,
             )
+        print(image_input_line(rates), flush=True)
     dist.destroy_process_group()
     if ok.item() != 1:
         sys.exit(1)
+
+
+class DecodedPngs:
+    """32 px PNG files' bytes decoded, cropped, flipped and normalized as the image recipe's loader does; a class, so
+    that loader workers get it under any start method."""
+
+    def __init__(self, pngs: list):
+        self.pngs, self.augment = pngs, None
+
+    def __len__(self) -> int:
+        return len(self.pngs)
+
+    def __getitem__(self, index: int):
+        import io
+
+        from PIL import Image
+        from torchvision import transforms as T
+
+        if self.augment is None:
+            self.augment = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                                      T.Normalize([0.5] * 3, [0.25] * 3)])  # fmt: skip
+        return self.augment(Image.open(io.BytesIO(self.pngs[index])).convert("RGB")), 0
+
+
+def image_input(device, local_world: int) -> tuple | None:
+    """(samples/s a process trains the image recipe's ResNet-18 on 32 px images, samples/s one process's DataLoader
+    workers decode, crop, flip and normalize 32 px PNGs, the workers): which of the two would bound an image run that
+    decodes its images here (recipes/cifar.py holds a small set on the device instead, by default). The PNGs are in
+    memory: the filesystem is not measured. None without torchvision or PIL."""
+    try:
+        import io
+
+        import numpy as np
+        import torch
+        import torchvision
+        from PIL import Image
+    except ImportError:
+        return None
+    batch = 128 if device.type == "cuda" else 16  # a CPU's rate per sample is nearly the same at 16
+    model = torchvision.models.resnet18(num_classes=10)  # as the recipe's: a 3x3 stem and no max-pool for 32 px
+    model.conv1, model.maxpool = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.Identity()
+    model = model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    images, labels = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
+
+    def train(steps: int) -> float:
+        tic = time.perf_counter()
+        for _ in range(steps):
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        loss.item()  # the device's queue done
+        return steps * batch / (time.perf_counter() - tic)
+
+    train(1)  # kernel choice, the allocator
+    model_rate = train(5 if device.type == "cuda" else 2)
+    rng = np.random.default_rng(0)
+    pngs = []
+    for _ in range(4 * batch):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buffer, "PNG")
+        pngs.append(buffer.getvalue())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(0, min(8, cpus // local_world - 1))  # the recipes' default: the node's CPUs less the training loop
+    loader = torch.utils.data.DataLoader(
+        DecodedPngs(pngs), batch_size=batch, num_workers=workers, persistent_workers=workers > 0
+    )
+    for _ in loader:  # the workers started
+        pass
+    tic = time.perf_counter()
+    for _ in range(2):
+        for _ in loader:
+            pass
+    return model_rate, 2 * len(pngs) / (time.perf_counter() - tic), workers
+
+
+def image_input_line(rates: list) -> str:
+    """What image_input measured on every rank, in one line: the median rank's model against the slowest loader."""
+    if failed := [r for r in rates if isinstance(r, str)]:
+        return f"image input: not measured ({failed[0]})"
+    if any(r is None for r in rates):
+        return "image input: not measured (torchvision is not installed)"
+    model = sorted(r[0] for r in rates)[len(rates) // 2]
+    loader, workers = min(r[1] for r in rates), rates[0][2]
+    bound = (
+        "input-bound: decoding loaders would keep the model waiting; hold the images on the device "
+        "(cifar's default for sets that fit, --data_on_device) or give the loaders more CPUs"
+        if loader < model
+        else "compute-bound: the model sets the pace"
+    )
+    return (
+        f"image input: the image recipe's ResNet-18 trains {model:,.0f} samples/s a process (32 px); its decoding "
+        f"loader ({workers} worker(s) a process) delivers {loader:,.0f} ({loader / model:.2f}x): {bound}"
+    )
 
 
 MIN_MIB, MAX_MIB = 0.001, 65536  # from 1 KiB (less made an all-reduce of nothing) to more than any accelerator holds

@@ -234,12 +234,16 @@ def main(argv=None) -> int:
             data = ["--dataset", "imagefolder", "--train_dir", digits / "train", "--val_dir", digits / "val"]
             model = ["--model", "resnet18", "--per_device_train_batch_size", "32", "--num_train_epochs", "3"]
             model += [] if use_cpu else ["--norm_layer", "sync_batch"]  # GPU-only; channels_last and bf16 are on
-            launch(ours, "cifar", *data, *model, "--hflip", "0", "--output_dir", out, "--dataloader_num_workers", "0")
+            launch(ours, "cifar", *data, *model, "--hflip", "0", "--output_dir", out)  # the default input path
             res = results(out)
             ok = res["eval_samples"] == n_val and res["eval_accuracy"] > 0.5
+            path = "held on the device" if res["args"]["data_on_device"] else "DataLoader workers"
+            share = res.get("data_wait_share") or 0.0  # of the median rank's step, spent waiting for its batch
+            bound = "input-bound: the loader" if share > 0.2 else "compute-bound: the model"
             return (
                 ok,
-                f"accuracy {res['eval_accuracy']:.3f} (chance 0.1), {res['eval_samples']} of {n_val} eval samples",
+                f"accuracy {res['eval_accuracy']:.3f} (chance 0.1), {res['eval_samples']} of {n_val} eval samples; "
+                f"input {path}, {share:.0%} of each step waiting for it: {bound} sets the pace",
             )
 
         checks = [("one big batch", big_batch), ("exact eval", exact_eval), ("save reloads", reloads)]

@@ -106,6 +106,13 @@ def test_input_pipeline_compares_every_loader_setting_with_the_model(smoke):
         assert len(row["samples_per_second_per_epoch"]) == 2 and min(row["samples_per_second_per_epoch"]) > 0
         assert row["loader_over_model"] == pytest.approx(row["samples_per_second"] / model)
         assert row["verdict"] == ("input-bound" if row["samples_per_second"] < model else "compute-bound")
+    # the digits fit: the recipe holds them on the device by default, and each path's recipe runs say their wait
+    assert [r["path"] for r in record["results"] if r["default"]] == ["--data_on_device"]
+    runs = record["recipe_runs"]
+    assert [r["default"] for r in runs] == [True, False] and runs[0]["path"] == "--data_on_device"
+    for r in runs:
+        assert r["data_wait_share"] == r["all"][0]["data_wait_share"] and 0 <= r["data_wait_share"] < 1, r
+        assert r["samples_per_second"] > 0
 
 
 def test_lm_reports_the_runs_tokens_per_second_and_memory(smoke):

@@ -1,6 +1,7 @@
 """The CIFAR/ImageFolder recipe, launched as users launch it, in 1 and 2 CPU processes."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,7 +43,7 @@ def reevaluate(digits, output_dir):
     """Load the saved safetensors into a fresh model, evaluate in this process, no Accelerate."""
     cifar = load_recipe()
     args = cifar.parse_args([str(a) for a in digits_args(digits, output_dir)])
-    _, evals, num_classes = cifar.build_datasets(args)
+    _, evals, num_classes = cifar.build_datasets(args, vision.load_images(args))
     model = vision.new_model("resnet18", num_classes)
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
     model.eval()
@@ -57,19 +58,21 @@ def reevaluate(digits, output_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # four 3-epoch trainings: about 4 minutes alone, twice that beside another worker
+@pytest.mark.timeout(1200)  # two 5-epoch trainings: about 45 s alone, twice that beside another worker
 def test_two_processes_learn_as_well_as_one(digits, tmp_path):
     """The property data parallelism promises, measured as quality rather than equality: 2 processes x 32
     reach the accuracy of 1 process x 64 (the same effective batch, learning rate and steps). The quick start's
-    settings: the recipe's defaults (its seed, pad-and-crop, SGD, the scaled rate and its warmup and cosine
-    decay, BatchNorm per process) but no mirroring, which turns digits into other shapes. Measured over seeds
-    0, 1, 2: 0.962, 0.945, 0.957 in 2 processes; 0.962, 0.947, 0.962 in 1: the seeds differ by up to 0.017, the
-    layouts by at most 0.005 at a seed, so one seed compares the layouts. BatchNorm's statistics are each
-    process's own, so the runs are not equal, only equally good."""
+    settings: the recipe's defaults (its seed, its input path, pad-and-crop, SGD, the scaled rate and its warmup
+    and cosine decay, BatchNorm per process) but no mirroring, which turns digits into other shapes. Measured
+    with the images held in memory (the default for the digits) over seeds 42, 0, 1: 0.962, 0.980, 0.967 in 2
+    processes; 0.975, 0.980, 0.980 in 1. After 3 epochs the same runs scatter from 0.89 to 0.96 with the seed and
+    with the threads a busy machine gives each process (which change the order of float sums), too widely to
+    compare layouts with one seed. BatchNorm's statistics are each process's own, so the runs are not equal, only
+    equally good."""
     accuracy = {}
     for processes, batch in ((2, "32"), (1, "64")):
         out = tmp_path / f"n{processes}"
-        args = digits_args(digits, out, "--model", "resnet18", "--num_train_epochs", "3", "--hflip", "0")
+        args = digits_args(digits, out, "--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0")
         args += ["--per_device_train_batch_size", batch]
         if processes == 1:
             run([BIN / "python", RECIPE, *args])
@@ -77,10 +80,10 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
             run(*accelerate_cpu(2, RECIPE, *args))
         res = results(out)
         assert res["world_size"] == processes and res["effective_batch_size"] == 64, res
-        assert res["eval_samples"] == digits["n_val"] and res["steps"] == 3 * (1400 // 64), res
+        assert res["eval_samples"] == digits["n_val"] and res["steps"] == 5 * (1400 // 64), res
         assert res["args"]["seed"] == 42, res["args"]  # the default
         accuracy[processes] = res["eval_accuracy"]
-    assert min(accuracy.values()) > 0.9, accuracy  # chance is 0.1
+    assert min(accuracy.values()) > 0.93, accuracy  # chance is 0.1
     assert accuracy[2] > accuracy[1] - 0.03, accuracy
 
 
@@ -88,12 +91,16 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
 def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(
     digits, tmp_path
 ):
-    """With --data_on_device (2 processes train through the image loaders in the tests below): the
-    weights it saves reproduce its accuracy through the ImageFolder evaluation path."""
+    """By default the digits (small images that fit) train from memory, cropped and flipped there, as
+    --data_on_device does, which one info line says: the weights it saves reproduce its accuracy through the
+    ImageFolder evaluation path, and a resume takes the checkpoint's input path."""
     out = tmp_path / "run"
-    args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch", "--data_on_device"]
-    run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
+    args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch"]
+    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
+    n = digits["n_train"] + digits["n_val"]
+    assert f"input: the {n:,} images (5 MB as uint8) are held on cpu and cropped and flipped there" in proc.stderr
     res = results(out)
+    assert res["args"]["data_on_device"] is True
     per_epoch = digits["n_train"] // 32
     assert res["world_size"] == 1 and res["num_processes"] == 1 and res["distributed_type"] == "NO"
     assert res["eval_samples"] == digits["n_val"]
@@ -283,14 +290,17 @@ def stop_step(proc) -> int:
 
 
 @pytest.mark.slow
-def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_uninterrupted_weights(digits, tmp_path):
+@pytest.mark.parametrize("path", ["loader workers", "the default, on the device"])
+def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_uninterrupted_weights(
+    digits, tmp_path, path
+):
     """The position is saved in samples of the epoch's order, so a run stopped in 2 processes x 32
     continues in 1 process x 64 (and back) on the very samples it had left, with the same effective
     batch, learning rate and schedule, and ends with the uninterrupted run's weights. GroupNorm:
     BatchNorm's statistics depend on how a step's samples are split into processes.
 
-    launch.sh, 2 processes, accumulation 2, loader workers. SIGUSR1 reaches rank 1 only, mid epoch
-    0: both stop after the same step, save one checkpoint there, launch.sh exits 75. Resumed in 1
+    launch.sh, 2 processes, accumulation 2, loader workers or the images held in memory. SIGUSR1 reaches rank 1
+    only, mid epoch 0: both stop after the same step, save one checkpoint there, launch.sh exits 75. Resumed in 1
     process with `latest` past a damaged and an incomplete newer checkpoint, it crosses into epoch 1.
     (Resumed on more processes than it stopped on: the LM runs of tests/test_prepared.py, 2 -> 3, whose
     positions are the same common.data.EpochSampler's.)
@@ -307,8 +317,7 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
         "group",
         "--gradient_accumulation_steps",
         "2",
-        "--dataloader_num_workers",
-        "1",
+        *(["--dataloader_num_workers", "1"] if path == "loader workers" else []),
         "--max_train_steps",
         "13",
         "--learning_rate",
@@ -359,6 +368,7 @@ def test_a_stop_mid_epoch_resumed_on_another_number_of_processes_ends_with_the_u
     assert update_apart(resumed, straight, start) < 1e-4
     for res in (results(resumed), results(straight)):  # epoch 0: 21 rounds of 64, the last too few for a step
         assert res["steps"] == 13 and res["samples_seen"] == 13 * 128 and res["epochs"] > 1
+        assert res["args"]["data_on_device"] is (path != "loader workers")
 
 
 @pytest.mark.slow
@@ -488,7 +498,7 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
     depend on the batch that fetches it, and change with the epoch."""
     cifar = load_recipe()
     args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--data_on_device")])
-    train, evals, _ = cifar.build_device_datasets(args, torch.device("cpu"))
+    train, evals, _ = cifar.build_device_datasets(args, vision.load_images(args), torch.device("cpu"))
     images, labels = train.__getitems__([3, 5, 7])
     assert images.shape == (3, 3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
     torch.testing.assert_close(train.__getitems__([5])[0][0], images[1], rtol=0, atol=0)
@@ -649,7 +659,7 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
             )
         ]
     )
-    _, evals, _ = cifar.build_datasets(args)
+    _, evals, _ = cifar.build_datasets(args, vision.load_images(args))
     (normalize,) = [t for t in evals.transform.transforms if isinstance(t, torchvision.transforms.Normalize)]
     assert tuple(normalize.mean) == tuple(normalize.std) == (0.5, 0.5, 0.5)
 
@@ -762,6 +772,49 @@ def test_pretrained_with_a_faster_head_on_device_without_flip_or_crop(digits, tm
     assert results(out)["steps"] == 2
 
 
+def test_the_input_path_by_default_holds_a_set_that_fits_on_the_device_and_says_why_in_one_line(
+    digits, tmp_path, monkeypatch, caplog
+):
+    """Without --data_on_device or --no-data_on_device: images of 64 px or less that fit (the smaller of 1 GiB and a
+    tenth of the memory a process has) are held on the device; larger images, more bytes, or loader workers asked
+    for take the decoding DataLoader workers; a resume takes its checkpoint's path. One info line says which and
+    why; the choice is recorded in the arguments (checkpoints, results.json)."""
+    from types import SimpleNamespace
+
+    cifar = load_recipe()
+    PartialState()
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, is_main_process=True)
+
+    def chosen(*extra, resume_from=None):
+        args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", *extra)])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="recipes"):
+            on_device = vision.held_on_device(args, vision.load_images(args), accelerator, resume_from)
+        lines = [m[m.index("input:") :] for r in caplog.records if "input:" in (m := r.getMessage())]
+        return on_device, lines
+
+    n = digits["n_train"] + digits["n_val"]
+    said = (
+        f"input: the {n:,} images (5 MB as uint8) are held on cpu and cropped and flipped there (--data_on_device), "
+        "many times the rate of decoding loaders; --no-data_on_device decodes them in DataLoader workers instead"
+    )
+    assert chosen() == (True, [said])
+    assert chosen("--data_on_device") == (True, []) and chosen("--no-data_on_device") == (False, [])
+    on_device, (line,) = chosen("--image_size", "96")
+    assert not on_device and line.endswith("images above 64 px are cropped by PIL (scale-and-crop)"), line
+    on_device, (line,) = chosen("--dataloader_num_workers", "2")
+    assert not on_device and "--dataloader_num_workers asks for them" in line, line
+    monkeypatch.setattr(vision, "DEVICE_DATA_BYTES", 2**20)
+    on_device, (line,) = chosen()
+    assert not on_device and f"the {n:,} images (5 MB as uint8) take more than the 1 MB a process may hold" in line
+    for saved in (True, False):  # a resume replays its checkpoint's augmentation, whatever fits now
+        checkpoint = tmp_path / f"checkpoint-{saved}"
+        checkpoint.mkdir()
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"args": {"data_on_device": saved}}))
+        assert chosen(resume_from=checkpoint) == (saved, [])
+    assert chosen("--no-data_on_device", resume_from=tmp_path / "checkpoint-True") == (False, [])
+
+
 @pytest.mark.parametrize("size", [32, 96])
 def test_flip_and_crop_switches_change_what_the_model_sees(digits, size):
     """In both input paths (the image loaders; --data_on_device at 32 px), in-process. With --hflip 0 and
@@ -773,16 +826,16 @@ def test_flip_and_crop_switches_change_what_the_model_sees(digits, size):
     def views(*extra):
         args = cifar.parse_args([str(a) for a in digits_args(digits, "unused", "--image_size", size, *extra)])
         if args.data_on_device:
-            train, _, _ = cifar.build_device_datasets(args, torch.device("cpu"))
+            train, _, _ = cifar.build_device_datasets(args, vision.load_images(args), torch.device("cpu"))
             mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (vision.IMAGENET_MEAN, vision.IMAGENET_STD))
             return train.__getitems__(index)[0], (train.tensors[0][index].permute(0, 3, 1, 2).float() - mean) / std
-        train, evals, _ = cifar.build_datasets(args)
+        train, evals, _ = cifar.build_datasets(args, vision.load_images(args))
         return (
             torch.stack([train[i][0] for i in index]),
             torch.stack([evals.transform(train.dataset[i][0]) for i in index]),
         )
 
-    for device in ([], ["--data_on_device"]) if size == 32 else ([],):
+    for device in (["--no-data_on_device"], ["--data_on_device"]) if size == 32 else ([],):
         plain, evaluated = views("--hflip", "0", "--no-random_crop", *device)
         torch.testing.assert_close(plain, evaluated, rtol=0, atol=0)
         cropped, _ = views("--hflip", "0", *device)

@@ -160,6 +160,14 @@ def test_doctor_on_cpu_times_a_gloo_allreduce():
     for _, ms, algbw, busbw in rows:  # two processes: 2(n-1)/n = 1
         assert float(ms) > 0 and float(algbw) > 0 and busbw == algbw
     assert "sums correct on all 2 processes" in out
+    image = re.search(
+        r"^image input: the image recipe's ResNet-18 trains (\S+) samples/s a process \(32 px\); its decoding loader "
+        r"\(0 worker\(s\) a process\) delivers (\S+) \((\S+)x\): (input|compute)-bound", out, flags=re.M
+    )  # fmt: skip
+    assert image, out  # 2 processes on 2 cores: no CPU left for a loader worker
+    model, loader, ratio = (float(v.replace(",", "")) for v in image.groups()[:3])
+    assert model > 0 and loader > 0 and image[4] == ("input" if loader < model else "compute")
+    assert loader / (model + 0.5) - 0.01 <= ratio <= loader / max(model - 0.5, 0.5) + 0.01, out  # rates as rounded
 
 
 @pytest.mark.slow

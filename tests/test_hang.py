@@ -285,10 +285,13 @@ def test_a_loader_stuck_on_a_file_is_named_with_its_phase_and_stack(digits, tmp_
 
 
 @pytest.mark.slow
-def test_a_rank_slow_to_read_its_data_is_named_a_straggler_and_an_even_run_is_not(digits, tmp_path):
+def test_a_rank_slow_to_read_its_data_is_named_a_straggler_a_slow_loader_is_named_and_an_even_run_is_not(
+    digits, tmp_path
+):
     """Rank 1's images are large (slow to decode, as on a slow disk; each a copy of its class's first, enlarged):
     after three logs one warning names it and the data phase; results.json holds every rank's step and data time.
-    The same run on the plain digits: no warning."""
+    Every image large (a loader too slow for the model on every rank): one warning with the share and the fixes.
+    The plain digits with the recipe's defaults (held in memory): no warning."""
     from common.data import EpochSampler
 
     root = tmp_path / "digits"
@@ -305,11 +308,15 @@ def test_a_rank_slow_to_read_its_data_is_named_a_straggler_and_an_even_run_is_no
             else:
                 shutil.copyfile(large[label], images[index])
     data = {**digits, "train": root / "train", "val": root / "val"}
+    every = tmp_path / "all-large"  # each image large, on every rank
+    shutil.copytree(root, every)
+    for image in (every / "train").rglob("*.png"):
+        shutil.copyfile(large.get(image.parent.name, next(iter(large.values()))), image)
     results = {}
-    for name, folders in (("slow", data), ("even", digits)):
+    for name, folders in (("slow", data), ("every", {**digits, "train": every / "train"}), ("even", digits)):
         out = tmp_path / name
         args = digits_args(folders, out, *FAST_MODEL, "--max_train_steps", "8", "--logging_steps", "2")
-        code, stderr, _, _ = launch([*args, "--dataloader_num_workers", "0"], out)
+        code, stderr, _, _ = launch([*args, *(["--dataloader_num_workers", "0"] if name != "even" else [])], out)
         assert code == 0, stderr[-3000:]
         warnings = [line for line in stderr.splitlines() if "is a straggler" in line or "wait for their data" in line]
         results[name] = (warnings, json.loads((out / "results.json").read_text()))
@@ -320,4 +327,9 @@ def test_a_rank_slow_to_read_its_data_is_named_a_straggler_and_an_even_run_is_no
     assert [r["rank"] for r in res["per_rank"]] == [0, 1]
     assert res["per_rank"][1]["data_seconds"] > 2 * res["per_rank"][0]["data_seconds"]
     assert res["log_history"][-1]["data_seconds_slowest_rank"] == 1
-    assert [line for line in results["even"][0] if "is a straggler" in line] == []
+    (warning,), res = results["every"]  # every rank waits: the loader, not one rank
+    share = re.search(r"the steps wait for their data: (\d+)% of each step", warning)
+    assert share and int(share[1]) > 20 and res["data_wait_share"] > 0.2, warning
+    assert "--dataloader_num_workers, now 0" in warning and "--data_on_device" in warning, warning
+    warnings, res = results["even"]
+    assert warnings == [] and res["data_wait_share"] < 0.2 and res["args"]["data_on_device"] is True, warnings

@@ -51,6 +51,9 @@ def test_selftest_under_ddp_fails_just_the_promise_a_recipe_breaks(tmp_path):
     assert said.pop("one big batch").startswith("FAIL distance"), proc.stdout
     assert set(said) == {"exact eval", "save reloads", "exact resume", "images learn"}, proc.stdout
     assert all(row.startswith("pass") for row in said.values()), proc.stdout
+    assert re.search(
+        r"input held on the device, \d+% of each step waiting for it: (compute|input)-bound", said["images learn"]
+    ), said  # the default input path, and which of loader and model sets the pace
     assert proc.stdout.rstrip().endswith("4 of 5 passed; FAILED: one big batch")
 
 
