@@ -286,12 +286,23 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
     return final
 
 
+# Files a save writes once per process (accelerate's RNG states, DeepSpeed's ZeRO shards, the shard files of
+# torch.distributed.checkpoint): in a checkpoint whose marker does not read, those of another process count are the
+# earlier save's.
+PER_PROCESS_FILE = re.compile(
+    r"random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+\.pt|__\d+_\d+\.distcp"
+)
+
+
 def _install(tmp: Path, final: Path) -> None:
     """`tmp` renamed to `final`, replacing what a save wrote there; a crash at any point leaves `tmp` complete
     (`latest` installs it). A file of the user's in `final` stays: it moves into `tmp` first (one of a save's names,
-    left by a save cut short, is replaced)."""
+    left by a save cut short, is replaced). Where `final`'s marker does not read, its per-process files go too: kept,
+    a resume on their process count would read another trajectory's random states or shards."""
     if final.exists():
-        remove_checkpoint(final)
+        if not remove_checkpoint(final):
+            for path in [p for p in final.rglob("*") if p.is_file() and PER_PROCESS_FILE.fullmatch(p.name)]:
+                path.unlink()
         logger.info(f"replacing the earlier {final.name} with this run's")
     if final.exists():  # what remove_checkpoint left: a user's files move into tmp, the rest (names tmp has too) goes
         _move_theirs(final, tmp)

@@ -153,6 +153,28 @@ def test_a_checkpoint_replaced_keeps_a_users_file_inside_its_shard_folder(tmp_pa
     assert [(final / name).read_text() for name in files[:3]] == ["mine", "mine", "new"]
 
 
+def test_a_checkpoint_replaced_over_one_whose_marker_is_unreadable_keeps_no_file_of_its_other_processes(tmp_path, acc):
+    """A save of the same step over a checkpoint whose marker does not read (the run's own, damaged): the files the
+    earlier save wrote once per process, of a process count the new save does not have (random states, ZeRO shards,
+    torch.distributed.checkpoint shards), go with it, since a resume on that count would read them; a note stays."""
+    final, tmp = tmp_path / "checkpoint-5", tmp_path / ".tmp-checkpoint-5"
+    per_process = ["random_states_{}.pkl", "pytorch_model/zero_pp_rank_{}_mp_rank_00_optim_states.pt",
+                   "pytorch_model_fsdp_0/__{}_0.distcp"]  # fmt: skip
+    for folder, ranks in ((final, (0, 1)), (tmp, (0,))):
+        for name in per_process:
+            for rank in ranks:
+                (folder / name.format(rank)).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name.format(rank)).write_text(f"{folder.name} {rank}")
+    (final / ckpt.STATE_FILE).write_text('{"files": {"random_sta')  # cut short
+    ckpt.write_json(tmp / ckpt.STATE_FILE, {"files": {name.format(0): 1 for name in per_process}})
+    (final / "pytorch_model" / "NOTES.txt").write_text("mine")
+    ckpt._install(tmp, final)
+    kept = sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+    assert kept == sorted([*(name.format(0) for name in per_process), "pytorch_model/NOTES.txt", ckpt.STATE_FILE])
+    assert [(final / name.format(0)).read_text() for name in per_process] == [".tmp-checkpoint-5 0"] * 3
+    assert (final / "pytorch_model" / "NOTES.txt").read_text() == "mine"
+
+
 def test_the_limit_keeps_and_says_so_a_checkpoint_whose_marker_is_unreadable(acc, tmp_path, caplog):
     """Which files of a checkpoint are a run's only its marker says: one cut short is kept, with a warning, not
     reported deleted."""
