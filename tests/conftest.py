@@ -420,13 +420,13 @@ def sbatch_line(line):
     return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1 :]
 
 
-# Seconds each file's tests took in a full run on 2 cores (2026-11-29, less the cuts made since): the order files
+# Seconds each file's tests took in a full run on 2 quiet cores (2026-11-30, junit times): the order files
 # start in, longest first. Only the order: a file missing here comes after them, by its number of slow tests.
 FILE_SECONDS = {
-    "test_zero.py": 900, "test_cifar.py": 870, "test_rules.py": 700, "test_fsdp.py": 610, "test_selftest.py": 550,
-    "test_lm_finetune.py": 470, "test_fault.py": 410, "test_launch_sh.py": 400, "test_hang.py": 310,
-    "test_prepared.py": 310, "test_readme.py": 290, "test_benchmarks.py": 220, "test_compile.py": 180,
-    "test_multinode.py": 150, "test_streaming.py": 120, "test_inputs.py": 90,
+    "test_cifar.py": 400, "test_zero.py": 390, "test_rules.py": 360, "test_hang.py": 260, "test_fsdp.py": 250,
+    "test_selftest.py": 220, "test_lm_finetune.py": 220, "test_launch_sh.py": 190, "test_fault.py": 180,
+    "test_prepared.py": 140, "test_benchmarks.py": 130, "test_readme.py": 100, "test_compile.py": 90,
+    "test_multinode.py": 80, "test_streaming.py": 80, "test_inputs.py": 40,
 }  # fmt: skip
 
 
