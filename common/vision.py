@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .checkpoint import read_state
-from .data import prepare_data_first
+from .data import default_num_workers, prepare_data_first
 from .metrics import count_parameters
 from .plan import decay_groups
 from .runtime import DataError, RecipeError, check_path, decide_on_main, logger, one_line
@@ -186,40 +186,68 @@ def _memory_per_process(device) -> int:
     return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MB" if nbytes < 10 * 2**20 else f"{nbytes / 2**20:,.0f} MB"
+
+
 def held_on_device(args, images, accelerator, resume_from=None) -> bool:
     """--data_on_device when it is not given: the checkpoint's choice on a resume (its augmentation is the one the
-    resume replays), else the device path for a set of images of 64 px or less that fits (on CPU about 10x the
-    decoding loaders' rate), else DataLoader workers. Decided by the main process, said in one line."""
-    if args.data_on_device is not None:
-        return args.data_on_device
-    saved = read_state(resume_from).get("args", {}) if resume_from is not None else {}
-    if saved.get("data_on_device") is not None:
-        return saved["data_on_device"]
+    resume replays; the other path given is refused), else the device path for a set of images of 64 px or less that
+    fits, else the decoding DataLoader. Decided by the main process, said in one line whatever decided it."""
+    saved = read_state(resume_from).get("args", {}).get("data_on_device") if resume_from is not None else None
+    flag = {True: "--data_on_device", False: "--no-data_on_device"}
+    if saved is not None and args.data_on_device is not None and args.data_on_device != saved:
+        asked = flag[args.data_on_device]
+        raise RecipeError(
+            f"checkpoint {resume_from} was trained with {flag[saved]}, whose crops and flips {asked} would draw "
+            f"otherwise; resume without {asked} (or with {flag[saved]})"
+        )
     train, evals, size = images[:3]
     count = len(train) + len(evals)
     nbytes = count * size * size * 3
+    these = f"the {count:,} images ({_megabytes(nbytes)} as uint8)"
+    workers = default_num_workers() if args.dataloader_num_workers is None else args.dataloader_num_workers
+    decoded = (
+        f"{workers} DataLoader worker(s) a process decode, crop and flip each image"
+        if workers
+        else "the training process decodes, crops and flips each image (no DataLoader worker)"
+    )
 
     def choose():
         device = accelerator.device
         limit = min(DEVICE_DATA_BYTES, _memory_per_process(device) // 10)
-        these = f"the {count:,} images ({nbytes / 2**20:,.0f} MB as uint8)"
-        if size > 64:
-            why = "images above 64 px are cropped by PIL (scale-and-crop)"
+        held = (
+            f"input: {these} are held on {device.type} and cropped and flipped there (--data_on_device): nothing is "
+            "decoded after the start"
+        )
+        if saved is not None:
+            on_device, why = saved, f"as checkpoint {Path(resume_from).name} was trained"
+        elif args.data_on_device is not None:
+            on_device, why = args.data_on_device, f"as {flag[args.data_on_device]} asks"
+        elif size > 64:
+            on_device, why = False, "images above 64 px are cropped by PIL (scale-and-crop)"
         elif args.dataloader_num_workers is not None:
-            why = f"--dataloader_num_workers asks for them (--data_on_device would hold {these} on {device.type})"
+            on_device = False
+            why = f"as --dataloader_num_workers asks (--data_on_device would hold {these} on {device.type})"
         elif nbytes > limit:
+            on_device = False
             why = (
                 f"{these} take more than the {limit / 2**20:,.0f} MB a process may hold on {device.type} (the smaller "
                 "of 1 GiB and a tenth of its memory); --data_on_device holds them there all the same"
             )
         else:
+            on_device, why = True, None
+        if on_device:
             logger.info(
-                f"input: {these} are held on {device.type} and cropped and flipped there (--data_on_device), many "
-                "times the rate of decoding loaders; --no-data_on_device decodes them in DataLoader workers instead"
+                f"{held}, {why}" if why else f"{held}; --no-data_on_device decodes them in the DataLoader instead"
             )
-            return True
-        logger.info(f"input: DataLoader workers decode, crop and flip each image: {why}")
-        return False
+            if args.dataloader_num_workers is not None:
+                logger.warning(
+                    f"--dataloader_num_workers {args.dataloader_num_workers} does nothing: no image is decoded"
+                )
+        else:
+            logger.info(f"input: {decoded}, {why}")
+        return on_device
 
     return decide_on_main(accelerator, choose)
 

@@ -102,7 +102,8 @@ def parse_args(argv=None):
     if args.data_on_device and args.image_size > 64:
         p.error(
             f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not --image_size "
-            f"{args.image_size}"
+            f"{args.image_size}; leave it out (larger images are cropped by PIL in the DataLoader), or pass "
+            "--image_size 64 or less"
         )
     return args
 

@@ -98,7 +98,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch"]
     proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
     n = digits["n_train"] + digits["n_val"]
-    assert f"input: the {n:,} images (5 MB as uint8) are held on cpu and cropped and flipped there" in proc.stderr
+    assert f"input: the {n:,} images (5.3 MB as uint8) are held on cpu and cropped and flipped there" in proc.stderr
     res = results(out)
     assert res["args"]["data_on_device"] is True
     per_epoch = digits["n_train"] // 32
@@ -777,8 +777,9 @@ def test_the_input_path_by_default_holds_a_set_that_fits_on_the_device_and_says_
 ):
     """Without --data_on_device or --no-data_on_device: images of 64 px or less that fit (the smaller of 1 GiB and a
     tenth of the memory a process has) are held on the device; larger images, more bytes, or loader workers asked
-    for take the decoding DataLoader workers; a resume takes its checkpoint's path. One info line says which and
-    why; the choice is recorded in the arguments (checkpoints, results.json)."""
+    for take the decoding DataLoader; a resume takes its checkpoint's path, and the other one asked for is refused
+    naming both. One info line says which path and why, whatever decided it; --dataloader_num_workers on the device
+    path is said to do nothing."""
     from types import SimpleNamespace
 
     cifar = load_recipe()
@@ -790,29 +791,45 @@ def test_the_input_path_by_default_holds_a_set_that_fits_on_the_device_and_says_
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="recipes"):
             on_device = vision.held_on_device(args, vision.load_images(args), accelerator, resume_from)
-        lines = [m[m.index("input:") :] for r in caplog.records if "input:" in (m := r.getMessage())]
-        return on_device, lines
+        said = [m[m.index("] ") + 2 :] for r in caplog.records if "[RANK 0]" in (m := r.getMessage())]
+        return on_device, said
 
     n = digits["n_train"] + digits["n_val"]
-    said = (
-        f"input: the {n:,} images (5 MB as uint8) are held on cpu and cropped and flipped there (--data_on_device), "
-        "many times the rate of decoding loaders; --no-data_on_device decodes them in DataLoader workers instead"
-    )
-    assert chosen() == (True, [said])
-    assert chosen("--data_on_device") == (True, []) and chosen("--no-data_on_device") == (False, [])
+    these = f"the {n:,} images ({n * 32 * 32 * 3 / 2**20:.1f} MB as uint8)"
+    held = f"input: {these} are held on cpu and cropped and flipped there (--data_on_device): nothing is decoded"
+    assert chosen() == (True, [f"{held} after the start; --no-data_on_device decodes them in the DataLoader instead"])
+    assert chosen("--data_on_device") == (True, [f"{held} after the start, as --data_on_device asks"])
+    on_device, (line,) = chosen("--no-data_on_device")
+    assert not on_device and line.startswith("input: ") and line.endswith("each image, as --no-data_on_device asks")
     on_device, (line,) = chosen("--image_size", "96")
     assert not on_device and line.endswith("images above 64 px are cropped by PIL (scale-and-crop)"), line
     on_device, (line,) = chosen("--dataloader_num_workers", "2")
-    assert not on_device and "--dataloader_num_workers asks for them" in line, line
+    assert not on_device and line == (
+        "input: 2 DataLoader worker(s) a process decode, crop and flip each image, as --dataloader_num_workers asks "
+        f"(--data_on_device would hold {these} on cpu)"
+    )
+    on_device, (line,) = chosen("--dataloader_num_workers", "0")
+    assert not on_device and line.startswith("input: the training process decodes, crops and flips each image (no")
+    assert chosen("--data_on_device", "--dataloader_num_workers", "2")[1] == [
+        f"{held} after the start, as --data_on_device asks",
+        "--dataloader_num_workers 2 does nothing: no image is decoded",
+    ]
     monkeypatch.setattr(vision, "DEVICE_DATA_BYTES", 2**20)
     on_device, (line,) = chosen()
-    assert not on_device and f"the {n:,} images (5 MB as uint8) take more than the 1 MB a process may hold" in line
+    assert not on_device and f"{these} take more than the 1 MB a process may hold on cpu" in line, line
     for saved in (True, False):  # a resume replays its checkpoint's augmentation, whatever fits now
-        checkpoint = tmp_path / f"checkpoint-{saved}"
+        checkpoint = tmp_path / f"checkpoint-{int(saved)}"
         checkpoint.mkdir()
         (checkpoint / "trainer_state.json").write_text(json.dumps({"args": {"data_on_device": saved}}))
-        assert chosen(resume_from=checkpoint) == (saved, [])
-    assert chosen("--no-data_on_device", resume_from=tmp_path / "checkpoint-True") == (False, [])
+        on_device, (line,) = chosen(resume_from=checkpoint)
+        assert on_device is saved and line.endswith(f"as checkpoint checkpoint-{int(saved)} was trained"), line
+    with pytest.raises(RecipeError) as refused:
+        chosen("--no-data_on_device", resume_from=tmp_path / "checkpoint-1")
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'checkpoint-1'} was trained with --data_on_device, whose crops and flips "
+        "--no-data_on_device would draw otherwise; resume without --no-data_on_device (or with --data_on_device)"
+    )
+    assert chosen("--data_on_device", resume_from=tmp_path / "checkpoint-1")[0] is True
 
 
 @pytest.mark.parametrize("size", [32, 96])
