@@ -159,9 +159,8 @@ def main(argv=None):
     # spent waiting for data, measured in recipe runs (results.json's data_wait_share: the median rank's).
     held = vision.held_on_device(recipe, images, SimpleNamespace(device=device, num_processes=1, is_main_process=True))
     default_workers = default_num_workers()
-    runs = []
+    runs, steps = [], 4 if args.smoke else 40
     for on_device_path in (True, False):
-        steps = 4 if args.smoke else 40
         run_args = benchlib.cifar_args(args, args.per_device_train_batch_size, steps, data_on_device=on_device_path)
         reps = [benchlib.recipe_run(args, "cifar", 1, run_args, rep)[0] for rep in range(args.repeats)]
         runs.append(
@@ -180,6 +179,8 @@ def main(argv=None):
         per_epoch = [benchlib.median([r[e] for r in reps]) for e in range(args.epochs)]
         steady = benchlib.median(per_epoch[1:] or per_epoch)
         verdict = "input-bound" if steady < consume else "compute-bound"
+        # the recipe's DataLoader: its default workers, persistent when there are any, unpinned
+        recipes_loader = workers == default_workers and persistent == (workers > 0) and not pin
         entry = {
             "path": "--data_on_device" if kind == "device" else "DataLoader",
             "num_workers": workers,
@@ -191,8 +192,7 @@ def main(argv=None):
             "model_samples_per_second": consume,
             "loader_over_model": steady / consume,
             "verdict": verdict,
-            "default": (kind == "device") == held
-            and (held or (workers == default_workers and persistent == (workers > 0) and not pin)),
+            "default": held if kind == "device" else not held and recipes_loader,
         }
         results.append(entry)
         rows.append(
@@ -229,7 +229,7 @@ def main(argv=None):
             ],
             rows,
         )
-        + f"\n\nThe recipe itself, {'4' if args.smoke else '40'} steps of one process on each path, median of "
+        + f"\n\nThe recipe itself, {steps} steps of one process on each path, median of "
         f"{args.repeats} (samples/s at the median step; results.json's data_wait_share):\n\n"
         + benchlib.markdown_table(
             ["path", "recipe samples/s", "share of each step waiting for data", "the recipe's default"],

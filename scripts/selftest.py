@@ -238,8 +238,10 @@ def main(argv=None) -> int:
             res = results(out)
             ok = res["eval_samples"] == n_val and res["eval_accuracy"] > 0.5
             path = "held on the device" if res["args"]["data_on_device"] else "DataLoader workers"
+            from common.metrics import INPUT_BOUND  # the recipes' own line for an input-bound run
+
             share = res.get("data_wait_share") or 0.0  # of the median rank's step, spent waiting for its batch
-            bound = "input-bound: the loader" if share > 0.2 else "compute-bound: the model"
+            bound = "input-bound: the loader" if share > INPUT_BOUND else "compute-bound: the model"
             return (
                 ok,
                 f"accuracy {res['eval_accuracy']:.3f} (chance 0.1), {res['eval_samples']} of {n_val} eval samples; "
