@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -791,7 +792,8 @@ def test_the_input_path_by_default_holds_a_set_that_fits_on_the_device_and_says_
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="recipes"):
             on_device = vision.held_on_device(args, vision.load_images(args), accelerator, resume_from)
-        said = [m[m.index("] ") + 2 :] for r in caplog.records if "[RANK 0]" in (m := r.getMessage())]
+        # accelerate 1.11 and later prefix "[RANK 0] "; the floor, 1.10, does not
+        said = [re.sub(r"^\[RANK \d+\] ", "", r.getMessage()) for r in caplog.records if r.name == "recipes"]
         return on_device, said
 
     n = digits["n_train"] + digits["n_val"]
