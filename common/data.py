@@ -181,7 +181,7 @@ class StreamOfBlocks(IterableDataset):
         """Start `epoch` at its sample `sample`. Where that is in the rows is known only by making the blocks before
         it: the main process does that now, outside any collective with a deadline (runtime.taking_turns: the others
         wait as long as it reads, knowing it works), then its loader reads the rows before it without making blocks.
-        The cost of a resume grows with its position (README: Streaming)."""
+        The cost of a resume grows with its position (docs/lm.md: Streaming)."""
         self._resume = (epoch, 0, 0)
         if not sample:
             return

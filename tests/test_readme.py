@@ -1,4 +1,4 @@
-"""Every command in README.md's bash blocks is run here (or by .ci/run), in a copy of the repo.
+"""Every command in the bash blocks of README.md and docs/*.md is run here (or by .ci/run), in a copy of the repo.
 
 Commands that need GPUs or CIFAR's download run as far as this GPU-less, network-less machine
 allows: `accelerate launch` lines start their processes on CPU and must get past the launch
@@ -23,7 +23,8 @@ import pytest
 from conftest import BIN, REPO, error_lines, load_recipe, results, run, sbatch, sbatch_line, user_env
 from make_digits import write_digits
 
-README = (REPO / "README.md").read_text()
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the front page and the pages it links
+README = "\n".join(page.read_text() for page in PAGES)
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 COMMANDS = [line for block in BLOCKS for line in block.splitlines() if line.strip() and not line.startswith("#")]
 SETUP, FLOOR = BLOCKS[0], next(b for b in BLOCKS if "constraints/floor.txt" in b)
@@ -57,6 +58,15 @@ def test_every_readme_command_is_covered():
             or launch_sh_args(line) is not None
             or sbatch_line(line) is not None
         ), line
+
+
+def test_every_page_is_linked_from_the_front_page_and_every_local_link_resolves():
+    front = PAGES[0].read_text()
+    for page in PAGES[1:]:
+        assert f"](docs/{page.name})" in front, f"README.md does not link {page.name}"
+    for page in [*PAGES, REPO / "benchmarks" / "README.md"]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links {target}, which is not there"
 
 
 def test_setup_commands_are_what_ci_runs():
