@@ -187,13 +187,19 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
         if previous and not (continuing or overwrite):
-            advice = (
-                f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir to "
-                "start over there from it, or another --output_dir"
-                if spec
-                else "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
-                "another --output_dir"
-            )
+            if spec:
+                advice = (
+                    f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir"
+                    " to start over there from it, or another --output_dir"
+                )
+            elif _finished(output_dir):  # latest would end at once: nothing is left to continue
+                further = f"{further} to train it further, " if (further := _train_further(output_dir)) else "pass "
+                advice = f", which finished; {further}--overwrite_output_dir to start over, or another --output_dir"
+            else:
+                advice = (
+                    "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
+                    "another --output_dir"
+                )
             names = ", ".join(p.name for p in previous[:4])
             raise RecipeError(f"--output_dir {output_dir} already holds a run ({names}){advice}")
     except BaseException:
@@ -245,16 +251,24 @@ def _finished(output_dir: Path) -> str | None:
     record = json.loads(results.read_text())  # a run's (_claim refused another's)
     if checkpoints and saved_at(checkpoints[-1]) > record.get("finished_at", results.stat().st_mtime):
         return None
-    steps, further = f", {record['steps']} steps" if "steps" in record else "", ""
-    if checkpoints:  # the last one may be short of the end: the steps after it would be trained again
-        step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
-        again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
-        further = f"; to train it further pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger "
-        further += "--max_train_steps" + ("" if record.get("args", {}).get("streaming") else " or --num_train_epochs")
+    steps, further = f", {record['steps']} steps" if "steps" in record else "", _train_further(output_dir)
     return (
-        f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train{further}; to start over, "
-        "pass --overwrite_output_dir instead of --resume_from_checkpoint"
+        f"{output_dir} holds a finished run ({RESULTS_FILE}{steps}): nothing left to train"
+        f"{'; to train it further ' + further if further else ''}; to start over, pass --overwrite_output_dir instead"
+        " of --resume_from_checkpoint"
     )
+
+
+def _train_further(output_dir: Path) -> str:
+    """How to train a finished run further: resume its newest checkpoint with a longer run ("" if it saved none)."""
+    checkpoints = complete_checkpoints(output_dir)
+    if not checkpoints:
+        return ""
+    record = json.loads((output_dir / RESULTS_FILE).read_text())
+    step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
+    again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
+    longer = "--max_train_steps" + ("" if record.get("args", {}).get("streaming") else " or --num_train_epochs")
+    return f"pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger {longer}"
 
 
 def _start_over(output_dir: Path) -> None:

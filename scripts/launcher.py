@@ -13,7 +13,7 @@ machine with a tiny model. Environment:
 MASTER_PORT (one node: a free one; several: 29500, under Slurm 20000 + job id % 10000), MASTER_ADDR (the head node;
 default: the first Slurm node), NNODES and NODE_RANK (several nodes without Slurm, as torchrun), RDZV_TIMEOUT (seconds
 to wait for the other nodes, 60), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds to save a checkpoint when stopped, 120).
-SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (docs/resuming.md, "Stopping on a signal").
+SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.sh exits 75 (docs/resuming.md).
 """
 
 import glob

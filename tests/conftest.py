@@ -426,7 +426,7 @@ FILE_SECONDS = {
     "test_cifar.py": 400, "test_zero.py": 390, "test_rules.py": 360, "test_hang.py": 260, "test_fsdp.py": 250,
     "test_selftest.py": 220, "test_lm_finetune.py": 220, "test_launch_sh.py": 190, "test_fault.py": 180,
     "test_prepared.py": 140, "test_benchmarks.py": 130, "test_readme.py": 100, "test_compile.py": 90,
-    "test_multinode.py": 80, "test_streaming.py": 80, "test_inputs.py": 40,
+    "test_fixes.py": 90, "test_multinode.py": 80, "test_streaming.py": 80, "test_inputs.py": 40,
 }  # fmt: skip
 
 
