@@ -353,6 +353,36 @@ def complete_checkpoints(output_dir) -> list:
     return sorted(found, key=lambda p: (saved_at(p), int(p.name.removeprefix("checkpoint-"))))
 
 
+def in_run_folder(path, output_dir) -> bool:
+    """Whether checkpoint `path` is one of --output_dir's own (`latest` and another --output_dir mean something to
+    it), not another folder's given by path."""
+    return Path(path).resolve().parent == Path(output_dir).resolve()
+
+
+def start_anew(path, output_dir) -> str:
+    """How a refusal of checkpoint `path` says to start a new run instead: in another folder where it is the run's
+    own, else without it (the run's folder holds nothing of it)."""
+    if in_run_folder(path, output_dir):
+        return "use another --output_dir"
+    return "drop --resume_from_checkpoint to start a new run"
+
+
+def instead_of(path, output_dir) -> str:
+    """What to resume instead of checkpoint `path`, which does not load: `latest` where it is the run's own (it
+    passes over a damaged one), else the newest checkpoint before it in its folder."""
+    if in_run_folder(path, output_dir):
+        return "pass an older checkpoint-<step> folder, or `latest` to pick the newest intact one"
+    step = _step_of(path)
+    older = [c for c in complete_checkpoints(Path(path).parent) if step is None or _step_of(c) < step]
+    if older:
+        return f"pass an older checkpoint ({older[-1]})"
+    return "pass another checkpoint, or drop --resume_from_checkpoint to start a new run"
+
+
+def _step_of(path) -> int | None:
+    return int(found[1]) if (found := CHECKPOINT_RE.fullmatch(Path(path).name)) else None
+
+
 def _prune(output_dir: Path, final: Path, total_limit: int) -> None:
     """--save_total_limit: keep `final` and the `total_limit` intact ones written last (sizes checked only: a
     checksum pass per save would cost too much)."""
@@ -380,8 +410,7 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
         path = Path(spec)
         if damage := checkpoint_damage(path, accelerator):
             raise RecipeError(
-                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; pass an older "
-                "checkpoint-<step> folder, or `latest` to pick the newest intact one"
+                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; {instead_of(path, output_dir)}"
             )
         return path
 
@@ -454,13 +483,13 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         size = f"{theirs:,} parameters, this run's has {ours:,}" if theirs != ours else "other layers, as many weights"
         raise RecipeError(
             f"checkpoint {path} holds another model ({size}){differs}; resume with the model arguments that wrote it "
-            f"(its {STATE_FILE} lists them under args), or use another --output_dir"
+            f"(its {STATE_FILE} lists them under args), or {start_anew(path, args.output_dir)}"
         )
     if state.get("layout", _layout(accelerator)) != _layout(accelerator):  # each writes its own files
         raise RecipeError(
             f"checkpoint {path} was written under {state['layout']}, this run is {_layout(accelerator)}, and each "
             "keeps the model and optimizer state in files of its own layout; resume with an accelerate config of the "
-            f"checkpoint's kind ({state['layout']}), or use another --output_dir"
+            f"checkpoint's kind ({state['layout']}), or {start_anew(path, args.output_dir)}"
         )
     if state.get("mixed_precision", accelerator.mixed_precision) != accelerator.mixed_precision:
         logger.warning(
@@ -475,9 +504,9 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
             accelerator.load_state(str(path))
     except Exception as err:  # a truncated file, another model's weights, a missing shard; or what this run changed
         fix = (
-            f"{differs[2:]}: resume with the checkpoint's settings, or use another --output_dir"
+            f"{differs[2:]}: resume with the checkpoint's settings, or {start_anew(path, args.output_dir)}"
             if changed
-            else "pass another checkpoint-<step> folder, or `latest` to pick the newest intact one"
+            else instead_of(path, args.output_dir)
         )
         raise RecipeError(
             f"could not load checkpoint {path}: {one_line(err)}; {fix}", same_on_every_rank=False

@@ -40,6 +40,7 @@ from .checkpoint import (
     save_checkpoint,
     save_model,
     saved_at,
+    start_anew,
     universal_load_if_resharded,
     write_json,
 )
@@ -99,7 +100,7 @@ class OutputDir:
         if self.resume_from and (theirs := read_state(self.resume_from).get("recipe", args.recipe)) != args.recipe:
             raise RecipeError(  # first: what another recipe wrote differs in data, model and settings too
                 f"checkpoint {self.resume_from} was written by recipes/{theirs}.py, this is recipes/{args.recipe}.py; "
-                "resume it with that recipe, or use another --output_dir"
+                f"resume it with that recipe, or {start_anew(self.resume_from, output_dir)}"
             )
         decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
         accelerator.init_trackers(args.recipe, config=tracker_config(args))

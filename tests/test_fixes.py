@@ -9,9 +9,11 @@ One-process runs of a recipe are forked from a process with the libraries import
 its two runs' own work, about a second for a refusal and a few for a step of the tiny models.
 """
 
+import json
+import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +25,7 @@ TABLE = [
     for row in (REPO / "docs" / "errors.md").read_text().splitlines()
     if row.startswith("| ") and not row.startswith("| input |")
 ]
-# Rows whose fix cannot be followed in a one-process CPU run here, and where each is followed instead.
+# Rows whose fix cannot be followed in a one-process CPU run here, and where each is tested instead.
 NOT_FOLLOWED_HERE = {
     "unknown config": "launch.sh's own options: tests/test_launch_sh.py",
     "a config's value that accelerate launch": "a config file's value: tests/test_launch_sh.py",
@@ -33,11 +35,9 @@ NOT_FOLLOWED_HERE = {
     "a malformed accelerate config": "a config file's value: tests/test_launch_sh.py",
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
     "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
-    "an unreadable image in an ImageFolder": "the fix removes a file of the user's data: tests/test_inputs.py",
-    "a checkpoint of another recipe": "tests/test_rules.py (another --output_dir)",
-    "a checkpoint of another model": "tests/test_rules.py (another --output_dir)",
+    "an empty dataset": "the fix is a folder of images per class, which is the user's to make",
     "a checkpoint of another distributed strategy": "needs DeepSpeed in two processes: tests/test_zero.py",
-    "an `--output_dir` another run is writing": "needs a second run alive: tests/test_rules.py",
+    "an `--output_dir` another run is writing": "the fix is to wait for a second run: tests/test_rules.py",
     "a full disk": "needs a small filesystem: tests/test_fault.py",
     "an unwritable `--output_dir`": "permissions do not bind root, which runs the suite; tests/test_rules.py",
     "more processes than GPUs": "needs GPUs",
@@ -48,31 +48,33 @@ NOT_FOLLOWED_HERE = {
     "a DeepSpeed file whose batch": "DeepSpeed in processes: tests/test_zero.py",
     "a ZeRO-3 config that cannot save": "DeepSpeed in processes: tests/test_zero.py",
     "`accelerate launch --num_processes 2` that starts one process": "two processes: tests/test_launch_sh.py",
-    "a loss or weights that become NaN": "the fix names four remedies, which one mends a run depends on its data",
-    "pretrained weights that are not cached": "the fix downloads where there is network",
-    "an `--image_size` so large": "the line names the machine's memory; any smaller size is its fix",
-    "a damaged model folder": "the fix restores files of the user's model",
-    "an encoder (BERT and kin)": "the fix is another model",
-    "an image too large to decode": "the fix shrinks a file of the user's data",
-    "an ImageFolder that reaches a folder twice": "the fix removes a link in the user's data",
-    "a class folder in `--val_dir`": "the fix changes the user's folders",
-    "rows without text": "the fix edits the user's data",
-    "malformed chat rows": "the fix edits the user's data",
-    "a damaged checkpoint": "the fix is another checkpoint: tests/test_checkpoints.py",
-    "a `--dataset_name` folder": "the fix is the user's data",
-    "an empty dataset": "the fix is the user's images",
-    "a credential in a mistyped argument": "as an unknown argument, which a case follows",
+    "pretrained weights that are not cached": "the fix downloads a file where there is network",
+    "an encoder (BERT and kin)": "the fix is another model, the user's to choose",
+    "an image too large to decode": "the fix shrinks an image of the user's: tests/test_inputs.py",
+    "a `--dataset_name` folder": "as a --train_file that is not there, which a case follows",
+    "a credential in a mistyped argument": "as an unknown argument, which a case follows; the value is masked",
 }
+
+
+@dataclass
+class Context:
+    """A case's folder and inputs: `paths` names what its arguments may hold as {name} (filled in by `before`)."""
+
+    out: Path
+    tmp: Path
+    digits: dict
+    lm: dict
+    paths: dict = field(default_factory=dict)
 
 
 @dataclass
 class Case:
     row: str  # the start of the table row's input column
     recipe: str
-    bad: list  # the recipe's arguments beside the base ones (the data, the output folder, one step)
-    fix: str  # a regular expression for the fix in the error line; its groups are what `follow` uses
-    follow: Callable  # (match, argv) -> the argv the fix asks for
-    before: Callable = None  # (output_dir, digits, lm) -> None: what the folder holds before the bad run
+    bad: list  # options of the base command: a value replaces the base's, None drops the option, a flag is added
+    fix: str  # a regular expression for the fix in the error line; `follow` gets its match
+    follow: Callable  # (match, argv, context) -> the argv the fix asks for, having done what else it asks
+    before: Callable = None  # (context) -> None: the folder, data or checkpoint the mistake needs
 
 
 def setting(option, value):
@@ -103,37 +105,105 @@ def dropping(*options):
     return follow
 
 
-def adding(*args):
-    return lambda argv: [*argv, *args]
+def given(argv, option):
+    """The value of `option`'s last occurrence in `argv` (argparse keeps the last)."""
+    return argv[len(argv) - argv[::-1].index(option)]
 
 
-def earlier_run(steps, *extra):
-    """An --output_dir holding an lm_finetune run of `steps` steps that saved a checkpoint at each."""
+def lm_run(folder, lm, steps):
+    """An lm_finetune run of `steps` steps in `folder` that saved a checkpoint at each."""
+    run([BIN / "python", REPO / "recipes/lm_finetune.py"]
+        + lm_args(lm, folder, "--max_train_steps", str(steps), "--checkpointing_steps", "1"))  # fmt: skip
 
-    def before(output_dir, digits, lm):
-        run(
-            [BIN / "python", REPO / "recipes/lm_finetune.py"]
-            + lm_args(lm, output_dir, "--max_train_steps", str(steps), "--checkpointing_steps", "1", *extra)
-        )
+
+def finished_run(ctx):
+    lm_run(ctx.out, ctx.lm, 2)
+
+
+def interrupted_run(ctx):
+    """A run killed after its checkpoint of step 2, before its final save: its checkpoints and nothing else."""
+    lm_run(ctx.out, ctx.lm, 2)
+    for path in ctx.out.iterdir():
+        if not path.name.startswith("checkpoint-"):
+            path.unlink()
+
+
+def another_folders_run(ctx):
+    lm_run(ctx.tmp / "other", ctx.lm, 2)
+    ctx.paths["other"] = str(ctx.tmp / "other")
+
+
+def damaged_checkpoint(ctx):
+    another_folders_run(ctx)
+    optimizer = ctx.tmp / "other" / "checkpoint-2" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # a copy cut short
+
+
+def foreign_files(ctx):
+    shutil.copytree(ctx.lm["model"], ctx.out)  # the pretrained model's own folder
+
+
+def larger_tokenizer(ctx):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.lm["model"])
+    tokenizer.add_tokens([f"new{i}" for i in range(8)])
+    tokenizer.save_pretrained(ctx.tmp / "tokenizer")
+    ctx.paths["tokenizer"] = str(ctx.tmp / "tokenizer")
+
+
+def pretrained_file(ctx):
+    """Weights of torchvision's ResNet-18 as a file of the user's (written when the fix names it)."""
+    ctx.paths["weights"] = str(ctx.tmp / "weights.safetensors")
+
+
+def with_rows(name, source, insert):
+    """A copy of the tiny LM's `source` data file with `insert` as its 6th row, as {name}."""
+
+    def before(ctx):
+        rows = Path(ctx.lm[source]).read_text().splitlines()
+        rows.insert(5, json.dumps(insert))
+        (ctx.tmp / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+        ctx.paths[name] = str(ctx.tmp / f"{name}.jsonl")
 
     return before
 
 
-def interrupted_run(steps):
-    """An --output_dir holding a run cut short after its checkpoint of step `steps` (killed before its final save)."""
+def without_rows(path, bad):
+    """The data file at `path` without the rows `bad` (a function of a row) says are wrong."""
+    rows = Path(path).read_text().splitlines()
+    Path(path).write_text("\n".join(row for row in rows if not bad(json.loads(row))) + "\n")
 
-    def before(output_dir, digits, lm):
-        earlier_run(steps)(output_dir, digits, lm)
-        for path in output_dir.iterdir():
-            if not path.name.startswith("checkpoint-"):
-                path.unlink()
+
+def images(change):
+    """A copy of the digits as {train} and {val}, after `change(train, val)`."""
+
+    def before(ctx):
+        shutil.copytree(ctx.digits["train"].parent, ctx.tmp / "digits", symlinks=True)
+        train, val = ctx.tmp / "digits" / "train", ctx.tmp / "digits" / "val"
+        change(train, val)
+        ctx.paths |= {"train": str(train), "val": str(val)}
 
     return before
 
 
-def foreign_files(output_dir, digits, lm):
-    output_dir.mkdir(parents=True)
-    shutil.copytree(lm["model"], output_dir, dirs_exist_ok=True)  # the pretrained model's own folder
+def garbage_image(train, val):
+    (next((train / "3").iterdir())).write_bytes(b"not an image")
+
+
+def a_link_up(train, val):
+    (train / "7" / "up").symlink_to(train)
+
+
+def a_class_only_val_has(train, val):
+    (val / "10").mkdir()
+    shutil.copy2(next((val / "1").iterdir()), val / "10" / "x.png")
+
+
+def broken_model_config(ctx):
+    shutil.copytree(ctx.lm["model"], ctx.tmp / "broken-model")
+    (ctx.tmp / "broken-model" / "config.json").write_text("{not json")
+    ctx.paths |= {"broken_model": str(ctx.tmp / "broken-model"), "model": str(ctx.lm["model"])}
 
 
 CASES = [
@@ -142,266 +212,327 @@ CASES = [
         "lm_finetune",
         ["--per_device_batch_size", "8"],
         r"did you mean (--\w+) or (--\w+)\?",  # the eval batch or the train batch: the second is this one
-        lambda m, argv: setting(m[2], "8")(dropping("--per_device_batch_size")(argv)),
+        lambda m, argv, ctx: setting(m[2], "8")(dropping("--per_device_batch_size")(argv)),
     ),
     Case(
         "a batch larger than the dataset",
         "lm_finetune",
         ["--per_device_train_batch_size", "4096"],
         r"holds (\d+) samples: .*; lower --per_device_train_batch_size, or use more data",
-        lambda m, argv: setting("--per_device_train_batch_size", m[1])(argv),  # lowered to what the set holds
+        lambda m, argv, ctx: setting("--per_device_train_batch_size", m[1])(argv),  # to what the set holds
     ),
     Case(
         "more accumulation steps than batches",
         "lm_finetune",
         ["--gradient_accumulation_steps", "500"],
         r"lower --gradient_accumulation_steps to (\d+) or less",
-        lambda m, argv: setting("--gradient_accumulation_steps", m[1])(argv),
+        lambda m, argv, ctx: setting("--gradient_accumulation_steps", m[1])(argv),
+    ),
+    Case(
+        "a checkpoint of another recipe",
+        "zero",
+        ["--resume_from_checkpoint", "{other}/checkpoint-2", "--max_train_steps", "3"],
+        r"resume it with that recipe, or drop (--resume_from_checkpoint) to start a new run$",
+        lambda m, argv, ctx: dropping(m[1])(argv),
+        before=another_folders_run,
+    ),
+    Case(
+        "a checkpoint of another model",
+        "lm_finetune",
+        ["--resume_from_checkpoint", "{other}/checkpoint-2", "--max_train_steps", "3", "--lora_r", "4"],
+        r"differs from it in (--lora_r) (\d+) -> \d+; resume with the model arguments that wrote it",
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+        before=another_folders_run,
     ),
     Case(
         "an `--output_dir` holding what no run wrote",
         "lm_finetune",
         [],
-        r"or pass another (--output_dir)",
-        lambda m, argv: setting(m[1], argv[argv.index("--output_dir") + 1] + "-another")(argv),
+        r"or pass another (--output_dir)$",
+        lambda m, argv, ctx: setting(m[1], str(ctx.tmp / "another"))(argv),
         before=foreign_files,
+    ),
+    Case(
+        "a damaged checkpoint",
+        "lm_finetune",
+        ["--resume_from_checkpoint", "{other}/checkpoint-2", "--max_train_steps", "3"],
+        r"pass an older checkpoint \((\S+)\)$",
+        lambda m, argv, ctx: setting("--resume_from_checkpoint", m[1])(argv),
+        before=damaged_checkpoint,
     ),
     Case(
         "a checkpoint past the length asked",
         "lm_finetune",
-        ["--resume_from_checkpoint", "OTHER/checkpoint-2", "--max_train_steps", "1"],
+        ["--resume_from_checkpoint", "{other}/checkpoint-2", "--max_train_steps", "1"],
         r"pass (--max_train_steps) (\d+) or more",
-        lambda m, argv: setting(m[1], m[2])(argv),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+        before=another_folders_run,
     ),
     Case(
         "a checkpoint resumed with another `--seed`",
         "lm_finetune",
-        ["--resume_from_checkpoint", "OTHER/checkpoint-2", "--seed", "7", "--max_train_steps", "3"],
+        ["--resume_from_checkpoint", "{other}/checkpoint-2", "--seed", "7", "--max_train_steps", "3"],
         r"resume with (--seed) (\d+)$",
-        lambda m, argv: setting(m[1], m[2])(argv),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+        before=another_folders_run,
+    ),
+    Case(
+        "another folder's checkpoint, into an `--output_dir` holding a run",
+        "lm_finetune",
+        ["--max_train_steps", "3", "--resume_from_checkpoint", "{other}/checkpoint-2"],
+        r"pass (--overwrite_output_dir) to start over there from it",
+        lambda m, argv, ctx: [*argv, m[1]],
+        before=lambda ctx: (finished_run(ctx), another_folders_run(ctx)),
     ),
     Case(
         "`--overwrite_output_dir` with `--resume_from_checkpoint latest`",
         "lm_finetune",
         ["--overwrite_output_dir", "--resume_from_checkpoint", "latest", "--max_train_steps", "3"],
         r"pass one of them",
-        lambda m, argv: dropping("--overwrite_output_dir")(argv),
-        before=interrupted_run(2),
+        lambda m, argv, ctx: dropping("--overwrite_output_dir")(argv),
+        before=interrupted_run,
     ),
     Case(
         "an `--output_dir` holding a run that did not finish",
         "lm_finetune",
         ["--max_train_steps", "3"],
         r"pass (--resume_from_checkpoint) (latest) to continue it",
-        lambda m, argv: setting(m[1], m[2])(argv),
-        before=interrupted_run(2),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+        before=interrupted_run,
     ),
     Case(
         "an `--output_dir` holding a finished run, no resume flag",
         "lm_finetune",
         ["--max_train_steps", "3"],  # one more step than it trained
         r"which finished; pass (--resume_from_checkpoint) (\S+) with a larger --max_train_steps",
-        lambda m, argv: setting(m[1], m[2])(argv),
-        before=earlier_run(2),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+        before=finished_run,
     ),
     Case(
-        "another folder's checkpoint, into an `--output_dir` holding a run",
+        "a tokenizer larger than the model's vocabulary",
         "lm_finetune",
-        ["--max_train_steps", "3", "--resume_from_checkpoint", "OTHER/checkpoint-2"],
-        r"pass (--overwrite_output_dir) to start over there from it",
-        lambda m, argv: adding(m[1])(argv),
-        before=earlier_run(2),
+        ["--tokenizer_name", "{tokenizer}"],
+        r"pass (--resize_token_embeddings) to grow the embeddings",
+        lambda m, argv, ctx: [*argv, m[1]],
+        before=larger_tokenizer,
+    ),
+    Case(
+        "a loss or weights that become NaN or inf",
+        "lm_finetune",
+        ["--learning_rate", "1e12", "--max_train_steps", "6"],
+        r"lower (--learning_rate)",
+        lambda m, argv, ctx: setting(m[1], "3e-3")(argv),  # lm_args's rate
     ),
     Case(
         "a number out of range or not a number",
         "lm_finetune",
         ["--learning_rate", "nan"],
         r"pass a number greater than (\d+)",
-        lambda m, argv: setting("--learning_rate", str(int(m[1]) + 1e-3))(argv),
+        lambda m, argv, ctx: setting("--learning_rate", str(int(m[1]) + 1e-3))(argv),
     ),
     Case(
         "training that would be empty",
         "lm_finetune",
         ["--num_train_epochs", "0"],
         r"pass a whole number at least (\d+)",
-        lambda m, argv: setting("--num_train_epochs", m[1])(argv),
+        lambda m, argv, ctx: setting("--num_train_epochs", m[1])(argv),
     ),
     Case(
         "`--checkpointing_steps 0`",
         "lm_finetune",
         ["--checkpointing_steps", "0"],
         r"to save no checkpoints, omit the option",
-        lambda m, argv: dropping("--checkpointing_steps")(argv),
+        lambda m, argv, ctx: dropping("--checkpointing_steps")(argv),
     ),
     Case(
         "a schedule the recipe cannot drive",
         "lm_finetune",
         ["--lr_scheduler_type", "reduce_lr_on_plateau"],
         r"\(choose from '(\w+)'",
-        lambda m, argv: setting("--lr_scheduler_type", m[1])(argv),
+        lambda m, argv, ctx: setting("--lr_scheduler_type", m[1])(argv),
     ),
     Case(
         "arguments that contradict each other",
         "cifar",
         ["--momentum", "0", "--nesterov"],
         r"pass (--no-nesterov) for plain SGD",
-        lambda m, argv: adding(m[1])(argv),
+        lambda m, argv, ctx: [*argv, m[1]],
     ),
     Case(
         "fine-tuning options without weights to fine-tune",
         "cifar",
         ["--model", "resnet18", "--freeze_backbone"],
         r"add --pretrained or (--pretrained_path)",
-        lambda m, argv: setting(m[1], "PRETRAINED")(argv),
+        lambda m, argv, ctx: setting(m[1], user_weights(ctx))(argv),
+        before=pretrained_file,
     ),
     Case(
         "images too small for the model",
         "cifar",
         ["--model", "resnet18", "--image_size", "8"],
         r"pass (--image_size) (\d+)",
-        lambda m, argv: setting(m[1], m[2])(argv),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
+    ),
+    Case(
+        "an `--image_size` so large",
+        "cifar",
+        ["--image_size", "100000"],
+        r"pass the size the model should see \(the images are resized to it\), such as \d+$",
+        lambda m, argv, ctx: setting("--image_size", "32")(argv),  # the size these images are
+    ),
+    Case(
+        "an unreadable image in an ImageFolder",
+        "cifar",
+        ["--train_dir", "{train}", "--val_dir", "{val}"],
+        r"error: (\S+): unreadable image .*; remove or replace the file",
+        lambda m, argv, ctx: (os.remove(m[1]), argv)[1],
+        before=images(garbage_image),
+    ),
+    Case(
+        "an ImageFolder that reaches a folder twice",
+        "cifar",
+        ["--train_dir", "{train}", "--val_dir", "{val}"],
+        r"(\S+)/\d+ is \S+ again, through a symbolic link, .*; remove the link",
+        lambda m, argv, ctx: (os.remove(m[1]), argv)[1],
+        before=images(a_link_up),
+    ),
+    Case(
+        "a class folder in `--val_dir` that `--train_dir` lacks",
+        "cifar",
+        ["--train_dir", "{train}", "--val_dir", "{val}"],
+        r"--val_dir (\S+) has class folders that --train_dir \S+ lacks \('(\w+)'\); give both the same class",
+        lambda m, argv, ctx: (shutil.rmtree(Path(m[1]) / m[2]), argv)[1],
+        before=images(a_class_only_val_has),
     ),
     Case(
         "a LoRA rank above the rank of a layer it adapts",
         "lm_finetune",
         ["--lora_r", "64"],
         r"pass (--lora_r) (\d+) or less",
-        lambda m, argv: setting(m[1], m[2])(argv),
+        lambda m, argv, ctx: setting(m[1], m[2])(argv),
     ),
     Case(
         "an option that would do nothing with the others given",
         "lm_finetune",
         ["--lora_alpha", "16"],
         r"(--lora_alpha) would do nothing without --lora_r .*: drop it",
-        lambda m, argv: dropping(m[1])(argv),
+        lambda m, argv, ctx: dropping(m[1])(argv),
     ),
     Case(
         "LoRA target modules the model does not have",
         "lm_finetune",
         ["--lora_r", "4", "--lora_target_modules", "qproj"],
         r"or pass (all-linear)$",
-        lambda m, argv: setting("--lora_target_modules", m[1])(argv),
+        lambda m, argv, ctx: setting("--lora_target_modules", m[1])(argv),
     ),
     Case(
         "an attention implementation that is unknown or not installed",
         "lm_finetune",
         ["--attn_implementation", "flash_attention_2"],
         r"or leave the option out",
-        lambda m, argv: dropping("--attn_implementation")(argv),
-    ),
-    Case(
-        "a tokenizer larger than the model's vocabulary",
-        "lm_finetune",
-        ["--tokenizer_name", "LARGER_TOKENIZER"],
-        r"pass (--resize_token_embeddings) to grow the embeddings",
-        lambda m, argv: adding(m[1])(argv),
+        lambda m, argv, ctx: dropping("--attn_implementation")(argv),
     ),
     Case(
         "config overrides the model rejects",
         "lm_finetune",
-        ["--model_name_or_path", None, "--config_name", "MODEL", "--config_overrides", "num_hiden_layers=1"],
+        ["--model_name_or_path", None, "--config_name", "{model}", "--config_overrides", "num_hiden_layers=1"],
         r"did you mean (\w+)\?",
-        lambda m, argv: setting("--config_overrides", f"{m[1]}=1")(argv),
+        lambda m, argv, ctx: setting("--config_overrides", f"{m[1]}=1")(argv),
+        before=lambda ctx: ctx.paths.update(model=str(ctx.lm["model"])),
+    ),
+    Case(
+        "a damaged model folder",
+        "lm_finetune",
+        ["--model_name_or_path", "{broken_model}"],
+        r"; pass the folder that save_pretrained wrote$",
+        lambda m, argv, ctx: setting("--model_name_or_path", ctx.paths["model"])(argv),  # the model's own
+        before=broken_model_config,
     ),
     Case(
         "a data file that is a folder",
         "lm_finetune",
-        ["--train_file", "DATA_FOLDER", "--validation_file", None],
+        ["--train_file", "{data}", "--validation_file", None],
         r"or the folder as (--dataset_name) (\S+)$",
-        lambda m, argv: setting(m[1], m[2])(dropping("--train_file")(argv)),
+        lambda m, argv, ctx: setting(m[1], m[2])(dropping("--train_file")(argv)),
+        before=lambda ctx: ctx.paths.update(data=str(Path(ctx.lm["train"]).parent)),
     ),
     Case(
         "a `--train_file` or `--validation_file` that is not there",
         "lm_finetune",
-        ["--train_file", "TYPO"],
+        ["--train_file", "{typo}"],
         r"(--train_file) (\S+): no such file or directory; check the path",
-        lambda m, argv: setting(m[1], m[2].replace("trian", "train"))(argv),
+        lambda m, argv, ctx: setting(m[1], m[2].replace("trian", "train"))(argv),
+        before=lambda ctx: ctx.paths.update(typo=str(ctx.lm["train"]).replace("train", "trian")),
+    ),
+    Case(
+        "rows without text",
+        "lm_finetune",
+        ["--train_file", "{rows}"],
+        r"--train_file (\S+): a row's text is None .*; remove or fill such rows",
+        lambda m, argv, ctx: (without_rows(m[1], lambda row: row["text"] is None), argv)[1],
+        before=with_rows("rows", "train", {"text": None}),
+    ),
+    Case(
+        "malformed chat rows",
+        "lm_finetune",
+        ["--train_file", "{chats}", "--validation_file", None, "--data_format", "chat"],
+        r"--train_file (\S+): message \d+ has no role: \{'content': '(.*)'\}; fix or remove that row",
+        lambda m, argv, ctx: (without_rows(m[1], lambda row: {"content": m[2]} in row["messages"]), argv)[1],
+        before=with_rows("chats", "chat", {"messages": [{"content": "no role"}]}),
     ),
 ]
 
 
-def rows_of(cases):
-    return {next(row for row in TABLE if row.startswith(case.row)) for case in cases}
+def user_weights(ctx):
+    """The file the fix names, written now: torchvision's ResNet-18 for these 10 classes."""
+    import torchvision
+    from safetensors.torch import save_file
+
+    save_file(torchvision.models.resnet18(num_classes=10).state_dict(), ctx.paths["weights"])
+    return ctx.paths["weights"]
 
 
 def test_every_row_of_the_table_is_followed_here_or_says_where():
-    covered = rows_of(CASES) | {row for row in TABLE if any(row.startswith(key) for key in NOT_FOLLOWED_HERE)}
-    assert [row for row in TABLE if row not in covered] == []
+    def key_of(row):
+        return [key for key in [c.row for c in CASES] + list(NOT_FOLLOWED_HERE) if row.startswith(key)]
+
+    assert [row for row in TABLE if len(key_of(row)) != 1] == [], "a row no case follows, or more than one"
     assert all(any(row.startswith(key) for row in TABLE) for key in NOT_FOLLOWED_HERE), "a key names no row"
 
 
-@pytest.fixture(scope="module")
-def larger_tokenizer(tiny_lm, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("larger_tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
-    tokenizer.add_tokens([f"new{i}" for i in range(8)])
-    tokenizer.save_pretrained(folder)
-    return folder
+def command(case, ctx):
+    """The base command (the data, the output folder, one step) with the case's options."""
+    if case.recipe == "cifar":
+        argv = digits_args(ctx.digits, ctx.out, "--max_train_steps", "1", "--per_device_train_batch_size", "16")
+        argv += ["--hflip", "0"]
+    else:
+        argv = lm_args(ctx.lm, ctx.out, "--max_train_steps", "1")
+    argv, bad = [str(a) for a in argv], [a if a is None else a.format_map(ctx.paths) for a in case.bad]
+    i = 0
+    while i < len(bad):
+        option, value = bad[i], bad[i + 1] if i + 1 < len(bad) else "--"
+        if value is not None and value.startswith("--"):  # a flag
+            argv, i = [*argv, option], i + 1
+        else:
+            argv, i = dropping(option)(argv) if value is None else setting(option, value)(argv), i + 2
+    return argv
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.row[:50])
-def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(
-    case, digits, tiny_lm, larger_tokenizer, tmp_path
-):
-    out = tmp_path / "out"
-    names = {
-        "OTHER": str(tmp_path / "other"),
-        "PRETRAINED": str(tmp_path / "pretrained.safetensors"),
-        "LARGER_TOKENIZER": str(larger_tokenizer),
-        "MODEL": str(tiny_lm["model"]),
-        "DATA_FOLDER": str(Path(tiny_lm["train"]).parent),
-        "TYPO": str(tiny_lm["train"]).replace("train", "trian"),
-    }
-    bad = [names.get(a, a) if isinstance(a, str) else a for a in case.bad]
-    if "OTHER/checkpoint-2" in case.bad:
-        earlier_run(2)(tmp_path / "other", digits, tiny_lm)
-        bad[bad.index("OTHER/checkpoint-2")] = str(tmp_path / "other" / "checkpoint-2")
-    if case.recipe == "cifar":
-        base = digits_args(
-            digits, out, "--max_train_steps", "1", "--per_device_train_batch_size", "16", "--hflip", "0"
-        )
-    else:
-        base = lm_args(tiny_lm, out, "--max_train_steps", "1")
-    argv = apply_bad([str(a) for a in base], bad)
+def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case, digits, tiny_lm, tmp_path):
+    ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm)
     if case.before:
-        case.before(out, digits, tiny_lm)
-    held = snapshot(out) if out.exists() else None
+        case.before(ctx)
+    argv, held = command(case, ctx), snapshot(tmp_path)
     recipe = [BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
     proc = run(recipe + argv, check=False)
-    (line,) = error_lines(proc.stderr)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert (snapshot(out) if out.exists() else None) == held, "the refused run changed its --output_dir"
+    (line,) = error_lines(proc.stderr)
+    assert snapshot(tmp_path) == held, "the refused run changed what it was given"
     match = re.search(case.fix, line)
     assert match, f"the line does not say the fix {case.fix!r}: {line}"
-    fixed = [names.get(a, a) for a in case.follow(match, argv)]
-    if names["PRETRAINED"] in fixed:  # weights of the model asked for, as a file of the user's
-        import torchvision
-        from safetensors.torch import save_file
-
-        save_file(torchvision.models.resnet18(num_classes=10).state_dict(), names["PRETRAINED"])
+    fixed = case.follow(match, argv, ctx)
     proc = run(recipe + fixed, check=False)
     assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
     assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
-
-
-def apply_bad(argv, bad):
-    """The base command with the case's options: a value replaces the base's, None drops the option."""
-    i = 0
-    while i < len(bad):
-        option = bad[i]
-        value = bad[i + 1] if i + 1 < len(bad) and (bad[i + 1] is None or not str(bad[i + 1]).startswith("--")) else ""
-        if value == "":
-            argv = [*argv, option]
-            i += 1
-            continue
-        argv = dropping(option)(argv) if value is None else setting(option, value)(argv)
-        i += 2
-    return argv
-
-
-def given(argv, option):
-    """The value of `option`'s last occurrence in `argv` (argparse keeps the last)."""
-    return argv[len(argv) - argv[::-1].index(option)]

@@ -149,7 +149,7 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         f"error: checkpoint {checkpoint} was written under DEEPSPEED ZeRO-3, this run is DDP, and each keeps the "
         "model and optimizer state in files of its own layout; resume with an accelerate config of the checkpoint's "
-        "kind (DEEPSPEED ZeRO-3), or use another --output_dir"
+        "kind (DEEPSPEED ZeRO-3), or drop --resume_from_checkpoint to start a new run"
     ], proc.stderr[-3000:]
     # Under ZeRO-2, whose files are not ZeRO-3's either: the stage named, not DeepSpeed's AssertionError.
     zero2 = tmp_path / "zero2"
