@@ -111,6 +111,8 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     bare = out.parent / "without_matplotlib"
     shutil.copytree(out, bare)
     (bare / "training_curves.png").unlink()
+    (bare / "samples.jsonl").write_text("{}\n")  # what other steps of a run may leave there: linked when present
+    (bare / "merged").mkdir()
     PartialState()  # the recipes' logger needs it
     with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="recipes"):
         patch.setitem(sys.modules, "matplotlib", None)
@@ -118,6 +120,8 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     (said,) = [m for m in caplog.messages if "matplotlib" in m]  # accelerate's logger puts [RANK 0] before it
     assert said.endswith("matplotlib is not installed (pip install -e '.[bench]'): the model card has no pictures")
     assert ".png" not in card(bare)[1] and not (bare / "training_curves.png").exists()
+    assert "- [samples.jsonl](samples.jsonl)\n- [merged](merged/)\n" in card(bare)[1]
+    assert "samples.jsonl" not in text and "merged" not in text
 
 
 @pytest.mark.slow
