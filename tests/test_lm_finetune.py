@@ -1,5 +1,6 @@
 """The causal-LM recipe on a tiny Llama built here, launched as users launch it on CPU."""
 
+import argparse
 import hashlib
 import json
 import logging
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
 from conftest import (
     BIN,
     LM_INTERRUPTED_ARGS,
@@ -32,7 +33,7 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.card import write_card
+from common.card import launch_record, write_card
 from common.runtime import RecipeError
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, target_tokens, window_tokens
 
@@ -122,6 +123,13 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     assert ".png" not in card(bare)[1] and not (bare / "training_curves.png").exists()
     assert "- [samples.jsonl](samples.jsonl)\n- [merged](merged/)\n" in card(bare)[1]
     assert "samples.jsonl" not in text and "merged" not in text
+    # The command on the card masks credentials in the arguments, as launch.sh's printed command does
+    secrets = ["pa55word", "hf_" + "S3cr3t" * 6]
+    argv = [str(RECIPE), "--dataset_name", f"https://user:{secrets[0]}@example.org/d", "--hub_token", secrets[1]]
+    monkeypatch.setattr(sys, "argv", argv)
+    command = launch_record(Accelerator(cpu=True), argparse.Namespace(recipe="lm_finetune"))["command"]
+    assert command.endswith(" --dataset_name 'https://***@example.org/d' --hub_token '***'"), command
+    assert command.startswith("./launch.sh lm_finetune --config cpu --num_processes 1 --mixed_precision no ")
 
 
 @pytest.mark.slow
