@@ -159,10 +159,12 @@ class TrainLog:
             raise _diverged(step, "the weights hold NaN or inf")
 
     def evaluated(self, at, metrics: dict) -> None:
-        """An evaluation's metrics, with the loss since the last log, in the trackers and the log; the training clock
-        restarts after it (evaluation time is not training time)."""
+        """An evaluation's metrics (its numbers: per-class tables go to results.json alone), with the loss since the
+        last log, in the trackers and the log; the training clock restarts after it (evaluation time is not training
+        time)."""
         self._flush()
         epoch = self.plan.epochs(at)
+        metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # tables: results.json's alone
         self.accelerator.log({**metrics, "epoch": epoch}, step=at.step)
         self.eval_history.append({"step": at.step, "samples_seen": at.seen, "epoch": round(epoch, 4), **metrics})
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
@@ -271,6 +273,8 @@ def write_results(accelerator, args, plan, **metrics) -> Path:
         "effective_batch_size": plan.effective_batch_size,
         "learning_rate": plan.learning_rate,
         "max_train_steps": plan.max_train_steps,
+        "warmup_steps": plan.warmup_steps,
+        "data_fingerprint": plan.data_fingerprint,  # what a checkpoint records of the training data (common.data)
         **metrics,
         **peak_memory_gb(accelerator),  # a gather: every process takes part
         "versions": library_versions(),

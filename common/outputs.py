@@ -22,6 +22,7 @@ import psutil  # accelerate's dependency
 from accelerate.utils import gather_object
 
 from .args import UNUSED
+from .card import launch_record, write_card
 from .checkpoint import (
     CHECKPOINT_RE,
     HASH,
@@ -116,7 +117,14 @@ class OutputDir:
         return save_model(self.accelerator, model, self.args.output_dir, tokenizer)
 
     def write_results(self, plan, **metrics) -> Path:
-        return write_results(self.accelerator, self.args, plan, **metrics)
+        """results.json, then the model card and its pictures from it (common.card), recorded as the run's files."""
+        launch = launch_record(self.accelerator, self.args)
+        path = write_results(self.accelerator, self.args, plan, **metrics, launch=launch)
+        written = decide_on_main(
+            self.accelerator, lambda: write_card(self.args.output_dir, json.loads(path.read_text()))
+        )
+        self.record_written(*written)
+        return path
 
     def record_written(self, *names) -> None:
         """Files or folders the run wrote beside its weights (zero.py's fp32/), recorded with save_model's: the next

@@ -65,16 +65,22 @@ def load_images(args):
     --pretrained's weights were trained; read by the main process first (a download, a scan), then the others."""
     with prepare_data_first(PartialState(), args.ddp_timeout):
         train, evals = _image_sets(args)
+    return train, evals, *image_size_and_stats(args), len(train.classes)
+
+
+def image_size_and_stats(args) -> tuple:
+    """(size, mean, std) the model sees images at: CIFAR's 32 px or --image_size, normalized with CIFAR's or ImageNet's
+    statistics or, --pretrained, those the weights were trained with (timm's config, torchvision's preset)."""
     folder = args.dataset == "imagefolder"
     size, mean, std = (args.image_size, IMAGENET_MEAN, IMAGENET_STD) if folder else (32, CIFAR_MEAN, CIFAR_STD)
-    if args.pretrained:  # timm's config, torchvision's preset
+    if args.pretrained:
         cfg = (
             timm_weights(args.model, pretrained=True)
             if args.model.startswith("timm/")
             else torchvision.models.get_model_weights(args.model).DEFAULT.transforms()
         )
         mean, std = tuple(cfg.mean), tuple(cfg.std)
-    return train, evals, size, mean, std, len(train.classes)
+    return size, mean, std
 
 
 def _image_sets(args):
@@ -250,6 +256,28 @@ def held_on_device(args, images, accelerator, resume_from=None) -> bool:
         return on_device
 
     return decide_on_main(accelerator, choose)
+
+
+# Per-class metrics -------------------------------------------------------------------------------
+
+
+def confusion_counts(labels, preds, num_classes: int) -> torch.Tensor:
+    """(true class, predicted class) counts of a batch, on the CPU: summed over gather_for_metrics' batches, exact
+    over the held-out set on any number of processes, as the accuracy is."""
+    pairs = labels.long() * num_classes + preds.long()
+    return torch.bincount(pairs, minlength=num_classes**2).view(num_classes, num_classes).cpu()
+
+
+def per_class_metrics(confusion: torch.Tensor, classes) -> dict:
+    """What results.json and the model card report per class, by the dataset's class names: each class's held-out
+    samples and accuracy (None for a class without any), and the confusion matrix (rows: true, columns: predicted)."""
+    samples, correct = confusion.sum(1).tolist(), confusion.diagonal().tolist()
+    return {
+        "class_names": list(classes),
+        "eval_per_class_samples": dict(zip(classes, samples)),
+        "eval_per_class_accuracy": {c: k / n if n else None for c, k, n in zip(classes, correct, samples)},
+        "eval_confusion_matrix": confusion.tolist(),
+    }
 
 
 # Model arguments ----------------------------------------------------------------------------------

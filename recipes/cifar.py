@@ -23,6 +23,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 from torchvision import transforms as T
 
 import common
+from common import vision
 from common.vision import add_model_args, build_model, held_on_device, load_images, param_groups
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
@@ -108,20 +109,24 @@ def parse_args(argv=None):
     return args
 
 
+def eval_transform(size, mean, std):
+    """What evaluation does to an image (scripts/predict.py too): resized, center-cropped above 64 px, normalized."""
+    resize = [T.Resize((size, size))] if size <= 64 else [T.Resize(round(size / 0.875)), T.CenterCrop(size)]
+    return T.Compose([*resize, T.ToTensor(), T.Normalize(mean, std)])
+
+
 def build_datasets(args, images):
     """(train, eval, num_classes) of `images` (load_images); augmentation is seeded per sample so resumes replay it
     exactly."""
     train, evals, size, mean, std, num_classes = images
+    evals.transform = eval_transform(size, mean, std)
+    eval_tf, tail = evals.transform.transforms[:-2], evals.transform.transforms[-2:]  # the resize; tensor, normalize
     if size <= 64:  # CIFAR-style: pad-and-crop keeps the whole object in a small image
-        eval_tf = [T.Resize((size, size))]
         train_tf = [*eval_tf, T.RandomCrop(size, padding=size // 8)] if args.random_crop else eval_tf
     else:  # ImageNet-style
-        eval_tf = [T.Resize(round(size / 0.875)), T.CenterCrop(size)]
         train_tf = [T.RandomResizedCrop(size)] if args.random_crop else eval_tf
     flip = [T.RandomHorizontalFlip(args.hflip)] if args.hflip else []
-    tail = [T.ToTensor(), T.Normalize(mean, std)]
     train = common.SeededTransform(train, T.Compose([*train_tf, *flip, *tail]), args.seed)
-    evals.transform = T.Compose([*eval_tf, *tail])
     return train, evals, num_classes
 
 
@@ -178,7 +183,7 @@ def get_dataloaders(args, accelerator, resume_from=None):
     eval_dl = common.make_dataloader(
         evals, args.per_device_eval_batch_size, train=False, num_workers=args.dataloader_num_workers
     )
-    return train_dl, eval_dl, num_classes
+    return train_dl, eval_dl, images[0].classes  # the dataset's class names, in label order
 
 
 def build_optimizer(args, model, lr, fused=True):
@@ -190,11 +195,11 @@ def build_optimizer(args, model, lr, fused=True):
     return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.nesterov, fused=fused)
 
 
-def evaluate(model, eval_dl, accelerator, stop=None):
-    """Loss and accuracy over the whole eval set, each sample counted exactly once; None if `stop` (a
+def evaluate(model, eval_dl, accelerator, classes, stop=None):
+    """Loss and accuracy over the whole eval set, and per class, each sample counted exactly once; None if `stop` (a
     common.StopOnSignal) reports a signal, which every process sees at the same batch."""
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count, confusion = 0.0, 0, 0, 0
     with torch.no_grad():
         for images, labels in eval_dl:
             if stop is not None and stop.requested():
@@ -207,8 +212,10 @@ def evaluate(model, eval_dl, accelerator, stop=None):
             loss_sum += losses.float().sum().item()
             correct += (preds == labels).sum().item()
             count += labels.numel()
+            confusion = confusion + vision.confusion_counts(labels, preds, len(classes))
     model.train()
-    return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_samples": count}
+    metrics = {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_samples": count}
+    return {**metrics, **vision.per_class_metrics(confusion, classes)}
 
 
 def main(argv=None):
@@ -217,11 +224,11 @@ def main(argv=None):
     set_seed(args.seed)  # every process builds the same initial model
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
-    train_dl, eval_dl, num_classes = get_dataloaders(args, accelerator, out.resume_from)
+    train_dl, eval_dl, classes = get_dataloaders(args, accelerator, out.resume_from)
     plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
-    model = build_model(args, num_classes, on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
+    model = build_model(args, len(classes), on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
     if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
         model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
@@ -230,7 +237,9 @@ def main(argv=None):
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
-    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, partial(evaluate, model, eval_dl, accelerator))
+    loop = common.TrainingLoop(
+        accelerator, args, plan, at, out, model, partial(evaluate, model, eval_dl, accelerator, classes)
+    )
 
     for step in loop.steps(train_dl, optimizer):  # the rate, the position, the log, stops, checkpoints, evaluations
         for images, labels in step.micro_batches():  # gradients reduced after the last one only
@@ -245,7 +254,7 @@ def main(argv=None):
     metrics = loop.finish()  # the final evaluation; the loss and weights checked finite
 
     out.save_model(model)
-    out.write_results(plan, **loop.summary(), **metrics, num_classes=num_classes)
+    out.write_results(plan, **loop.summary(), **metrics, num_classes=len(classes))
     accelerator.end_training()
 
 

@@ -132,6 +132,37 @@ def results(output_dir) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
 
 
+def is_png(path) -> bool:
+    """A PNG of nonzero size that decodes (Pillow reads its header and checks its chunks)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+        return image.format == "PNG" and min(image.size) > 0 and Path(path).stat().st_size > 0
+
+
+def card(output_dir) -> tuple:
+    """(front matter, text) of the model card a run wrote, read as the Hub reads it (huggingface_hub's ModelCard)."""
+    from huggingface_hub import ModelCard
+
+    loaded = ModelCard.load(Path(output_dir) / "README.md")
+    return loaded.data.to_dict(), loaded.text
+
+
+def uploaded(output_dir, text: str) -> set:
+    """The files `hf upload` would send of output_dir with the card's command (`text`): its --exclude patterns and
+    huggingface_hub's own defaults, through huggingface_hub's public filter."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    (line,) = [line for line in text.splitlines() if line.startswith("hf upload ")]
+    words = shlex.split(line)
+    assert words[3] == str(output_dir) and words[4] == ".", words  # the folder, to the repository's root
+    excludes = [words[i + 1] for i, word in enumerate(words) if word == "--exclude"]
+    files = [p.relative_to(output_dir).as_posix() for p in sorted(Path(output_dir).glob("**/*")) if p.is_file()]
+    return set(filter_repo_objects(files, ignore_patterns=excludes + DEFAULT_IGNORE_PATTERNS))
+
+
 def error_lines(text: str) -> list:
     return [line for line in text.splitlines() if line.startswith("error:")]
 

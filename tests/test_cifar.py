@@ -1,5 +1,6 @@
 """The CIFAR/ImageFolder recipe, launched as users launch it, in 1 and 2 CPU processes."""
 
+import importlib
 import json
 import logging
 import os
@@ -20,14 +21,17 @@ from conftest import (
     NO_NETWORK,
     REPO,
     accelerate_cpu,
+    card,
     digits_args,
     error_lines,
     free_port,
     interrupt,
+    is_png,
     load_recipe,
     results,
     run,
     snapshot,
+    uploaded,
     user_env,
 )
 from safetensors.torch import load_file, save_file
@@ -38,6 +42,7 @@ from common.preemption import PREEMPTED_EXIT_CODE
 from common.runtime import RecipeError
 
 RECIPE = REPO / "recipes" / "cifar.py"
+predict = importlib.import_module("predict")  # scripts/predict.py (conftest puts scripts/ on the path)
 
 
 def reevaluate(digits, output_dir):
@@ -69,16 +74,17 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
     processes; 0.975, 0.980, 0.980 in 1. After 3 epochs the same runs scatter from 0.89 to 0.96 with the seed and
     with the threads a busy machine gives each process (which change the order of float sums), too widely to
     compare layouts with one seed. BatchNorm's statistics are each process's own, so the runs are not equal, only
-    equally good."""
-    accuracy = {}
+    equally good. The 2-process run's final weights, evaluated again in 1 process, give its per-class counts
+    exactly."""
+    accuracy, settings = {}, ["--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0"]
     for processes, batch in ((2, "32"), (1, "64")):
         out = tmp_path / f"n{processes}"
-        args = digits_args(digits, out, "--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0")
+        args = digits_args(digits, out, *settings)
         args += ["--per_device_train_batch_size", batch]
         if processes == 1:
             run([BIN / "python", RECIPE, *args])
         else:
-            run(*accelerate_cpu(2, RECIPE, *args))
+            run(*accelerate_cpu(2, RECIPE, *args, "--checkpointing_steps", str(5 * (1400 // 64))))
         res = results(out)
         assert res["world_size"] == processes and res["effective_batch_size"] == 64, res
         assert res["eval_samples"] == digits["n_val"] and res["steps"] == 5 * (1400 // 64), res
@@ -86,6 +92,22 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
         accuracy[processes] = res["eval_accuracy"]
     assert min(accuracy.values()) > 0.93, accuracy  # chance is 0.1
     assert accuracy[2] > accuracy[1] - 0.03, accuracy
+    # The 2-process run's weights evaluated in 1 process (its last checkpoint resumed: nothing left to train, the run
+    # evaluates): the same per-class counts, exactly, as its 2 processes gathered
+    steps = 5 * (1400 // 64)
+    one = tmp_path / "n2_evaluated_by_1"
+    resume = [
+        "--resume_from_checkpoint",
+        tmp_path / "n2" / f"checkpoint-{steps}",
+        "--per_device_train_batch_size",
+        "64",
+    ]
+    run([BIN / "python", RECIPE, *digits_args(digits, one, *settings, *resume)])
+    two, one = results(tmp_path / "n2"), results(one)
+    assert one["world_size"] == 1 and two["world_size"] == 2 and one["steps"] == two["steps"] == steps
+    for key in ("eval_accuracy", "eval_samples", "eval_per_class_accuracy", "eval_per_class_samples"):
+        assert one[key] == two[key], key
+    assert one["eval_confusion_matrix"] == two["eval_confusion_matrix"]
 
 
 @pytest.mark.slow
@@ -94,7 +116,8 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
 ):
     """By default the digits (small images that fit) train from memory, cropped and flipped there, as
     --data_on_device does, which one info line says: the weights it saves reproduce its accuracy through the
-    ImageFolder evaluation path, and a resume takes the checkpoint's input path."""
+    ImageFolder evaluation path, and a resume takes the checkpoint's input path. Its per-class accuracy, model card,
+    pictures and upload set; scripts/predict.py on it."""
     out = tmp_path / "run"
     args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch"]
     proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
@@ -112,6 +135,56 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     correct, loss = reevaluate(digits, out)
     assert abs(correct - round(res["eval_accuracy"] * digits["n_val"])) <= 1
     assert loss == pytest.approx(res["eval_loss"], rel=1e-3)
+
+    # Per class, by the dataset's class names: the held-out images of each folder, and an accuracy that the overall
+    # one is the sample-weighted mean of; the confusion matrix's rows are the classes, its diagonal the correct ones
+    classes, samples, per_class = res["class_names"], res["eval_per_class_samples"], res["eval_per_class_accuracy"]
+    assert classes == [str(d) for d in range(10)]
+    assert samples == {c: len(list((digits["val"] / c).glob("*.png"))) for c in classes}
+    assert sum(per_class[c] * samples[c] for c in classes) / digits["n_val"] == pytest.approx(res["eval_accuracy"])
+    matrix = res["eval_confusion_matrix"]
+    assert [sum(row) for row in matrix] == [samples[c] for c in classes]
+    assert sum(matrix[i][i] for i in range(10)) == round(res["eval_accuracy"] * digits["n_val"])
+    assert all(set(e) == {"step", "samples_seen", "epoch", "eval_loss", "eval_accuracy", "eval_samples"}
+               for e in res["eval_history"])  # fmt: skip
+    meta, text = card(out)
+    assert meta["library_name"] == "pytorch" and "image-classification" in meta["tags"]
+    assert "metrics" in meta and "base_model" not in meta and "datasets" not in meta
+    assert (
+        "![confusion matrix over the held-out set](confusion_matrix.png)" in text and "(training_curves.png)" in text
+    )
+    assert is_png(out / "confusion_matrix.png") and is_png(out / "training_curves.png")
+    assert f"| 3 | {samples['3']} | {per_class['3']:.6g} |" in text
+    assert res["launch"]["command"] in text and res["launch"]["strategy"] == "one CPU process"
+    # `hf upload` with the card's command sends the model, its card, pictures and record: no checkpoint, no hidden file
+    assert uploaded(out, text) == {
+        "README.md", "confusion_matrix.png", "training_curves.png", "model.safetensors", "results.json"
+    }  # fmt: skip
+    assert list(out.glob("checkpoint-*/model.safetensors")) and (out / ".model-files.json").is_file()
+
+    # scripts/predict.py labels the held-out images as the run's own evaluation did, image for image
+    images = sorted(digits["val"].glob("*/*.png"))
+    proc = run([BIN / "python", REPO / "scripts" / "predict.py", out, "--json", "--top_k", "2", *images])
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["image"] for line in lines] == [str(p) for p in images]
+    predicted = [[0] * 10 for _ in classes]
+    for line, path in zip(lines, images):
+        assert len(line["labels"]) == 2 and line["labels"][0]["probability"] >= line["labels"][1]["probability"]
+        predicted[classes.index(path.parent.name)][classes.index(line["labels"][0]["label"])] += 1
+    assert predicted == matrix
+    proc = run([BIN / "python", REPO / "scripts" / "predict.py", digits["val"], images[0]], check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: {digits['val']}: not a finished image-recipe run (no results.json); pass the --output_dir of a "
+        "finished recipes/cifar.py run"
+    ]
+    PartialState()
+    for folder, image, message in (
+        (tmp_path / "nowhere", images[0], "no such folder"),
+        (out, tmp_path / "missing.png", "no such image file"),
+        (out, out / "results.json", "unreadable image"),
+    ):
+        with pytest.raises(RecipeError, match=message):
+            predict.main([str(folder), str(image)])
 
     # Epoch checkpoints resume at the start of the next epoch...
     state = json.loads((out / f"checkpoint-{2 * per_epoch}" / "trainer_state.json").read_text())

@@ -1,29 +1,39 @@
 """The causal-LM recipe on a tiny Llama built here, launched as users launch it on CPU."""
 
+import argparse
+import hashlib
 import json
+import logging
 import math
+import shlex
 import shutil
+import sys
 
 import pytest
 import torch
+from accelerate import Accelerator, PartialState
 from conftest import (
     BIN,
     LM_INTERRUPTED_ARGS,
     REPO,
     accelerate_cpu,
+    card,
     chat_args,
     error_lines,
     eval_loss,
     interrupt,
+    is_png,
     lm_args,
     load_recipe,
     preempted_at,
     results,
     run,
     update_distance,
+    user_env,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.card import launch_record, write_card
 from common.runtime import RecipeError
 from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, target_tokens, window_tokens
 
@@ -71,9 +81,11 @@ def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(ti
     assert saved["use_cache"] == given["use_cache"] is True  # checkpointing is training's: the model keeps its cache
 
 
-def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
+def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_card(
+    tiny_lm, tmp_path, monkeypatch, caplog
+):
     """The fast tier's one real run (pytest -m 'not slow'): the recipe end to end in this machine's one
-    process, 3 optimizer steps, through every stage a launch has, in seconds."""
+    process, 3 optimizer steps, through every stage a launch has, in seconds; its model card."""
     out = tmp_path / "run"
     run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--max_train_steps", "3", "--checkpointing_steps", "3")])
     res = results(out)
@@ -81,6 +93,43 @@ def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
     assert len(res["log_history"]) == 1 and res["eval_tokens"] > 0
     assert (out / "checkpoint-3" / "trainer_state.json").is_file()
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
+
+    # The model card: what the Hub reads, and the run's data, command, hyperparameters and metrics
+    meta, text = card(out)
+    assert meta["library_name"] == "transformers" and "base_model" not in meta  # a local folder is no Hub id
+    assert {"accelerate-recipes", "lm_finetune", "text-generation"} <= set(meta["tags"])
+    assert meta["metrics"] == ["loss", "perplexity"]
+    sha = hashlib.sha256(tiny_lm["train"].read_bytes()).hexdigest()
+    assert f"--train_file `{tiny_lm['train']}`, sha256 `{sha}`" in text and res["data_fingerprint"] in text
+    assert res["launch"]["command"].startswith("./launch.sh lm_finetune --config cpu --num_processes 1 ")
+    assert res["launch"]["command"] in text and "--max_train_steps 3" in res["launch"]["command"]
+    assert "| effective batch | 8 (8 a process x 1 processes x 1 accumulation) |" in text
+    assert f"| eval_loss | {res['eval_loss']:.6g} |" in text and "| steps | 3 (" in text
+    assert "![training curves](training_curves.png)" in text and is_png(out / "training_curves.png")
+    files = json.loads((out / ".model-files.json").read_text())["files"]
+    assert {"README.md", "training_curves.png", "model.safetensors"} <= set(files)  # the run's: overwritten by runs
+    # Without matplotlib (the optional extra `bench`) the card says nothing of pictures, and one line says why
+    bare = out.parent / "without_matplotlib"
+    shutil.copytree(out, bare)
+    (bare / "training_curves.png").unlink()
+    (bare / "samples.jsonl").write_text("{}\n")  # what other steps of a run may leave there: linked when present
+    (bare / "merged").mkdir()
+    PartialState()  # the recipes' logger needs it
+    with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="recipes"):
+        patch.setitem(sys.modules, "matplotlib", None)
+        assert write_card(bare, results(bare)) == ["README.md"]
+    (said,) = [m for m in caplog.messages if "matplotlib" in m]  # accelerate's logger puts [RANK 0] before it
+    assert said.endswith("matplotlib is not installed (pip install -e '.[bench]'): the model card has no pictures")
+    assert ".png" not in card(bare)[1] and not (bare / "training_curves.png").exists()
+    assert "- [samples.jsonl](samples.jsonl)\n- [merged](merged/)\n" in card(bare)[1]
+    assert "samples.jsonl" not in text and "merged" not in text
+    # The command on the card masks credentials in the arguments, as launch.sh's printed command does
+    secrets = ["pa55word", "hf_" + "S3cr3t" * 6]
+    argv = [str(RECIPE), "--dataset_name", f"https://user:{secrets[0]}@example.org/d", "--hub_token", secrets[1]]
+    monkeypatch.setattr(sys, "argv", argv)
+    command = launch_record(Accelerator(cpu=True), argparse.Namespace(recipe="lm_finetune"))["command"]
+    assert command.endswith(" --dataset_name 'https://***@example.org/d' --hub_token '***'"), command
+    assert command.startswith("./launch.sh lm_finetune --config cpu --num_processes 1 --mixed_precision no ")
 
 
 @pytest.mark.slow
@@ -384,7 +433,7 @@ def test_chat_trains_a_replys_first_token_that_holds_the_prompts_last_space_and_
 
 @pytest.mark.floor
 @pytest.mark.slow
-def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
+def test_chat_lora_run_saves_an_adapter_that_peft_loads_and_its_card_command_trains_it_again(tiny_lm, tmp_path):
     from peft import PeftModel
 
     out = tmp_path / "run"
@@ -422,6 +471,26 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     model = PeftModel.from_pretrained(base, out)
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and any(p.abs().sum() > 0 for p in lora.values()), "lora_B starts at zero; training moved it"
+    # peft's README.md is replaced by the card; the card's command, run again, trains the same adapter
+    meta, text = card(out)
+    assert meta["library_name"] == "peft" and "lora" in meta["tags"] and "a LoRA adapter of rank 8" in text
+    command = res["launch"]["command"]
+    assert f"```bash\n{command}\n```" in text and "--num_processes 1" in command
+    first = out.parent / "first"
+    out.rename(first)
+    out.mkdir()
+    (out / "README.md").write_bytes(b"# My notes\n\nmine, not a run's\n")  # a user's: kept byte for byte
+    proc = run(shlex.split(command), env=user_env())
+    again, before = results(out), results(first)
+    for key in ("eval_loss", "train_loss", "steps", "samples_seen", "effective_batch_size", "learning_rate"):
+        assert again[key] == pytest.approx(before[key], rel=1e-6), key
+    assert [h["train_loss"] for h in again["log_history"]] == pytest.approx(
+        [h["train_loss"] for h in before["log_history"]], rel=1e-6
+    )
+    assert (out / "README.md").read_bytes() == b"# My notes\n\nmine, not a run's\n"
+    assert f"{out / 'README.md'} is no run's (yours?): kept as it is, and the model card not written" in proc.stderr
+    assert "README.md" not in json.loads((out / ".model-files.json").read_text())["files"]
+    assert is_png(out / "training_curves.png")
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,13 @@ def test_quick_start_and_copy_run_as_written(checkout):
     assert res["args"]["data_on_device"] is True  # the digits fit: held in memory, cropped there
     assert len(res["peak_memory_gb_per_process"]) == 2
     assert (checkout / "outputs/digits/model.safetensors").is_file()
+    # the output folder as the README says: its card ends with the upload command the README shows, and predict.py
+    # labels an image with the run's model
+    upload = re.search(r"`(hf upload [^`]*)`", README)[1]
+    assert upload in (checkout / "outputs/digits/README.md").read_text().splitlines()
+    image = sorted((checkout / "data/digits/val/3").glob("*.png"))[0]
+    proc = run([BIN / "python", "scripts/predict.py", "outputs/digits", image.relative_to(checkout)], cwd=checkout)
+    assert re.fullmatch(rf"{image.relative_to(checkout)}: (\d \d\.\d{{4}}(, )?){{3}}\n", proc.stdout), proc.stdout
 
     bash(COPY, checkout, env)
     assert results(checkout / "myproject/out")["steps"] == 20
