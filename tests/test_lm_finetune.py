@@ -22,6 +22,7 @@ from conftest import (
     run,
     update_distance,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.runtime import RecipeError
@@ -382,39 +383,23 @@ def test_chat_trains_a_replys_first_token_that_holds_the_prompts_last_space_and_
         assert trained == ["four", "five", "<|end|>"], tokens
 
 
+@pytest.fixture(scope="module")
+def lora_run(tiny_lm, tmp_path_factory):
+    """A LoRA run of 2 processes (DDP) in chat mode through launch.sh, 6 steps: its output folder."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    run([REPO / "launch.sh", "lm_finetune", *chat_args(tiny_lm, out, 4, "--lora_r", "8")])
+    return out
+
+
 @pytest.mark.floor
 @pytest.mark.slow
-def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
+def test_a_lora_run_saves_an_adapter_peft_loads_and_its_merged_model_that_loads_without_peft(tiny_lm, lora_run):
+    """The adapter in the output folder (PeftModel), and merged/: the adapter merged into the base weights, which
+    AutoModelForCausalLM loads as a plain model and which gives the eval loss the run reported."""
     from peft import PeftModel
 
-    out = tmp_path / "run"
-    run(
-        [
-            REPO / "launch.sh",
-            "lm_finetune",
-            "--num_processes",
-            "1",
-            "--model_name_or_path",
-            tiny_lm["model"],
-            "--train_file",
-            tiny_lm["chat"],
-            "--data_format",
-            "chat",
-            "--output_dir",
-            out,
-            "--block_size",
-            "32",
-            "--per_device_train_batch_size",
-            "4",
-            "--learning_rate",
-            "3e-3",
-            "--lora_r",
-            "8",
-            "--max_train_steps",
-            "10",
-        ]
-    )
-    res = results(out)
+    out, res = lora_run, results(lora_run)
+    assert res["world_size"] == 2 and res["distributed_type"] == "MULTI_CPU"
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
     trainable = res["parameters"] - sum(p.numel() for p in base.parameters())
@@ -422,6 +407,19 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads(tiny_lm, tmp_path):
     model = PeftModel.from_pretrained(base, out)
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and any(p.abs().sum() > 0 for p in lora.values()), "lora_B starts at zero; training moved it"
+    assert eval_loss(out, tiny_lm, chat=True, model=model) == pytest.approx(res["eval_loss"], rel=1e-5)
+
+    merged = out / "merged"
+    assert not (merged / "adapter_config.json").exists() and not (merged / "README.md").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(merged)
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and not any(
+        "lora" in n for n, _ in reloaded.named_parameters()
+    )
+    assert eval_loss(merged, tiny_lm, chat=True, model=reloaded) == pytest.approx(res["eval_loss"], rel=1e-5)
+    weights, initial = load_file(merged / "model.safetensors"), load_file(tiny_lm["model"] / "model.safetensors")
+    assert weights.keys() == initial.keys() and all(weights[k].dtype == torch.float32 for k in weights)
+    changed = {k for k in weights if not torch.equal(weights[k], initial[k])}
+    assert len(changed) == 14 and all(k.endswith("proj.weight") for k in changed)  # the 7 linear layers of 2 blocks
 
 
 @pytest.mark.parametrize(
