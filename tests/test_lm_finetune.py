@@ -2,6 +2,7 @@
 
 import json
 import math
+import shlex
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import (
     REPO,
     accelerate_cpu,
     chat_args,
+    cpu_env,
     error_lines,
     eval_loss,
     interrupt,
@@ -420,6 +422,76 @@ def test_a_lora_run_saves_an_adapter_peft_loads_and_its_merged_model_that_loads_
     assert weights.keys() == initial.keys() and all(weights[k].dtype == torch.float32 for k in weights)
     changed = {k for k in weights if not torch.equal(weights[k], initial[k])}
     assert len(changed) == 14 and all(k.endswith("proj.weight") for k in changed)  # the 7 linear layers of 2 blocks
+
+
+# A task of lm-evaluation-harness's own form, on a local file: the next number of a count, one of four choices,
+# scored by the log-likelihood of each (multiple choice), the right one at each position in turn.
+NEXT_NUMBER_TASK = """\
+task: next_number
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def next_number_rows() -> list:
+    numbers = "zero one two three four five six seven eight nine".split()
+    rows = []
+    for i in range(12):
+        count = [numbers[(i + k) % 10] for k in range(5)]
+        choices = [numbers[(i + k) % 10] for k in (7, 2, 9)]
+        choices.insert(i % 4, count.pop())
+        rows.append({"context": " ".join(count), "choices": choices, "label": i % 4})
+    return rows
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_a_lora_runs_merged_model_offline_as_the_readme_says(lora_run, tmp_path):
+    """The README's lm_eval line on the LoRA run's merged/, offline, with a task written here (--tasks replaced by it,
+    found through --include_path): its results JSON holds the task's accuracy over every row, and the log-likelihoods
+    it logged (--log_samples) and that accuracy are the ones the merged model gives, computed here."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -e '.[eval]'")
+    (line,) = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("lm_eval ")]
+    rows = next_number_rows()
+    (tmp_path / "next_number.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "next_number.yaml").write_text(NEXT_NUMBER_TASK.format(data=tmp_path / "next_number.jsonl"))
+    words = [word.replace("pretrained=outputs/lm", f"pretrained={lora_run}") for word in shlex.split(line)]
+    words[words.index("--tasks") + 1] = "next_number"
+    extra = ["--include_path", tmp_path / "tasks", "--output_path", tmp_path / "results", "--log_samples"]
+    run([BIN / words[0], *words[1:], *extra], env=cpu_env(HF_DATASETS_CACHE=str(tmp_path / "cache")), cwd=tmp_path)
+    (written,) = (tmp_path / "results").rglob("results_*.json")
+    report = json.loads(written.read_text())
+    accuracy = report["results"]["next_number"]["acc,none"]
+    assert isinstance(accuracy, float) and 0 <= accuracy <= 1
+    assert report["n-samples"]["next_number"] == {"original": len(rows), "effective": len(rows)}
+    (samples,) = (tmp_path / "results").rglob("samples_next_number_*.jsonl")
+    logged = {}
+    for sample in map(json.loads, samples.read_text().splitlines()):
+        logged[sample["doc_id"]] = [float(likelihood) for likelihood, _ in sample["filtered_resps"]]
+
+    tokenizer = AutoTokenizer.from_pretrained(lora_run / "merged")
+    model = AutoModelForCausalLM.from_pretrained(lora_run / "merged")
+    right = 0
+    for n, row in enumerate(rows):
+        context = tokenizer(row["context"])["input_ids"]
+        scores = []
+        for choice in row["choices"]:
+            ids = tokenizer(f"{row['context']} {choice}")["input_ids"]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+            scores.append(sum(logits[i - 1, ids[i]].item() for i in range(len(context), len(ids))))
+        assert logged[n] == pytest.approx(scores, abs=1e-4), row
+        right += max(range(len(scores)), key=scores.__getitem__) == row["label"]
+    assert accuracy == pytest.approx(right / len(rows))
 
 
 @pytest.mark.parametrize(
