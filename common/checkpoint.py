@@ -608,7 +608,7 @@ def save_merged(peft_model, state_dict: dict, folder: Path, tokenizer=None) -> N
     fine-tune's weights are, in their dtype: from_pretrained loads it without peft (and finds no adapter_config.json
     to apply a second time). Built on CPU from the gathered `state_dict`, which it consumes: empty layers of the
     model's own classes take its tensors, and each merged weight replaces its original as it is made, so no more than
-    one copy of the model is held beside the trained one (none beside a copy ZeRO-3 or FSDP gathered)."""
+    one copy of the model is held beside the trained one (beside the copy ZeRO-3 or FSDP gathered, no second one)."""
     from accelerate import init_empty_weights
     from peft import get_peft_model
 
