@@ -5,6 +5,7 @@ Layout in --output_dir (common.outputs keeps it to one run at a time):
                              complete checkpoint, with the size and sha256 of every file in it
     .tmp-checkpoint-<step>/  a save in progress
     model.safetensors        final weights (or save_pretrained's files; their names in .model-files.json)
+    merged/                  a LoRA run's adapter merged into its base model: save_pretrained's files, no peft needed
     results.json             the run's record (common.metrics), written last: the run has finished
 
 `latest` is the intact checkpoint written last. A write all processes take part in succeeds on all of them or
@@ -14,6 +15,7 @@ fails on all of them with one line (`_together`): none is left waiting in a coll
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import io
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -37,6 +40,7 @@ RUN_FOLDER_RE = re.compile(rf"(\.tmp-|\.universal-)?{CHECKPOINT_RE.pattern}")  #
 STATE_FILE, RESULTS_FILE, MODEL_FILES = "trainer_state.json", "results.json", ".model-files.json"
 HASH = "sha256"  # over blake2b: 1.4 against 0.95 GB/s on one core of an x86 CPU with SHA extensions
 MARKER_HASH = f"{STATE_FILE} {HASH}"  # the marker's own, over the rest of it (older checkpoints lack it)
+MERGED = "merged"  # a LoRA run's merged model, beside its adapter
 
 
 def write_json(path, data: dict) -> None:
@@ -594,6 +598,8 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            if "peft" in sys.modules and isinstance(unwrapped, sys.modules["peft"].PeftModel):  # LoRA: also merged
+                save_merged(unwrapped, state_dict, tmp / MERGED, tokenizer)
         else:
             tmp.mkdir()
             save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
@@ -607,7 +613,10 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
             )
         write_json(output_dir / MODEL_FILES, {"files": sorted({*earlier, *names})})  # a save cut short: all recorded
         for name in names:
+            if (output_dir / name).is_dir():  # a rename does not replace a folder (merged/): the old one goes aside
+                os.replace(output_dir / name, tmp / f"{name}.old")
             os.replace(tmp / name, output_dir / name)
+            shutil.rmtree(tmp / f"{name}.old", ignore_errors=True)
         tmp.rmdir()
         write_json(output_dir / MODEL_FILES, {"files": names})
         for stale in set(earlier) - set(names):
@@ -617,9 +626,37 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
                 (output_dir / stale).unlink(missing_ok=True)
         logger.info(f"saved model to {output_dir if len(names) > 1 else output_dir / names[0]}")
 
-    needed = lambda: sum(t.numel() * t.element_size() for t in state_dict.values())  # noqa: E731
+    size = sum(t.numel() * t.element_size() for t in state_dict.values())  # before save_merged consumes them
+    needed = lambda: size  # noqa: E731
     _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
     return output_dir
+
+
+def save_merged(peft_model, state_dict: dict, folder: Path, tokenizer=None) -> None:
+    """A LoRA run's adapter merged into its base weights (peft's merge_and_unload), saved in `folder` as a full
+    fine-tune's weights are, in their dtype: from_pretrained loads it without peft (and finds no adapter_config.json
+    to apply a second time). Built on CPU from the gathered `state_dict`, which it consumes: empty layers of the
+    model's own classes take its tensors, and each merged weight replaces its original as it is made, so no more than
+    one copy of the model is held beside the trained one (beside the copy ZeRO-3 or FSDP gathered, no second one)."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+
+    base, name = peft_model.get_base_model(), peft_model.active_adapter
+    with init_empty_weights():  # parameters on the meta device, no memory; buffers (rotary tables) computed
+        shell = get_peft_model(
+            type(base)(copy.deepcopy(base.config)), copy.deepcopy(peft_model.peft_config[name]), adapter_name=name
+        )
+    tensors = {key: state_dict.pop(key).detach().cpu() for key in list(state_dict)}
+    shell.load_state_dict(tensors, strict=False, assign=True)
+    del tensors
+    shell.get_base_model().tie_weights()  # a tied head, gathered once or twice: one tensor again, as peft expects
+    model = shell.merge_and_unload(safe_merge=True)  # a merged weight is a new tensor, checked finite
+    if empty := [n for n, p in model.named_parameters() if p.is_meta]:
+        raise RuntimeError(f"the gathered weights lack {empty[0]}, which the merged model needs")
+    model.generation_config = copy.deepcopy(base.generation_config)
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def model_files(output_dir: Path) -> list:

@@ -26,6 +26,7 @@ from .card import launch_record, write_card
 from .checkpoint import (
     CHECKPOINT_RE,
     HASH,
+    MERGED,
     MODEL_FILES,
     RESULTS_FILE,
     RUN_FOLDER_RE,
@@ -54,7 +55,7 @@ LOCK_FILE = ".run.lock"
 # of someone else's (save_pretrained's names, ours, peft's).
 MODEL_NAMES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json", "generation_config.json",
-    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "fp32",
+    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "fp32", MERGED,
 )  # fmt: skip
 # of an interrupted final save (zero.py's fp32 export too), or of a ZeRO checkpoint's conversion to another layout
 TMP_FILES = (".tmp-model", ".tmp-zero-shards", f".{RESULTS_FILE}.tmp", f".{MODEL_FILES}.tmp")

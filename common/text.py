@@ -960,10 +960,15 @@ def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeEr
             base = f" {json.loads((folder / 'adapter_config.json').read_text())['base_model_name_or_path']}"
         except (OSError, ValueError, KeyError, TypeError):
             base = " (adapter_config.json's base_model_name_or_path)"
+        merged = (
+            f"the adapter merged into it, --model_name_or_path {folder / 'merged'}"  # a LoRA run of lm_finetune's
+            if (folder / "merged" / "config.json").is_file()
+            else "the folder of the adapter merged into it (peft's merge_and_unload, then save_pretrained)"
+        )
         why = (
             f"a LoRA adapter (adapter_config.json), not a model; pass its base model, --model_name_or_path{base}, or "
-            "the folder of the adapter merged into it (peft's merge_and_unload, then save_pretrained)"
         )
+        why += merged
     elif local and flag != "--tokenizer_name" and not (folder / "config.json").is_file():
         why = f"no config.json in the folder; {fix}"  # transformers says it lacks a model_type
     elif "trust_remote_code" in str(err):

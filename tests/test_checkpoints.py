@@ -408,6 +408,99 @@ def test_overwrite_output_dir_deletes_what_runs_wrote_and_nothing_else(acc, tmp_
     assert not (out / "config.json").exists() and not (out / "generation_config.json").exists()
 
 
+def lora_model(path, dtype=torch.float32):
+    """The model at `path` with a LoRA adapter on every linear layer whose B is not zero: it changes the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # A's initialization too
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
+        LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def test_a_lora_models_save_is_also_merged_into_its_base_in_its_dtype_and_whole_or_not_at_all(acc, tiny_lm, tmp_path):
+    """save_model of a peft LoRA model writes the adapter and merged/: the adapter merged into the base weights by
+    peft, bit for bit, in their dtype (bf16 here, as a bf16 full fine-tune saves), with config, generation config and
+    tokenizer, and no adapter_config.json or README.md, so that from_pretrained loads it alone. The trained model is
+    left as it was. A second save replaces merged/ whole; a merge that fails (weights no longer finite) leaves the
+    earlier save as it was and no half-written folder."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = acc[0].prepare(lora_model(tiny_lm["model"], torch.bfloat16))
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = copy.deepcopy(model).merge_and_unload(safe_merge=True)  # peft's own, of the model in memory
+    out, tokenizer = tmp_path / "run", AutoTokenizer.from_pretrained(tiny_lm["model"])
+    for _ in range(2):
+        ckpt.save_model(acc[0], model, out, tokenizer)
+        assert sorted(p.name for p in (out / ckpt.MERGED).iterdir()) == [
+            "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json",
+        ]  # fmt: skip
+        assert ckpt.MERGED in ckpt.model_files(out) and (out / "adapter_config.json").is_file()
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [ckpt.MODEL_FILES]
+    merged = load_file(out / ckpt.MERGED / "model.safetensors")
+    assert merged.keys() == expected.state_dict().keys()
+    assert all(
+        merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], v) for k, v in expected.state_dict().items()
+    )
+    base = load_file(Path(tiny_lm["model"]) / "model.safetensors")
+    assert sum(not torch.equal(merged[k], v.to(torch.bfloat16)) for k, v in base.items()) == 14  # 7 linear a layer
+    assert json.loads((out / ckpt.MERGED / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = AutoModelForCausalLM.from_pretrained(out / ckpt.MERGED)  # its dtype: "auto" in transformers 5
+    ids = torch.tensor([[5, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, expected(input_ids=ids).logits)
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())  # merged on copies
+
+    before = snapshot(out)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("inf"))
+    with pytest.raises(ValueError, match="NaNs detected in the merged weights"):  # peft's safe merge checks
+        ckpt.save_model(acc[0], model, out, tokenizer)
+    assert snapshot(out) == before and not (out / ".tmp-model").exists()
+
+    outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))  # merged/ goes with the run's other files
+    assert not (out / ckpt.MERGED).exists() and not (out / "adapter_config.json").exists()
+    outputs._RunLock.release_all()
+    (out / ckpt.MERGED).mkdir()
+    (out / ckpt.MERGED / "notes.txt").write_text("mine")  # a user's merged/ is not written over, nor deleted
+    with pytest.raises(RecipeError, match=r"holds files that no run of these recipes wrote \(merged\)"):
+        outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
+    assert (out / ckpt.MERGED / "notes.txt").read_text() == "mine"
+
+
+def test_a_tied_output_head_gathered_once_is_merged_tied_and_a_missing_weight_is_refused(tmp_path):
+    """ZeRO-3 may gather a tied head once: the merged model ties it again. A weight the gathered state dict lacks
+    is an error, not a meta tensor that save_pretrained would write or trip on."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    model = lora_model(tmp_path / "tied")
+    expected = {k: v.clone() for k, v in model.merge_and_unload(safe_merge=True).state_dict().items()}
+    model = lora_model(tmp_path / "tied")
+    head = "base_model.model.lm_head.weight"
+    state_dict = {k: v for k, v in model.state_dict().items() if k != head}
+    ckpt.save_merged(model, state_dict, tmp_path / "merged")
+    assert state_dict == {}  # consumed
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert all(torch.equal(v, expected[k]) for k, v in reloaded.state_dict().items())
+    state_dict = {k: v for k, v in model.state_dict().items() if not k.endswith("model.norm.weight")}
+    with pytest.raises(RuntimeError, match="the gathered weights lack model.norm.weight"):
+        ckpt.save_merged(model, state_dict, tmp_path / "merged-again")
+
+
 def test_resuming_another_folders_checkpoint_is_a_new_run_in_this_folder(acc, tmp_path):
     """Continuing this folder's run by path is fine; another folder's checkpoint is a new run here,
     refused where a run is already, unless --overwrite_output_dir starts that folder over."""

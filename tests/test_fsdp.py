@@ -8,6 +8,7 @@ import shutil
 import signal
 
 import pytest
+import torch
 from conftest import (
     BIN,
     LM_INTERRUPTED_ARGS,
@@ -24,6 +25,7 @@ from conftest import (
     update_distance,
     user_env,
 )
+from safetensors.torch import load_file
 
 LM = REPO / "recipes" / "lm_finetune.py"
 LAUNCH = REPO / "launch.sh"
@@ -118,6 +120,27 @@ def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_pa
     assert results(stopped)["steps"] == res["steps"] and results(stopped)["mixed_precision"] == "bf16"
     # measured: 2e-4 (DDP) to 1.6e-3 (ZeRO-3) of the update, bf16 rounding where the layouts differ
     assert update_distance(stopped, straight, tiny_lm["model"]) < 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero3", "fsdp"])
+def test_a_lora_run_on_sharded_weights_saves_its_merged_model(tiny_lm, tmp_path, config):
+    """LoRA under ZeRO-3 and FSDP2, 2 processes: each holds half the weights; the main process gathers them, merges
+    the adapter on CPU, and merged/ loads without peft and gives the eval loss the run reported."""
+    out = tmp_path / "run"
+    run([LAUNCH, "lm_finetune", "--config", config, *lm_args(tiny_lm, out, "--lora_r", "8", "--max_train_steps", "4")],
+        env=cpu_env())  # fmt: skip
+    res = results(out)
+    assert res["distributed_type"] == {"zero3": "DEEPSPEED", "fsdp": "FSDP"}[config] and res["world_size"] == 2
+    assert max(res["parameters_per_process"]) < 0.6 * res["parameters"]
+    assert not (out / "merged" / "adapter_config.json").exists() and (out / "adapter_config.json").is_file()
+    assert eval_loss(out / "merged", tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-5)
+    weights, initial = (
+        load_file(out / "merged" / "model.safetensors"),
+        load_file(tiny_lm["model"] / "model.safetensors"),
+    )
+    assert weights.keys() == initial.keys()
+    assert sum(not torch.equal(weights[k], initial[k]) for k in weights) == 14  # the 7 linear layers of 2 blocks
 
 
 @pytest.mark.slow

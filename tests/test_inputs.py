@@ -773,10 +773,12 @@ def broken_model(tiny_lm, tmp_path):
             weights.unlink()
         elif how == "bad_tokenizer":
             (folder / "tokenizer.json").write_text("{not json")
-        elif how == "lora_adapter":  # what lm_finetune --lora_r saves: an adapter, its base named
+        elif how in ("lora_adapter", "lora_run"):  # an adapter, its base named (and lm_finetune --lora_r's merged/)
             for file in folder.iterdir():
                 file.unlink()
             (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+            if how == "lora_run":
+                shutil.copytree(tiny_lm["model"], folder / "merged")
         return folder
 
     return make
@@ -803,6 +805,7 @@ def broken_model(tiny_lm, tmp_path):
             "a LoRA adapter (adapter_config.json), not a model; pass its base model, "
             "--model_name_or_path org/base, or the folder of the adapter merged into it",
         ),  # fmt: skip
+        ("lora_run", "--model_name_or_path org/base, or the adapter merged into it, --model_name_or_path /"),
     ],
 )
 @pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
@@ -813,6 +816,7 @@ def test_a_damaged_model_folder_is_one_error_naming_it(broken_model, tmp_path, r
     with pytest.raises(RecipeError) as err:
         module.load_model_and_tokenizer(args) if recipe == "lm_finetune" else module.build_model(args)
     assert str(err.value).startswith(f"--model_name_or_path {folder}: ") and message in str(err.value), str(err.value)
+    assert str(err.value).endswith(f"{folder / 'merged'}") == (how == "lora_run")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from conftest import (
     accelerate_cpu,
     card,
     chat_args,
+    cpu_env,
     error_lines,
     eval_loss,
     interrupt,
@@ -31,6 +32,7 @@ from conftest import (
     update_distance,
     user_env,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.card import launch_record, write_card
@@ -431,39 +433,26 @@ def test_chat_trains_a_replys_first_token_that_holds_the_prompts_last_space_and_
         assert trained == ["four", "five", "<|end|>"], tokens
 
 
+@pytest.fixture(scope="module")
+def lora_run(tiny_lm, tmp_path_factory):
+    """A LoRA run of 2 processes (DDP) in chat mode through launch.sh, 6 steps: its output folder."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    run([REPO / "launch.sh", "lm_finetune", *chat_args(tiny_lm, out, 4, "--lora_r", "8")])
+    return out
+
+
 @pytest.mark.floor
 @pytest.mark.slow
-def test_chat_lora_run_saves_an_adapter_that_peft_loads_and_its_card_command_trains_it_again(tiny_lm, tmp_path):
+def test_a_lora_run_saves_an_adapter_peft_loads_its_merged_model_and_a_card_whose_command_trains_it_again(
+    tiny_lm, lora_run
+):
+    """The adapter in the output folder (PeftModel), and merged/: the adapter merged into the base weights, which
+    AutoModelForCausalLM loads as a plain model and which gives the eval loss the run reported. peft's README.md
+    is replaced by the run's card, whose command, run again, trains the same adapter."""
     from peft import PeftModel
 
-    out = tmp_path / "run"
-    run(
-        [
-            REPO / "launch.sh",
-            "lm_finetune",
-            "--num_processes",
-            "1",
-            "--model_name_or_path",
-            tiny_lm["model"],
-            "--train_file",
-            tiny_lm["chat"],
-            "--data_format",
-            "chat",
-            "--output_dir",
-            out,
-            "--block_size",
-            "32",
-            "--per_device_train_batch_size",
-            "4",
-            "--learning_rate",
-            "3e-3",
-            "--lora_r",
-            "8",
-            "--max_train_steps",
-            "10",
-        ]
-    )
-    res = results(out)
+    out, res = lora_run, results(lora_run)
+    assert res["world_size"] == 2 and res["distributed_type"] == "MULTI_CPU"
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(tiny_lm["model"])
     trainable = res["parameters"] - sum(p.numel() for p in base.parameters())
@@ -471,11 +460,24 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads_and_its_card_command_tra
     model = PeftModel.from_pretrained(base, out)
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and any(p.abs().sum() > 0 for p in lora.values()), "lora_B starts at zero; training moved it"
+    assert eval_loss(out, tiny_lm, chat=True, model=model) == pytest.approx(res["eval_loss"], rel=1e-5)
+
+    merged = out / "merged"
+    assert not (merged / "adapter_config.json").exists() and not (merged / "README.md").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(merged)
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and not any(
+        "lora" in n for n, _ in reloaded.named_parameters()
+    )
+    assert eval_loss(merged, tiny_lm, chat=True, model=reloaded) == pytest.approx(res["eval_loss"], rel=1e-5)
+    weights, initial = load_file(merged / "model.safetensors"), load_file(tiny_lm["model"] / "model.safetensors")
+    assert weights.keys() == initial.keys() and all(weights[k].dtype == torch.float32 for k in weights)
+    changed = {k for k in weights if not torch.equal(weights[k], initial[k])}
+    assert len(changed) == 14 and all(k.endswith("proj.weight") for k in changed)  # the 7 linear layers of 2 blocks
     # peft's README.md is replaced by the card; the card's command, run again, trains the same adapter
     meta, text = card(out)
     assert meta["library_name"] == "peft" and "lora" in meta["tags"] and "a LoRA adapter of rank 8" in text
     command = res["launch"]["command"]
-    assert f"```bash\n{command}\n```" in text and "--num_processes 1" in command
+    assert f"```bash\n{command}\n```" in text and "--num_processes 2" in command
     first = out.parent / "first"
     out.rename(first)
     out.mkdir()
@@ -491,6 +493,78 @@ def test_chat_lora_run_saves_an_adapter_that_peft_loads_and_its_card_command_tra
     assert f"{out / 'README.md'} is no run's (yours?): kept as it is, and the model card not written" in proc.stderr
     assert "README.md" not in json.loads((out / ".model-files.json").read_text())["files"]
     assert is_png(out / "training_curves.png")
+    out.rename(out.parent / "again")  # the first run back in its place, for the other tests of lora_run
+    first.rename(out)
+
+
+# A task of lm-evaluation-harness's own form, on a local file: the next number of a count, one of four choices,
+# scored by the log-likelihood of each (multiple choice), the right one at each position in turn.
+NEXT_NUMBER_TASK = """\
+task: next_number
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def next_number_rows() -> list:
+    numbers = "zero one two three four five six seven eight nine".split()
+    rows = []
+    for i in range(12):
+        count = [numbers[(i + k) % 10] for k in range(5)]
+        choices = [numbers[(i + k) % 10] for k in (7, 2, 9)]
+        choices.insert(i % 4, count.pop())
+        rows.append({"context": " ".join(count), "choices": choices, "label": i % 4})
+    return rows
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_a_lora_runs_merged_model_offline_as_the_docs_say(lora_run, tmp_path):
+    """docs/lm.md's lm_eval line on the LoRA run's merged/, offline, with a task written here (--tasks replaced by it,
+    found through --include_path): its results JSON holds the task's accuracy over every row, and the log-likelihoods
+    it logged (--log_samples) and that accuracy are the ones the merged model gives, computed here."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -e '.[eval]'")
+    (line,) = [line for line in (REPO / "docs" / "lm.md").read_text().splitlines() if line.startswith("lm_eval ")]
+    rows = next_number_rows()
+    (tmp_path / "next_number.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "next_number.yaml").write_text(NEXT_NUMBER_TASK.format(data=tmp_path / "next_number.jsonl"))
+    words = [word.replace("pretrained=outputs/lm", f"pretrained={lora_run}") for word in shlex.split(line)]
+    words[words.index("--tasks") + 1] = "next_number"
+    extra = ["--include_path", tmp_path / "tasks", "--output_path", tmp_path / "results", "--log_samples"]
+    run([BIN / words[0], *words[1:], *extra], env=cpu_env(HF_DATASETS_CACHE=str(tmp_path / "cache")), cwd=tmp_path)
+    (written,) = (tmp_path / "results").rglob("results_*.json")
+    report = json.loads(written.read_text())
+    accuracy = report["results"]["next_number"]["acc,none"]
+    assert isinstance(accuracy, float) and 0 <= accuracy <= 1
+    assert report["n-samples"]["next_number"] == {"original": len(rows), "effective": len(rows)}
+    (samples,) = (tmp_path / "results").rglob("samples_next_number_*.jsonl")
+    logged = {}
+    for sample in map(json.loads, samples.read_text().splitlines()):
+        logged[sample["doc_id"]] = [float(likelihood) for likelihood, _ in sample["filtered_resps"]]
+
+    tokenizer = AutoTokenizer.from_pretrained(lora_run / "merged")
+    model = AutoModelForCausalLM.from_pretrained(lora_run / "merged")
+    right = 0
+    for n, row in enumerate(rows):
+        context = tokenizer(row["context"])["input_ids"]
+        scores = []
+        for choice in row["choices"]:
+            ids = tokenizer(f"{row['context']} {choice}")["input_ids"]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+            scores.append(sum(logits[i - 1, ids[i]].item() for i in range(len(context), len(ids))))
+        assert logged[n] == pytest.approx(scores, abs=1e-4), row
+        right += max(range(len(scores)), key=scores.__getitem__) == row["label"]
+    assert accuracy == pytest.approx(right / len(rows))
 
 
 @pytest.mark.parametrize(

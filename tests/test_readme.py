@@ -4,7 +4,8 @@ Commands that need GPUs or CIFAR's download run as far as this GPU-less, network
 allows: `accelerate launch` lines start their processes on CPU and must get past the launch
 checks to the dataset; `./launch.sh` lines are resolved against a faked 8-GPU host and their
 recipe arguments parsed by the recipe itself; `sbatch` lines run their template on a faked Slurm
-job (tests/conftest.py) and `./launch.sh doctor` runs on CPU.
+job (tests/conftest.py) and `./launch.sh doctor` runs on CPU. The `lm_eval` line runs in
+tests/test_lm_finetune.py, on a LoRA run's merged model with a local task.
 """
 
 import contextlib
@@ -57,6 +58,7 @@ def test_every_readme_command_is_covered():
             or line.startswith("accelerate launch ")
             or launch_sh_args(line) is not None
             or sbatch_line(line) is not None
+            or line.startswith("lm_eval ")  # run offline on a trained run by tests/test_lm_finetune.py
         ), line
 
 
