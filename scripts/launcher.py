@@ -262,6 +262,8 @@ def main(argv: list[str]) -> int:
         num_processes = num_processes or (gpus if config == "2gpu" else None)
     config_file = Path(config) if config.endswith((".yaml", ".yml")) else CONFIGS / f"{config}.yaml"
     machines, processes, kind, use_cpu, yaml_config = read_config(config_file)
+    if yaml_config.get("mixed_precision") is False:  # an unquoted `no`, which YAML reads as false: accelerate fails
+        precision = precision or "no"  # what it means; the file stays as it is
     if kind == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:  # accelerate launch: a traceback
         die(f"{config_file.name} runs DeepSpeed, which is not installed here: pip install -e '.[deepspeed]', or pass "
             "another --config (fsdp trains sharded without it)")  # fmt: skip

@@ -27,12 +27,8 @@ TABLE = [
 ]
 # Rows whose fix cannot be followed in a one-process CPU run here, and where each is tested instead.
 NOT_FOLLOWED_HERE = {
-    "unknown config": "launch.sh's own options: tests/test_launch_sh.py",
-    "a config's value that accelerate launch": "a config file's value: tests/test_launch_sh.py",
-    "a bad `launch.sh` option": "launch.sh's own options: tests/test_launch_sh.py",
     "a bad option of `./launch.sh doctor`": "the doctor's and the selftest's options: tests/test_doctor.py",
     "a DeepSpeed config where DeepSpeed is not installed": "needs an environment without DeepSpeed",
-    "a malformed accelerate config": "a config file's value: tests/test_launch_sh.py",
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
     "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
     "an empty dataset": "the fix is a folder of images per class, which is the user's to make",
@@ -483,6 +479,64 @@ CASES = [
 ]
 
 
+def a_config(**values):
+    """A config file of the user's, {config}: one CPU process, with `values`."""
+
+    def before(ctx):
+        lines = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "num_processes": 1}
+        lines |= {"use_cpu": "true", **values}
+        (ctx.tmp / "my_config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in lines.items()))
+        ctx.paths["config"] = str(ctx.tmp / "my_config.yaml")
+
+    return before
+
+
+def config_set(key, value):
+    """Follows a fix that corrects a config file's `key`: the file rewritten with `value`."""
+
+    def follow(m, argv, ctx):
+        path = Path(ctx.paths["config"])
+        path.write_text(re.sub(rf"(?m)^{key}: .*$", f"{key}: {value}", path.read_text()))
+        return argv
+
+    return follow
+
+
+# launch.sh's own refusals (its options, the config), followed the same way: through launch.sh, one CPU process.
+LAUNCH_CASES = [
+    Case(
+        "unknown config",
+        "lm_finetune",
+        ["--config", "x"],
+        r"unknown config 'x' \(available: .*\b(cpu)\b.*, or the path of a YAML file\)",
+        lambda m, argv, ctx: setting("--config", m[1])(argv),  # the one of the list that runs on this machine
+    ),
+    Case(
+        "a bad `launch.sh` option",
+        "lm_finetune",
+        ["--num_processes", "0"],
+        r"(--num_processes) must be a positive integer",
+        lambda m, argv, ctx: setting(m[1], "1")(argv),
+    ),
+    Case(
+        "a malformed accelerate config",
+        "lm_finetune",
+        ["--config", "{config}", "--num_processes", None],
+        r": (num_processes) must be a whole number from (\d+), got 'two'",
+        lambda m, argv, ctx: config_set(m[1], m[2])(m, argv, ctx),
+        before=a_config(num_processes="two"),
+    ),
+    Case(
+        "a config's value that accelerate launch",
+        "lm_finetune",
+        ["--config", "{config}", "--num_processes", None],
+        r"Unknown (mixed_precision) mode: fp32. Choose between \['(\w+)'.*; correct the config",
+        lambda m, argv, ctx: config_set(m[1], m[2])(m, argv, ctx),
+        before=a_config(mixed_precision="fp32"),
+    ),
+]
+
+
 def user_weights(ctx):
     """The file the fix names, written now: torchvision's ResNet-18 for these 10 classes."""
     import torchvision
@@ -494,15 +548,17 @@ def user_weights(ctx):
 
 def test_every_row_of_the_table_is_followed_here_or_says_where():
     def key_of(row):
-        return [key for key in [c.row for c in CASES] + list(NOT_FOLLOWED_HERE) if row.startswith(key)]
+        return [key for key in [c.row for c in CASES + LAUNCH_CASES] + list(NOT_FOLLOWED_HERE) if row.startswith(key)]
 
     assert [row for row in TABLE if len(key_of(row)) != 1] == [], "a row no case follows, or more than one"
     assert all(any(row.startswith(key) for row in TABLE) for key in NOT_FOLLOWED_HERE), "a key names no row"
 
 
-def command(case, ctx):
+def command(case, ctx, launcher=()):
     """The base command (the data, the output folder, one step) with the case's options."""
-    if case.recipe == "cifar":
+    if launcher:
+        argv = ["--num_processes", "1", *lm_args(ctx.lm, ctx.out, "--max_train_steps", "1")]
+    elif case.recipe == "cifar":
         argv = digits_args(ctx.digits, ctx.out, "--max_train_steps", "1", "--per_device_train_batch_size", "16")
         argv += ["--hflip", "0"]
     else:
@@ -536,3 +592,21 @@ def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case
     proc = run(recipe + fixed, check=False)
     assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
     assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAUNCH_CASES, ids=lambda c: c.row[:50])
+def test_launch_sh_s_fixes_followed_literally_let_the_run_start(case, tiny_lm, tmp_path):
+    ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=None, lm=tiny_lm)
+    if case.before:
+        case.before(ctx)
+    argv, launch = command(case, ctx, launcher=True), [REPO / "launch.sh", case.recipe]
+    proc = run(launch + argv, check=False)
+    assert proc.returncode == 2 and not ctx.out.exists(), proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "error:" in line]
+    match = re.search(case.fix, line)
+    assert match, f"the line does not say the fix {case.fix!r}: {line}"
+    fixed = case.follow(match, argv, ctx)
+    proc = run(launch + fixed, check=False)
+    assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
+    assert results(ctx.out)["steps"] == 1
