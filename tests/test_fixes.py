@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import BIN, REPO, digits_args, error_lines, lm_args, results, run, snapshot
+from conftest import BIN, NO_NETWORK, REPO, digits_args, error_lines, lm_args, results, run, snapshot, user_env
+from PIL import Image
 
 TABLE = [
     row.split("|")[1].strip()
@@ -44,10 +45,7 @@ NOT_FOLLOWED_HERE = {
     "a DeepSpeed file whose batch": "DeepSpeed in processes: tests/test_zero.py",
     "a ZeRO-3 config that cannot save": "DeepSpeed in processes: tests/test_zero.py",
     "`accelerate launch --num_processes 2` that starts one process": "two processes: tests/test_launch_sh.py",
-    "pretrained weights that are not cached": "the fix downloads a file where there is network",
     "an encoder (BERT and kin)": "the fix is another model, the user's to choose",
-    "an image too large to decode": "the fix shrinks an image of the user's: tests/test_inputs.py",
-    "a `--dataset_name` folder": "as a --train_file that is not there, which a case follows",
     "a credential in a mistyped argument": "as an unknown argument, which a case follows; the value is masked",
 }
 
@@ -71,6 +69,7 @@ class Case:
     fix: str  # a regular expression for the fix in the error line; `follow` gets its match
     follow: Callable  # (match, argv, context) -> the argv the fix asks for, having done what else it asks
     before: Callable = None  # (context) -> None: the folder, data or checkpoint the mistake needs
+    env: Callable = lambda ctx: {}  # (context) -> the variables the runs have beside the user's
 
 
 def setting(option, value):
@@ -194,6 +193,39 @@ def a_link_up(train, val):
 def a_class_only_val_has(train, val):
     (val / "10").mkdir()
     shutil.copy2(next((val / "1").iterdir()), val / "10" / "x.png")
+
+
+def too_large(train, val):
+    """An image whose PNG header claims 20,000 x 20,000 pixels (PIL refuses it before decoding)."""
+    import struct
+    import zlib
+
+    path = next((train / "3").iterdir())
+    Image.new("L", (1, 1)).save(path)
+    data = bytearray(path.read_bytes())
+    data[16:24] = struct.pack(">II", 20_000, 20_000)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    path.write_bytes(bytes(data))
+
+
+def shrunk(path):
+    """The image at `path` shrunk, as the fix says: a small one in its place."""
+    Image.new("L", (28, 28)).save(path, format="PNG")
+
+
+def offline(ctx):
+    """No network, and torchvision's cache in the case's folder."""
+    return {"TORCH_HOME": str(ctx.tmp / "torch"), **NO_NETWORK}
+
+
+def imagenet_weights(path):
+    """torchvision's ResNet-18 of ImageNet's classes, at the path the fix names (seeded: the download stands in)."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(torchvision.models.resnet18().state_dict(), path)
 
 
 def broken_model_config(ctx):
@@ -401,6 +433,22 @@ CASES = [
         before=images(a_class_only_val_has),
     ),
     Case(
+        "an image too large to decode",
+        "cifar",
+        ["--train_dir", "{train}", "--val_dir", "{val}"],
+        r"error: (\S+): too large to decode .*; shrink it first",
+        lambda m, argv, ctx: (shrunk(m[1]), argv)[1],
+        before=images(too_large),
+    ),
+    Case(
+        "pretrained weights that are not cached",
+        "cifar",
+        ["--model", "resnet18", "--pretrained"],
+        r"where there is network and put it at (\S+) \(TORCH_HOME sets the folder\)",
+        lambda m, argv, ctx: (imagenet_weights(m[1]), argv)[1],
+        env=offline,
+    ),
+    Case(
         "a LoRA rank above the rank of a layer it adapts",
         "lm_finetune",
         ["--lora_r", "64"],
@@ -459,6 +507,14 @@ CASES = [
         r"(--train_file) (\S+): no such file or directory; check the path",
         lambda m, argv, ctx: setting(m[1], m[2].replace("trian", "train"))(argv),
         before=lambda ctx: ctx.paths.update(typo=str(ctx.lm["train"]).replace("train", "trian")),
+    ),
+    Case(
+        "a `--dataset_name` folder that does not exist",
+        "lm_finetune",
+        ["--train_file", None, "--validation_file", None, "--dataset_name", "{typo}"],
+        r"(--dataset_name) (\S+): no such file or directory; check the path",
+        lambda m, argv, ctx: setting(m[1], str(Path(ctx.lm["train"]).parent))(argv),  # the folder meant
+        before=lambda ctx: ctx.paths.update(typo=str(Path(ctx.lm["train"]).parent) + "-typo"),
     ),
     Case(
         "rows without text",
@@ -580,16 +636,16 @@ def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case
     ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm)
     if case.before:
         case.before(ctx)
-    argv, held = command(case, ctx), snapshot(tmp_path)
+    argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
     recipe = [BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
-    proc = run(recipe + argv, check=False)
+    proc = run(recipe + argv, env=env, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
     assert snapshot(tmp_path) == held, "the refused run changed what it was given"
     match = re.search(case.fix, line)
     assert match, f"the line does not say the fix {case.fix!r}: {line}"
     fixed = case.follow(match, argv, ctx)
-    proc = run(recipe + fixed, check=False)
+    proc = run(recipe + fixed, env=env, check=False)
     assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
     assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
 
