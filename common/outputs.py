@@ -46,6 +46,7 @@ from .checkpoint import (
 from .metrics import tracker_config, write_results
 from .preemption import stop_signals_held
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
+from .samples import SAMPLES_FILE
 
 LOCK_FILE = ".run.lock"
 # Files a final save writes: where one is there and no run of ours recorded writing it, the folder holds a model
@@ -210,8 +211,8 @@ def _begin(output_dir: Path, overwrite: bool) -> None:
 
 def _run_outputs(output_dir: Path) -> list:
     """What runs wrote in output_dir (its lock aside), checkpoints first: checkpoint folders (a complete one's
-    marker lists its files), a save's temporary forms, results.json and the files save_model recorded."""
-    names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
+    marker lists its files), a save's temporary forms, results.json, samples.jsonl and what save_model recorded."""
+    names = {RESULTS_FILE, MODEL_FILES, SAMPLES_FILE, f".{SAMPLES_FILE}.tmp", *TMP_FILES, *model_files(output_dir)}
     found = [p for p in output_dir.iterdir() if p.name in names or (p.is_dir() and RUN_FOLDER_RE.fullmatch(p.name))]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 

@@ -132,6 +132,11 @@ def results(output_dir) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
 
 
+def samples(output_dir) -> list:
+    """The rows of a run's samples.jsonl (common.samples): step, samples_seen, prompt, completion."""
+    return [json.loads(line) for line in (Path(output_dir) / "samples.jsonl").read_text().splitlines()]
+
+
 def error_lines(text: str) -> list:
     return [line for line in text.splitlines() if line.startswith("error:")]
 

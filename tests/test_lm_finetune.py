@@ -20,6 +20,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    samples,
     update_distance,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,14 +74,42 @@ def test_one_process_learns_from_a_dataset_folder_with_gradient_checkpointing(ti
 
 def test_a_tiny_run_in_one_process_trains_saves_and_reports(tiny_lm, tmp_path):
     """The fast tier's one real run (pytest -m 'not slow'): the recipe end to end in this machine's one
-    process, 3 optimizer steps, through every stage a launch has, in seconds."""
-    out = tmp_path / "run"
-    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--max_train_steps", "3", "--checkpointing_steps", "3")])
+    process, 3 optimizer steps, through every stage a launch has, in seconds. It evaluates after each step, and
+    completes the first half of the first 4 held-out documents greedily each time, into samples.jsonl and
+    TensorBoard; the same run without samples trains the same weights and losses, to the bit."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, off = tmp_path / "run", tmp_path / "off"
+    args = ("--max_train_steps", "3", "--checkpointing_steps", "3", "--eval_steps", "1")
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args, "--report_to", "tensorboard")])
     res = results(out)
     assert res["steps"] == 3 and res["world_size"] == 1 and res["samples_seen"] == 3 * 8
-    assert len(res["log_history"]) == 1 and res["eval_tokens"] > 0
+    assert len(res["log_history"]) == 3 and res["eval_tokens"] > 0  # a log at each evaluation
     assert (out / "checkpoint-3" / "trainer_state.json").is_file()
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
+
+    rows = samples(out)
+    assert [(r["step"], r["samples_seen"]) for r in rows] == [(step, 8 * step) for step in (1, 2, 3) for _ in "1234"]
+    held_out = [json.loads(line)["text"].split() for line in tiny_lm["validation"].read_text().splitlines()[:4]]
+    assert [r["prompt"] for r in rows[:4]] == [" ".join(words[: len(words) // 2]) for words in held_out]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    assert all(0 < len(tokenizer(r["completion"])["input_ids"]) <= 20 for r in rows)  # --max_new_tokens' default
+    events = EventAccumulator(str(out / "lm_finetune"), size_guidance={"tensors": 0})
+    events.Reload()
+    shown = [(t.step, t.tensor_proto.string_val[0].decode()) for t in events.Tensors("samples/0/text_summary")]
+    assert [step for step, _ in shown] == [1, 2, 3]
+    assert all(
+        f"    {r['prompt']}\n" in text and f"    {r['completion']}" in text for r, (_, text) in zip(rows[::4], shown)
+    )
+
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, off, *args, "--max_new_tokens", "0")])
+    assert not (off / "samples.jsonl").exists()
+    weights, without = (load_file(folder / "model.safetensors") for folder in (out, off))
+    assert weights.keys() == without.keys() and all(torch.equal(weights[k], without[k]) for k in weights)
+    for key in ("log_history", "eval_history"):
+        strip = lambda h: [{k: v for k, v in e.items() if "seconds" not in k} for e in h]  # noqa: E731
+        assert strip(results(off)[key]) == strip(res[key])
 
 
 @pytest.mark.slow
