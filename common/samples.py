@@ -62,7 +62,7 @@ def read_prompts(path, data_format: str) -> list:
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
-        raise RecipeError(f"{flag}: not UTF-8 text ({one_line(err)}); convert it, e.g. iconv -t utf-8") from None
+        raise RecipeError(f"{flag}: not UTF-8 text ({one_line(err)}); convert the file, e.g. iconv -f latin1 -t utf-8") from None
     prompts = []
     for number, line in ((n, line) for n, line in enumerate(lines, 1) if line.strip()):
         if Path(path).suffix.lower() == ".txt":

@@ -583,3 +583,59 @@ def test_the_lm_data_order_follows_the_seed(tiny_lm, tmp_path):
         assert train.sampler.seed == seed
         orders.append(train.sampler.order(0).tolist())
     assert orders[0] != orders[1]
+
+
+def test_held_out_prompts_are_a_documents_first_half_or_a_conversation_to_its_last_reply(tiny_lm, tmp_path):
+    """The default prompts are the first held-out rows, as the run holds them out; a prompt or --max_new_tokens that
+    does not fit the model's positions is one line."""
+    from common.samples import prompts_for
+
+    lm, tokenizer = load_recipe("lm_finetune"), AutoTokenizer.from_pretrained(tiny_lm["model"])
+    config = AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).config  # 64 positions
+    args = lm.parse_args([str(a) for a in chat_args(tiny_lm, tmp_path / "unused", 4)])
+    held_out = load_raw_datasets(train_file=tiny_lm["chat_varied"], validation_split_percentage=10, seed=args.seed)
+    conversations = held_out["validation"]["messages"][:4]
+    assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == [
+        f"<|user|> {c[0]['content']} <|end|> <|assistant|> " for c in conversations
+    ]
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(["one"] * 45) + "\n")  # 45 tokens and 20 new: past 64
+    args = lm.parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "unused", "--sample_prompts", long)])
+    with pytest.raises(RecipeError, match=f"--sample_prompts {long}: prompt 1 is 45 tokens, and with --max_new_"):
+        prompts_for(args, tokenizer, config)
+    args.max_new_tokens = 64
+    with pytest.raises(RecipeError, match="--max_new_tokens 64 leaves no room for a prompt in the 64 positions"):
+        prompts_for(args, tokenizer, config)
+
+
+def test_samples_are_greedy_in_eval_mode_draw_no_random_number_and_end_at_the_first_eos(tiny_lm):
+    from accelerate import Accelerator
+
+    from common.samples import generate
+
+    accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(tiny_lm["model"])
+    tokenizer.pad_token = tokenizer.eos_token  # as load_causal_lm sets it
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).train())
+    modes = []
+    model.model.layers[0].register_forward_hook(lambda module, *_: modes.append(module.training))
+    prompts = [(text, tokenizer(text)["input_ids"]) for text in ("one two three", "seven")]  # left-padded
+    rng = torch.get_rng_state()
+    completions = generate(accelerator, model, tokenizer, prompts, 12)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training and modes and not any(modes)
+    assert completions == generate(accelerator, model, tokenizer, prompts, 12)  # greedy
+    for (_, ids), completion in zip(prompts, completions):
+        alone = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=1)[0, len(ids) :]
+        words = tokenizer.convert_ids_to_tokens(alone)
+        assert completion.split() == words[: words.index("<eos>") + 1 if "<eos>" in words else None]
+
+
+def test_a_resumed_run_keeps_the_samples_of_the_evaluations_its_checkpoint_recorded(tmp_path):
+    """The rows of later evaluations (a resume from an older checkpoint trains them again) and of one the checkpoint
+    was saved before (the final evaluation, run again) go, as does a line cut short by a kill."""
+    from common.samples import keep_recorded
+
+    path = tmp_path / "samples.jsonl"
+    rows = [{"step": s, "samples_seen": 8 * s, "prompt": p, "completion": "c"} for s in (4, 8, 12) for p in "ab"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 14, "samp')
+    keep_recorded(path, [{"step": 4, "samples_seen": 32}, {"step": 8, "samples_seen": 64}])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]
