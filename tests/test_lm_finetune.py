@@ -263,7 +263,9 @@ def test_eval_steps_counts_every_held_out_token_once_on_any_layout_and_a_resumed
     """--eval_steps 4 over 14 steps: held-out loss at steps 4, 8, 12 and the end, in results.json's eval_history. Two
     processes (a held-out set of an odd number of blocks, Accelerate repeats one to even out the last batch) count
     each token once, as one process on the whole batch does, and reach the same losses. A run stopped by SIGTERM
-    after checkpoint-4 and resumed in one process has the same evaluations, none twice."""
+    after checkpoint-4 and resumed in one process has the same evaluations, none twice. samples.jsonl holds 4
+    greedy completions at each evaluation, the same on 1 and 2 processes, stopped and resumed or not, and again
+    after a resume from an older checkpoint, whose later evaluations run again."""
     args = (*LM_INTERRUPTED_ARGS, "--eval_steps", "4", "--per_device_eval_batch_size", "3")
     one = tmp_path / "one"
     run([BIN / "python", RECIPE, *lm_args(tiny_lm, one, *args, "--per_device_train_batch_size", "16")])
@@ -294,6 +296,14 @@ def test_eval_steps_counts_every_held_out_token_once_on_any_layout_and_a_resumed
         for mine, theirs in zip(history, reference):
             assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
         assert results(other)["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-5)
+    rows = samples(one)
+    assert [(r["step"], r["samples_seen"]) for r in rows] == [
+        (e["step"], e["samples_seen"]) for e in reference for _ in "1234"
+    ]
+    assert samples(two) == samples(stopped) == rows
+    older = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint", stopped / "checkpoint-8"]
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, stopped, *args, *older)])
+    assert samples(stopped) == rows
 
 
 @pytest.mark.slow
