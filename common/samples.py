@@ -62,7 +62,9 @@ def read_prompts(path, data_format: str) -> list:
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
-        raise RecipeError(f"{flag}: not UTF-8 text ({one_line(err)}); convert the file, e.g. iconv -f latin1 -t utf-8") from None
+        raise RecipeError(
+            f"{flag}: not UTF-8 text ({one_line(err)}); convert the file, e.g. iconv -f latin1 -t utf-8"
+        ) from None
     prompts = []
     for number, line in ((n, line) for n, line in enumerate(lines, 1) if line.strip()):
         if Path(path).suffix.lower() == ".txt":
@@ -181,7 +183,8 @@ def generate(accelerator, model, tokenizer, prompts: list, max_new_tokens: int) 
     """The greedy completion of each prompt's ids (the new tokens to the first end of sequence, decoded), in one
     left-padded batch, on every process. The model is put in eval mode and back; no random numbers are drawn."""
     module = accelerator.unwrap_model(model)  # DDP's module, DeepSpeed's; FSDP2's own, whose forward gathers
-    width, pad = max(len(ids) for _, ids in prompts), tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked; none without an EOS either
+    width = max(len(ids) for _, ids in prompts)
     ids = torch.tensor([[pad] * (width - len(i)) + i for _, i in prompts], device=accelerator.device)
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for _, i in prompts], device=accelerator.device)
     training = module.training
@@ -232,8 +235,8 @@ def with_samples(evaluate, out, model, tokenizer, at):
                     f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
                 to_trackers(accelerator, rows, at.step)
             logger.info(
-                f"{len(prompts)} samples of {args.max_new_tokens} tokens at step {at.step} in "
-                f"{time.perf_counter() - began:.2f} s: {path}"
+                f"step {at.step}: {len(prompts)} samples of up to {args.max_new_tokens} tokens in "
+                f"{time.perf_counter() - began:.2f} s, in {path}"
             )
         return metrics
 
