@@ -46,7 +46,7 @@ from .checkpoint import (
 from .metrics import tracker_config, write_results
 from .preemption import stop_signals_held
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
-from .samples import SAMPLES_FILE
+from .samples import SAMPLES_FILE, samples_written_by_a_run
 
 LOCK_FILE = ".run.lock"
 # Files a final save writes: where one is there and no run of ours recorded writing it, the folder holds a model
@@ -218,8 +218,9 @@ def _run_outputs(output_dir: Path) -> list:
 
 
 def _not_ours(path: Path) -> str | None:
-    """Why results.json or a checkpoint-<step> folder with a trainer_state.json is not a run's (None: it is): its
-    record lacks what only a recipe writes (the library versions; the checksums), or a link leads elsewhere. A
+    """Why results.json, samples.jsonl or a checkpoint-<step> folder with a trainer_state.json is not a run's (None:
+    it is): its record lacks what only a recipe writes (the library versions; the checksums; a sample's fields), or a
+    link leads elsewhere. A
     checkpoint whose record does not read at all is a run's, damaged (a copy cut short): resuming passes it over, and
     nothing deletes it (which files are a run's, its record no longer says). Anything else _run_outputs lists is a
     save's temporary form or a checkpoint cut short, named as only our saves name them."""
@@ -227,6 +228,8 @@ def _not_ours(path: Path) -> str | None:
     record, key = (path / STATE_FILE, HASH) if checkpoint else (path, "versions")
     if path.is_symlink():  # what a run deletes or replaces there would be another folder's
         return "a symbolic link"
+    if path.name == SAMPLES_FILE:
+        return None if samples_written_by_a_run(path) else "not the rows a run's samples are"
     if path.name != RESULTS_FILE and not (checkpoint and record.is_file()):
         return None
     try:

@@ -261,6 +261,17 @@ def keep_recorded(path: Path, eval_history: list) -> None:
     os.replace(tmp, path)
 
 
+def samples_written_by_a_run(path: Path) -> bool:
+    """Whether `path` holds what with_samples writes (its first row read; a kill may cut the last one short): a file
+    of the same name that is not may be a user's, which --overwrite_output_dir must not delete."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = f.readline()
+        return not first or set(json.loads(first)) == {"step", "samples_seen", "prompt", "completion"}
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def to_trackers(accelerator, rows: list, step: int) -> None:
     """Each sample as text, where a tracker shows text: TensorBoard's add_text (as indented blocks: Markdown would
     take a chat template's <|tags|> for HTML)."""
