@@ -608,6 +608,12 @@ def test_held_out_prompts_are_a_documents_first_half_or_a_conversation_to_its_la
     assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == [
         f"<|user|> {c[0]['content']} <|end|> <|assistant|> " for c in conversations
     ]
+    asked = tmp_path / "asked.jsonl"  # a training row: the reply it ends with is the model's to write
+    asked.write_text(tiny_lm["chat"].read_text().splitlines()[0] + "\n")
+    args.sample_prompts = asked
+    ((shown, ids),) = prompts_for(args, tokenizer, config)
+    question = json.loads(asked.read_text())["messages"][0]["content"]
+    assert shown == f"<|user|> {question} <|end|> <|assistant|> " and tokenizer.decode(ids) == shown.strip()
     long = tmp_path / "long.txt"
     long.write_text(" ".join(["one"] * 45) + "\n")  # 45 tokens and 20 new: past 64
     args = lm.parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "unused", "--sample_prompts", long)])
