@@ -220,10 +220,9 @@ def _run_outputs(output_dir: Path) -> list:
 def _not_ours(path: Path) -> str | None:
     """Why results.json, samples.jsonl or a checkpoint-<step> folder with a trainer_state.json is not a run's (None:
     it is): its record lacks what only a recipe writes (the library versions; the checksums; a sample's fields), or a
-    link leads elsewhere. A
-    checkpoint whose record does not read at all is a run's, damaged (a copy cut short): resuming passes it over, and
-    nothing deletes it (which files are a run's, its record no longer says). Anything else _run_outputs lists is a
-    save's temporary form or a checkpoint cut short, named as only our saves name them."""
+    link leads elsewhere. A checkpoint whose record does not read at all is a run's, damaged (a copy cut short):
+    resuming passes it over, and nothing deletes it (which files are a run's, its record no longer says). Anything
+    else _run_outputs lists is a save's temporary form or a checkpoint cut short, named as only our saves name them."""
     checkpoint = CHECKPOINT_RE.fullmatch(path.name)
     record, key = (path / STATE_FILE, HASH) if checkpoint else (path, "versions")
     if path.is_symlink():  # what a run deletes or replaces there would be another folder's
