@@ -1,8 +1,9 @@
 """Sample generations at each evaluation: greedy completions of a few prompts, written to <output_dir>/samples.jsonl
-and the trackers. A run whose loss went down but whose chat template or masking is wrong looks like a success until
+and TensorBoard. A run whose loss went down but whose chat template or masking is wrong looks like a success until
 someone reads what the model writes; this shows it at every evaluation.
 
     held_out = with_samples(partial(evaluate_causal_lm, model, eval_dl, accelerator), out, model, tokenizer, at)
+    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
 
 The prompts are --sample_prompts' (text: a .txt file, a prompt a line, or .jsonl rows with a "prompt"; chat: .jsonl
 rows with "messages", rendered with the chat template and its generation prompt), or the first held-out rows (text:
