@@ -1,9 +1,9 @@
 """What the recipes share, a module per concern: launch checks and exit codes (runtime), arguments (args), data
 order and loading (data), the run's plan and LR schedule (plan), the training loop's bookkeeping (loop), checkpoints
 (checkpoint), one run per output folder (outputs), stopping on a signal (preemption), a stalled process named
-(watchdog), what a run reports (metrics) and its model card (card); images and image models in common.vision, text
-data and causal LMs in common.text. Nothing recipe-specific. This is what the recipes import; tests import what they
-test from the submodules."""
+(watchdog), what a run reports (metrics), its model card (card) and an LM's generations at each evaluation
+(samples); images and image models in common.vision, text data and causal LMs in common.text. Nothing
+recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
 
 import importlib
 

@@ -78,7 +78,7 @@ RUN_CONTROL = {
     "logging_steps", "checkpointing_steps", "save_total_limit", "report_to", "dataloader_num_workers",
     "preprocessing_num_workers", "ddp_timeout", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "save_fp32", "torch_compile", "recipe", "seed", "prepared_data_dir", "prepare_only",
-    "max_eval_samples",
+    "max_eval_samples", "sample_prompts", "max_new_tokens",
 }  # fmt: skip
 
 

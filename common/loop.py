@@ -26,9 +26,10 @@ from .watchdog import watch
 
 
 class TrainingLoop:
-    """The run from `start` (a plan.Position this loop alone moves) to `plan.max_train_steps`. `evaluate(stop)`
-    returns the held-out metrics, or None when `stop.requested()` reported a signal; it runs after the last step of
-    each epoch, or every --eval_steps steps where the arguments have it, and after the run's last step."""
+    """The run from `start` (a plan.Position this loop alone moves, in place: an `evaluate` may read the step and
+    samples seen from it) to `plan.max_train_steps`. `evaluate(stop)` returns the held-out metrics, or None when
+    `stop.requested()` reported a signal; it runs after the last step of each epoch, or every --eval_steps steps where
+    the arguments have it, and after the run's last step."""
 
     def __init__(self, accelerator, args, plan, start, out, model, evaluate):
         self.accelerator, self.plan, self.at, self.out, self.model = accelerator, plan, start, out, model

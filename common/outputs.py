@@ -49,6 +49,7 @@ from .checkpoint import (
 from .metrics import tracker_config, write_results
 from .preemption import stop_signals_held
 from .runtime import RecipeError, RunFinished, decide_on_main, logger, one_line
+from .samples import SAMPLES_FILE, samples_written_by_a_run
 
 LOCK_FILE = ".run.lock"
 # Files a final save writes: where one is there and no run of ours recorded writing it, the folder holds a model
@@ -226,22 +227,24 @@ def _begin(output_dir: Path, overwrite: bool) -> None:
 
 def _run_outputs(output_dir: Path) -> list:
     """What runs wrote in output_dir (its lock aside), checkpoints first: checkpoint folders (a complete one's
-    marker lists its files), a save's temporary forms, results.json and the files save_model recorded."""
-    names = {RESULTS_FILE, MODEL_FILES, *TMP_FILES, *model_files(output_dir)}
+    marker lists its files), a save's temporary forms, results.json, samples.jsonl and what save_model recorded."""
+    names = {RESULTS_FILE, MODEL_FILES, SAMPLES_FILE, f".{SAMPLES_FILE}.tmp", *TMP_FILES, *model_files(output_dir)}
     found = [p for p in output_dir.iterdir() if p.name in names or (p.is_dir() and RUN_FOLDER_RE.fullmatch(p.name))]
     return sorted(found, key=lambda p: (p.name.startswith("."), not CHECKPOINT_RE.fullmatch(p.name), p.name))
 
 
 def _not_ours(path: Path) -> str | None:
-    """Why results.json or a checkpoint-<step> folder with a trainer_state.json is not a run's (None: it is): its
-    record lacks what only a recipe writes (the library versions; the checksums), or a link leads elsewhere. A
-    checkpoint whose record does not read at all is a run's, damaged (a copy cut short): resuming passes it over, and
-    nothing deletes it (which files are a run's, its record no longer says). Anything else _run_outputs lists is a
-    save's temporary form or a checkpoint cut short, named as only our saves name them."""
+    """Why results.json, samples.jsonl or a checkpoint-<step> folder with a trainer_state.json is not a run's (None:
+    it is): its record lacks what only a recipe writes (the library versions; the checksums; a sample's fields), or a
+    link leads elsewhere. A checkpoint whose record does not read at all is a run's, damaged (a copy cut short):
+    resuming passes it over, and nothing deletes it (which files are a run's, its record no longer says). Anything
+    else _run_outputs lists is a save's temporary form or a checkpoint cut short, named as only our saves name them."""
     checkpoint = CHECKPOINT_RE.fullmatch(path.name)
     record, key = (path / STATE_FILE, HASH) if checkpoint else (path, "versions")
     if path.is_symlink():  # what a run deletes or replaces there would be another folder's
         return "a symbolic link"
+    if path.name == SAMPLES_FILE:
+        return None if samples_written_by_a_run(path) else "not the rows a run's samples are"
     if path.name != RESULTS_FILE and not (checkpoint and record.is_file()):
         return None
     try:

@@ -283,9 +283,9 @@ def hold_out(raw, validation_split_percentage, seed, sources):
     return DatasetDict(train=split["train"], validation=split["test"])
 
 
-def check_conversation(messages) -> None:
+def check_conversation(messages, needs_reply: bool = True) -> None:
     """Refuse a conversation the chat template would render unfaithfully (a number or a list of parts as content),
-    or that teaches nothing (no assistant reply)."""
+    or, with `needs_reply` (training data, not a prompt), that teaches nothing (no assistant reply)."""
     if not isinstance(messages, list) or not messages:
         raise RecipeError(f"`messages` is {_excerpt(messages)}, not a list of {MESSAGE_SHAPE} messages")
     for number, message in enumerate(messages, 1):
@@ -301,7 +301,7 @@ def check_conversation(messages) -> None:
             raise RecipeError(
                 f"message {number}'s content is {_excerpt(content)} ({type(content).__name__}), not a string: {fix}"
             )
-    if not any(message["role"] == "assistant" for message in messages):
+    if needs_reply and not any(message["role"] == "assistant" for message in messages):
         raise RecipeError(f"no assistant message, so nothing to train on: {_excerpt(messages)}")
 
 

@@ -22,6 +22,7 @@ from accelerate.utils import set_seed
 
 import common
 from common import RecipeError
+from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
     checkpoint_activations,
@@ -59,6 +60,7 @@ HYPERPARAMETERS = dict(
 def parse_args(argv=None):
     p = common.training_parser("lm_finetune", __doc__)
     m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
+    add_sample_args(p)  # --sample_prompts, --max_new_tokens: greedy generations at each evaluation
     m.add_argument(
         "--torch_dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -195,6 +197,7 @@ def main(argv=None):
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     held_out = partial(evaluate_causal_lm, model, eval_dl, accelerator)
+    held_out = with_samples(held_out, out, model, tokenizer, at)  # then greedy samples into samples.jsonl
     loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
     model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 

@@ -30,6 +30,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 
 import common
 from common import logger
+from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
     checkpoint_activations,
@@ -62,6 +63,7 @@ HYPERPARAMETERS = dict(
 def parse_args(argv=None):
     p = common.training_parser("zero", __doc__)
     m = add_lm_args(p)  # --model_name_or_path or --config_name, --tokenizer_name, ...; the data arguments
+    add_sample_args(p)  # --sample_prompts, --max_new_tokens: greedy generations at each evaluation
     m.add_argument("--gradient_checkpointing", action="store_true")
     m.add_argument("--save_fp32", action="store_true", help="also export fp32 weights via DeepSpeed's zero_to_fp32")
     p.set_defaults(**HYPERPARAMETERS)
@@ -231,6 +233,7 @@ def main(argv=None):
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     held_out = partial(evaluate_causal_lm, model, eval_dl, accelerator)
+    held_out = with_samples(held_out, out, model, tokenizer, at)  # then greedy samples into samples.jsonl
     loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
     model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 

@@ -163,6 +163,11 @@ def uploaded(output_dir, text: str) -> set:
     return set(filter_repo_objects(files, ignore_patterns=excludes + DEFAULT_IGNORE_PATTERNS))
 
 
+def samples(output_dir) -> list:
+    """The rows of a run's samples.jsonl (common.samples): step, samples_seen, prompt, completion."""
+    return [json.loads(line) for line in (Path(output_dir) / "samples.jsonl").read_text().splitlines()]
+
+
 def error_lines(text: str) -> list:
     return [line for line in text.splitlines() if line.startswith("error:")]
 

@@ -22,6 +22,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    samples,
     update_distance,
     user_env,
 )
@@ -56,7 +57,8 @@ def test_fsdp_on_cpu_shards_trains_one_big_batch_token_weighted_and_saves_a_load
 ):
     """2 processes x batch 2 in chat mode, each block's target tokens from a few to most of it: the update of 1
     process x batch 4, every eval token counted once, half the parameters a process, and a gathered save that
-    from_pretrained loads and that gives the eval loss the run reported."""
+    from_pretrained loads and that gives the eval loss the run reported. Every process takes part in each forward of
+    the samples' generation (the weights are sharded): samples.jsonl holds the one process run's completions."""
     out = tmp_path / "fsdp"
     fsdp(2, *chat_args(tiny_lm, out, 2))
     res, reference = results(out), results(chat_reference)
@@ -68,6 +70,9 @@ def test_fsdp_on_cpu_shards_trains_one_big_batch_token_weighted_and_saves_a_load
     assert update_distance(out, chat_reference, tiny_lm["model"]) < 1e-5
     assert res["eval_tokens"] == reference["eval_tokens"]
     assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-4)
+    rows = samples(out)
+    assert rows == samples(chat_reference) and [r["step"] for r in rows] == [6] * 4
+    assert all(r["prompt"].endswith("<|assistant|> ") for r in rows)  # the template's generation prompt
 
 
 @pytest.mark.slow
@@ -153,6 +158,7 @@ def test_fsdp_trains_the_zero_recipe_too_and_the_image_recipe_is_refused_in_one_
     res = results(out)
     assert res["distributed_type"] == "FSDP" and max(res["parameters_per_process"]) < 0.6 * res["parameters"]
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
+    assert [(r["step"], r["samples_seen"]) for r in samples(out)] == [(4, 64)] * 4  # the final evaluation's
     images = tmp_path / "cifar"
     data = ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"]]
     for config in ("fsdp", "zero2"):  # ZeRO: BatchNorm statistics per process, a bf16 model fed fp32 images

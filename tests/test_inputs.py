@@ -335,6 +335,52 @@ def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
 FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]"
 
 
+CHAT_ARGS = ["--data_format", "chat"]
+SAMPLE_PROMPTS = [  # (file, its bytes or None for no file, more arguments, the error's text)
+    ("p.txt", None, [], "--sample_prompts p.txt: no such file"),
+    (
+        "p.csv",
+        b"a,b\n",
+        [],
+        "--sample_prompts p.csv: not a .txt or .jsonl file; pass a .txt file of one prompt a line",
+    ),
+    ("p.txt", b"\n \n", [], "--sample_prompts p.txt: holds no prompts; pass a .txt file"),
+    ("p.txt", b"one \xff two\n", [], "--sample_prompts p.txt: not UTF-8 text"),
+    ("p.jsonl", b'{"prompt": "one"}\n{prompt}\n', [], "--sample_prompts p.jsonl: line 2 is not JSON"),
+    ("p.jsonl", b'{"text": "one two"}\n', [], '--sample_prompts p.jsonl: line 1 has no text under "prompt"; pass'),
+    ("p.txt", b"one\n", CHAT_ARGS, '--sample_prompts p.txt: not a .jsonl file; pass a .jsonl file of {"messages"'),
+    ("p.jsonl", b'{"messages": "hi"}\n', CHAT_ARGS, "--sample_prompts p.jsonl: line 1: `messages` is 'hi', not a"),
+    (
+        "p.jsonl",
+        b'{"messages": [{"role": "assistant", "content": "two"}]}\n',
+        CHAT_ARGS,
+        "--sample_prompts p.jsonl: line 1 is a reply alone, with nothing to reply to",
+    ),
+    ("p.txt", b"one\n", ["--max_new_tokens", "0"], "--sample_prompts would do nothing with --max_new_tokens 0"),
+]
+
+
+@pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
+@pytest.mark.parametrize("name, content, argv, message", SAMPLE_PROMPTS, ids=[m for *_, m in SAMPLE_PROMPTS])
+def test_a_sample_prompts_file_that_cannot_serve_is_one_error_line_naming_it(capsys, recipe, name, content, argv,
+                                                                            message):  # fmt: skip
+    if content is not None:
+        Path(name).write_bytes(content)
+    assert message in parse_error(capsys, recipe, ["--sample_prompts", name, *argv])
+
+
+def test_sample_prompts_parse_and_a_conversation_loses_its_last_reply():
+    """Blank lines are no prompts; a chat row may be a training row: the reply it ends with is the model's to write."""
+    from common.samples import read_prompts
+
+    Path("p.txt").write_text("count from one\n\ncount from five\n")
+    assert RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"], "--sample_prompts", "p.txt"]).max_new_tokens == 20
+    assert read_prompts("p.txt", "text") == ["count from one", "count from five"]
+    ask = {"role": "user", "content": "count from one"}
+    Path("c.jsonl").write_text(jsonl([CHAT, {"messages": [ask]}]))
+    assert read_prompts("c.jsonl", "chat") == [CHAT["messages"][:1], [ask]]
+
+
 def test_every_option_an_error_or_a_docstring_names_exists(capsys):
     """Advice that names a flag the recipe does not take is an unrecognized argument when followed.
     common/text.py serves both LM recipes: its flags must exist in both (it names --attn_implementation
@@ -352,6 +398,7 @@ def test_every_option_an_error_or_a_docstring_names_exists(capsys):
         ("recipes/lm_finetune.py", ["lm_finetune"]),
         ("recipes/zero.py", ["zero"]),
         ("common/text.py", ["lm_finetune", "zero"]),
+        ("common/samples.py", ["lm_finetune", "zero"]),
         ("common/vision.py", ["cifar"]),
     ):
         named = set(re.findall(FLAG, (REPO / path).read_text())) - {"--config_file"}  # accelerate launch's

@@ -29,6 +29,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    samples,
     update_distance,
     user_env,
 )
@@ -87,12 +88,18 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     tiny_lm, tmp_path, monkeypatch, caplog
 ):
     """The fast tier's one real run (pytest -m 'not slow'): the recipe end to end in this machine's one
-    process, 3 optimizer steps, through every stage a launch has, in seconds; its model card."""
-    out = tmp_path / "run"
-    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, "--max_train_steps", "3", "--checkpointing_steps", "3")])
+    process, 3 optimizer steps, through every stage a launch has, in seconds. It evaluates after each step, and
+    completes the first half of the first 4 held-out documents greedily each time, into samples.jsonl and
+    TensorBoard; the same run without samples trains the same weights and losses, to the bit. Its model card."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, off = tmp_path / "run", tmp_path / "off"
+    args = ("--max_train_steps", "3", "--checkpointing_steps", "3", "--eval_steps", "1")
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args, "--report_to", "tensorboard")])
     res = results(out)
     assert res["steps"] == 3 and res["world_size"] == 1 and res["samples_seen"] == 3 * 8
-    assert len(res["log_history"]) == 1 and res["eval_tokens"] > 0
+    assert len(res["log_history"]) == 3 and res["eval_tokens"] > 0  # a log at each evaluation
     assert (out / "checkpoint-3" / "trainer_state.json").is_file()
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
 
@@ -124,7 +131,7 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     assert said.endswith("matplotlib is not installed (pip install -e '.[bench]'): the model card has no pictures")
     assert ".png" not in card(bare)[1] and not (bare / "training_curves.png").exists()
     assert "- [samples.jsonl](samples.jsonl)\n- [merged](merged/)\n" in card(bare)[1]
-    assert "samples.jsonl" not in text and "merged" not in text
+    assert "- [samples.jsonl](samples.jsonl)\n" in text and "merged" not in text  # it sampled
     # The command on the card masks credentials in the arguments, as launch.sh's printed command does
     secrets = ["pa55word", "hf_" + "S3cr3t" * 6]
     argv = [str(RECIPE), "--dataset_name", f"https://user:{secrets[0]}@example.org/d", "--hub_token", secrets[1]]
@@ -132,6 +139,28 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     command = launch_record(Accelerator(cpu=True), argparse.Namespace(recipe="lm_finetune"))["command"]
     assert command.endswith(" --dataset_name 'https://***@example.org/d' --hub_token '***'"), command
     assert command.startswith("./launch.sh lm_finetune --config cpu --num_processes 1 --mixed_precision no ")
+
+    rows = samples(out)
+    assert [(r["step"], r["samples_seen"]) for r in rows] == [(step, 8 * step) for step in (1, 2, 3) for _ in "1234"]
+    held_out = [json.loads(line)["text"].split() for line in tiny_lm["validation"].read_text().splitlines()[:4]]
+    assert [r["prompt"] for r in rows[:4]] == [" ".join(words[: len(words) // 2]) for words in held_out]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
+    assert all(0 < len(tokenizer(r["completion"])["input_ids"]) <= 20 for r in rows)  # --max_new_tokens' default
+    events = EventAccumulator(str(out / "lm_finetune"), size_guidance={"tensors": 0})
+    events.Reload()
+    shown = [(t.step, t.tensor_proto.string_val[0].decode()) for t in events.Tensors("samples/0/text_summary")]
+    assert [step for step, _ in shown] == [1, 2, 3]
+    assert all(
+        f"    {r['prompt']}\n" in text and f"    {r['completion']}" in text for r, (_, text) in zip(rows[::4], shown)
+    )
+
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, off, *args, "--max_new_tokens", "0")])
+    assert not (off / "samples.jsonl").exists()
+    weights, without = (load_file(folder / "model.safetensors") for folder in (out, off))
+    assert weights.keys() == without.keys() and all(torch.equal(weights[k], without[k]) for k in weights)
+    for key in ("log_history", "eval_history"):
+        strip = lambda h: [{k: v for k, v in e.items() if "seconds" not in k} for e in h]  # noqa: E731
+        assert strip(results(off)[key]) == strip(res[key])
 
 
 @pytest.mark.slow
@@ -285,7 +314,9 @@ def test_eval_steps_counts_every_held_out_token_once_on_any_layout_and_a_resumed
     """--eval_steps 4 over 14 steps: held-out loss at steps 4, 8, 12 and the end, in results.json's eval_history. Two
     processes (a held-out set of an odd number of blocks, Accelerate repeats one to even out the last batch) count
     each token once, as one process on the whole batch does, and reach the same losses. A run stopped by SIGTERM
-    after checkpoint-4 and resumed in one process has the same evaluations, none twice."""
+    after checkpoint-4 and resumed in one process has the same evaluations, none twice. samples.jsonl holds 4
+    greedy completions at each evaluation, the same on 1 and 2 processes, stopped and resumed or not, and again
+    after a resume from an older checkpoint, whose later evaluations run again."""
     args = (*LM_INTERRUPTED_ARGS, "--eval_steps", "4", "--per_device_eval_batch_size", "3")
     one = tmp_path / "one"
     run([BIN / "python", RECIPE, *lm_args(tiny_lm, one, *args, "--per_device_train_batch_size", "16")])
@@ -316,6 +347,14 @@ def test_eval_steps_counts_every_held_out_token_once_on_any_layout_and_a_resumed
         for mine, theirs in zip(history, reference):
             assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
         assert results(other)["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-5)
+    rows = samples(one)
+    assert [(r["step"], r["samples_seen"]) for r in rows] == [
+        (e["step"], e["samples_seen"]) for e in reference for _ in "1234"
+    ]
+    assert samples(two) == samples(stopped) == rows
+    older = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint", stopped / "checkpoint-8"]
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, stopped, *args, *older)])
+    assert samples(stopped) == rows
 
 
 @pytest.mark.slow
@@ -697,3 +736,65 @@ def test_the_lm_data_order_follows_the_seed(tiny_lm, tmp_path):
         assert train.sampler.seed == seed
         orders.append(train.sampler.order(0).tolist())
     assert orders[0] != orders[1]
+
+
+def test_held_out_prompts_are_a_documents_first_half_or_a_conversation_to_its_last_reply(tiny_lm, tmp_path):
+    """The default prompts are the first held-out rows, as the run holds them out; a prompt or --max_new_tokens that
+    does not fit the model's positions is one line."""
+    from common.samples import prompts_for
+
+    lm, tokenizer = load_recipe("lm_finetune"), AutoTokenizer.from_pretrained(tiny_lm["model"])
+    config = AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).config  # 64 positions
+    args = lm.parse_args([str(a) for a in chat_args(tiny_lm, tmp_path / "unused", 4)])
+    held_out = load_raw_datasets(train_file=tiny_lm["chat_varied"], validation_split_percentage=10, seed=args.seed)
+    conversations = held_out["validation"]["messages"][:4]
+    assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == [
+        f"<|user|> {c[0]['content']} <|end|> <|assistant|> " for c in conversations
+    ]
+    asked = tmp_path / "asked.jsonl"  # a training row: the reply it ends with is the model's to write
+    asked.write_text(tiny_lm["chat"].read_text().splitlines()[0] + "\n")
+    args.sample_prompts = asked
+    ((shown, ids),) = prompts_for(args, tokenizer, config)
+    question = json.loads(asked.read_text())["messages"][0]["content"]
+    assert shown == f"<|user|> {question} <|end|> <|assistant|> " and tokenizer.decode(ids) == shown.strip()
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(["one"] * 45) + "\n")  # 45 tokens and 20 new: past 64
+    args = lm.parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "unused", "--sample_prompts", long)])
+    with pytest.raises(RecipeError, match=f"--sample_prompts {long}: prompt 1 is 45 tokens, and with --max_new_"):
+        prompts_for(args, tokenizer, config)
+    args.max_new_tokens = 64
+    with pytest.raises(RecipeError, match="--max_new_tokens 64 leaves no room for a prompt in the 64 positions"):
+        prompts_for(args, tokenizer, config)
+
+
+def test_samples_are_greedy_in_eval_mode_draw_no_random_number_and_end_at_the_first_eos(tiny_lm):
+    from accelerate import Accelerator
+
+    from common.samples import generate
+
+    accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(tiny_lm["model"])
+    tokenizer.pad_token = tokenizer.eos_token  # as load_causal_lm sets it
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).train())
+    modes = []
+    model.model.layers[0].register_forward_hook(lambda module, *_: modes.append(module.training))
+    prompts = [(text, tokenizer(text)["input_ids"]) for text in ("one two three", "seven")]  # left-padded
+    rng = torch.get_rng_state()
+    completions = generate(accelerator, model, tokenizer, prompts, 12)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training and modes and not any(modes)
+    assert completions == generate(accelerator, model, tokenizer, prompts, 12)  # greedy
+    for (_, ids), completion in zip(prompts, completions):
+        alone = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=1)[0, len(ids) :]
+        words = tokenizer.convert_ids_to_tokens(alone)
+        assert completion.split() == words[: words.index("<eos>") + 1 if "<eos>" in words else None]
+
+
+def test_a_resumed_run_keeps_the_samples_of_the_evaluations_its_checkpoint_recorded(tmp_path):
+    """The rows of later evaluations (a resume from an older checkpoint trains them again) and of one the checkpoint
+    was saved before (the final evaluation, run again) go, as does a line cut short by a kill."""
+    from common.samples import keep_recorded
+
+    path = tmp_path / "samples.jsonl"
+    rows = [{"step": s, "samples_seen": 8 * s, "prompt": p, "completion": "c"} for s in (4, 8, 12) for p in "ab"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 14, "samp')
+    keep_recorded(path, [{"step": 4, "samples_seen": 32}, {"step": 8, "samples_seen": 64}])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]

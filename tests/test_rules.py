@@ -66,7 +66,7 @@ def options(out, **kw):
 @pytest.mark.parametrize("flags", [{}, {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}])
 @pytest.mark.parametrize(
     "what",
-    ["a model", "results.json", "another trainer's checkpoints", "a link to a checkpoint"],
+    ["a model", "results.json", "another trainer's checkpoints", "a link to a checkpoint", "samples.jsonl"],
 )
 def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, tmp_path, flags, what):
     """--output_dir pointed at the pretrained model's own folder, at a folder with a results.json of the user's, or
@@ -82,6 +82,9 @@ def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, 
         (folder / "checkpoint-500").mkdir(parents=True)
         (folder / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500, "log_history": []}')
         (folder / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"weights")
+    elif what == "samples.jsonl":  # a user's prompts, say
+        folder.mkdir()
+        (folder / "samples.jsonl").write_text('{"prompt": "count from one"}\n')
     elif what == "a link to a checkpoint":  # another run's, whose files rotation or --overwrite_output_dir deleted
         (target := tmp_path / "other" / "checkpoint-8").mkdir(parents=True)
         (target / "trainer_state.json").write_text('{"sha256": {"w.bin": "0"}, "files": {"w.bin": 1}}')
@@ -92,6 +95,7 @@ def test_a_folder_holding_what_no_run_wrote_is_never_written_over(acc, tiny_lm, 
     named = {"a model": "model.safetensors, config", "results.json": "results.json (no versions in results.json"}
     named["another trainer's checkpoints"] = "checkpoint-500 (no sha256 in trainer_state.json: another program's)"
     named["a link to a checkpoint"] = "checkpoint-8 (a symbolic link)"
+    named["samples.jsonl"] = "samples.jsonl (not the rows a run's samples are)"
     with pytest.raises(
         RecipeError, match=f"holds files that no run of these recipes wrote \\({re.escape(named[what])}"
     ):
@@ -120,6 +124,20 @@ def test_a_checkpoint_whose_record_is_cut_short_is_a_runs_damaged_one_and_is_nev
         assert snapshot(tmp_path) == before
     outputs.OutputDir(acc[0], options(folder, overwrite_output_dir=True))
     assert {k: v for k, v in snapshot(tmp_path).items() if "checkpoint-8" in k} == before
+
+
+def test_a_runs_samples_are_a_run_in_the_folder_and_go_with_overwrite(acc, tmp_path):
+    """samples.jsonl (common.samples) is the run's: a new run there is refused as it is beside a results.json, and
+    --overwrite_output_dir deletes it, with the temporary file a resume rewrites it through."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "samples.jsonl").write_text('{"step": 4, "samples_seen": 32, "prompt": "one", "completion": "two"}\n{"st')
+    (out / ".samples.jsonl.tmp").write_text("")
+    with pytest.raises(RecipeError, match=r"already holds a run \(samples.jsonl, .samples.jsonl.tmp\); pass"):
+        outputs.OutputDir(acc[0], options(out))
+    outputs._RunLock.release_all()
+    outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True))
+    assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_FILE]
 
 
 def test_what_a_run_wrote_beside_its_weights_goes_with_them(acc, tmp_path):

@@ -19,6 +19,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    samples,
     update_distance,
     user_env,
 )
@@ -248,7 +249,8 @@ def test_a_stream_resumed_where_it_ended_starts_its_next_pass(tiny_lm, tmp_path)
 @pytest.mark.slow
 def test_zero_py_under_zero3_streams_chats_as_one_process_of_the_whole_batch_does(tiny_lm, tmp_path):
     """zero.py, 2 processes x 2 under ZeRO-3, streaming conversations (prompts masked, the loss weighted by target
-    tokens): the losses and weights of lm_finetune.py in one process x 4 on the same stream."""
+    tokens): the losses and weights of lm_finetune.py in one process x 4 on the same stream, and its samples: the
+    first held-out conversations of the stream to their last reply, completed by every process of the sharded model."""
     data = ["--train_file", tiny_lm["chat_varied"], "--validation_file", tiny_lm["chat"], "--data_format", "chat"]
     args = [*STREAM, "--gradient_accumulation_steps", "1", "--max_train_steps", "6", "--max_grad_norm", "0"]
     one, zero3 = tmp_path / "one", tmp_path / "zero3"
@@ -262,6 +264,10 @@ def test_zero_py_under_zero3_streams_chats_as_one_process_of_the_whole_batch_doe
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
     assert update_distance(zero3, one, tiny_lm["model"]) < 1e-5
     assert a["eval_tokens"] == b["eval_tokens"] and b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+    rows = samples(zero3)
+    assert rows == samples(one) and [(r["step"], r["samples_seen"]) for r in rows] == [(6, 24)] * 4
+    asked = [json.loads(line)["messages"][0]["content"] for line in tiny_lm["chat"].read_text().splitlines()[:4]]
+    assert [r["prompt"] for r in rows] == [f"<|user|> {question} <|end|> <|assistant|> " for question in asked]
 
 
 def test_a_folder_of_data_files_streams_and_is_known_by_its_files(tiny_lm, tmp_path):

@@ -17,6 +17,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    samples,
     snapshot,
     update_distance,
     user_env,
@@ -140,6 +141,8 @@ def test_zero3_stopped_in_two_processes_resumes_in_one_and_matches_the_uninterru
         [h["train_loss"] for h in a["log_history"]], rel=1e-5
     )
     assert update_distance(continued, straight, tiny_lm["model"]) < 1e-5
+    rows = samples(continued)  # its evaluations after the checkpoint; under ZeRO-3 every process generates
+    assert rows[-1]["step"] == 8 and rows == [r for r in samples(straight) if r["step"] in {r["step"] for r in rows}]
     # The ZeRO checkpoint under DDP: refused in one line naming both strategies, before anything is written.
     proc = run(
         [BIN / "python", REPO / "recipes" / "lm_finetune.py",
