@@ -265,16 +265,25 @@ def card_text(output_dir: Path, record: dict, pictures: list) -> str:
             *[f"- [{n}]({n}{'/' if (output_dir / n).is_dir() else ''})" for n in present],
             "",
         ]
-    files = "`model.safetensors`" if image else "the `save_pretrained` files"
     lines += ["## Use and share", ""]
     if image:
         lines += [
-            f"{files} loads into the model the recipe builds; `scripts/predict.py {output_dir} IMAGE...` prints each "
-            "image's top labels (`--json` for JSON lines).",
+            f"`model.safetensors` loads into the model the recipe builds; `scripts/predict.py {output_dir} IMAGE...` "
+            "prints each image's top labels (`--json` for JSON lines).",
+            "",
+        ]
+    elif (output_dir / "adapter_config.json").exists():  # a LoRA run: the adapter here, merged beside it
+        lines += [
+            f"The adapter loads with peft's `AutoPeftModelForCausalLM.from_pretrained({str(output_dir)!r})`; "
+            f"`merged/`, the adapter merged into the base weights, with "
+            f"`AutoModelForCausalLM.from_pretrained({str(output_dir / 'merged')!r})`, without peft.",
             "",
         ]
     else:
-        lines += [f"{files} load with `from_pretrained({str(output_dir)!r})`.", ""]
+        lines += [
+            f"The `save_pretrained` files load with `AutoModelForCausalLM.from_pretrained({str(output_dir)!r})`.",
+            "",
+        ]
     excludes = " ".join(f"--exclude {shlex.quote(p)}" for p in UPLOAD_EXCLUDE)
     lines += [
         "Upload this folder without its checkpoints and hidden files (the lock, the run's record of its files); drop "

@@ -515,6 +515,7 @@ def test_a_lora_run_saves_an_adapter_peft_loads_its_merged_model_and_a_card_whos
     # peft's README.md is replaced by the card; the card's command, run again, trains the same adapter
     meta, text = card(out)
     assert meta["library_name"] == "peft" and "lora" in meta["tags"] and "a LoRA adapter of rank 8" in text
+    assert f"`AutoModelForCausalLM.from_pretrained({str(out / 'merged')!r})`, without peft" in text
     command = res["launch"]["command"]
     assert f"```bash\n{command}\n```" in text and "--num_processes 2" in command
     first = out.parent / "first"
