@@ -28,11 +28,9 @@ TABLE = [
 ]
 # Rows whose fix cannot be followed in a one-process CPU run here, and where each is tested instead.
 NOT_FOLLOWED_HERE = {
-    "a bad option of `./launch.sh doctor`": "the doctor's and the selftest's options: tests/test_doctor.py",
     "a DeepSpeed config where DeepSpeed is not installed": "needs an environment without DeepSpeed",
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
     "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
-    "an empty dataset": "the fix is a folder of images per class, which is the user's to make",
     "a checkpoint of another distributed strategy": "needs DeepSpeed in two processes: tests/test_zero.py",
     "an `--output_dir` another run is writing": "the fix is to wait for a second run: tests/test_rules.py",
     "a full disk": "needs a small filesystem: tests/test_fault.py",
@@ -433,6 +431,15 @@ CASES = [
         before=images(a_class_only_val_has),
     ),
     Case(
+        "an empty dataset",
+        "cifar",
+        ["--train_dir", "{class_folder}"],  # one class's folder, not the folder of the classes
+        r"--train_dir (\S+): Couldn't find any class folder in \S+; --dataset imagefolder needs a folder with one "
+        r"sub-folder of images \(.*\) per class$",
+        lambda m, argv, ctx: setting("--train_dir", str(Path(m[1]).parent))(argv),  # the folder that holds them
+        before=lambda ctx: ctx.paths.update(class_folder=str(ctx.digits["train"] / "3")),
+    ),
+    Case(
         "an image too large to decode",
         "cifar",
         ["--train_dir", "{train}", "--val_dir", "{val}"],
@@ -602,9 +609,13 @@ def user_weights(ctx):
     return ctx.paths["weights"]
 
 
+DOCTOR_ROW = "a bad option of `./launch.sh doctor`"  # followed by the last test here
+
+
 def test_every_row_of_the_table_is_followed_here_or_says_where():
     def key_of(row):
-        return [key for key in [c.row for c in CASES + LAUNCH_CASES] + list(NOT_FOLLOWED_HERE) if row.startswith(key)]
+        keys = [c.row for c in CASES + LAUNCH_CASES] + [DOCTOR_ROW, *NOT_FOLLOWED_HERE]
+        return [key for key in keys if row.startswith(key)]
 
     assert [row for row in TABLE if len(key_of(row)) != 1] == [], "a row no case follows, or more than one"
     assert all(any(row.startswith(key) for row in TABLE) for key in NOT_FOLLOWED_HERE), "a key names no row"
@@ -666,3 +677,18 @@ def test_launch_sh_s_fixes_followed_literally_let_the_run_start(case, tiny_lm, t
     proc = run(launch + fixed, check=False)
     assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
     assert results(ctx.out)["steps"] == 1
+
+
+@pytest.mark.slow
+def test_the_doctors_fix_followed_literally_lets_it_run():
+    """The doctor takes its options through the recipes' parser: a bad one is one line whose fix, followed, runs it."""
+    doctor = [REPO / "launch.sh", "doctor", "--num_processes", "2"]
+    proc = run([*doctor, "--timeout", "nan"], check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    (line,) = error_lines(proc.stderr)
+    match = re.search(
+        r"argument (--timeout): nan is not a finite number; pass a number greater than (\d+) and at most", line
+    )
+    assert match, line
+    proc = run([*doctor, match[1], str(int(match[2]) + 60)])  # a minute more than the least it takes
+    assert "sums correct on all 2 processes" in proc.stdout, proc.stdout
