@@ -27,6 +27,8 @@ from .runtime import RecipeError, logger
 
 FORMAT_VERSION = 2  # how blocks are made and laid out: a change makes earlier folders another input (2: int32)
 MANIFEST = "manifest.json"
+HELD_OUT_FILE = "held_out.jsonl"  # the first held-out rows, as read: the default prompts of common.samples
+HELD_OUT_ROWS = 100
 PART_INFO = "part.json"  # in a part folder: its counts, written last (a part with it is complete)
 # Raw text per chunk: what an interrupted preparation loses at most, and the progress bar's step. The tests set
 # the environment variable to a few kilobytes to interrupt a preparation between chunks.

@@ -100,15 +100,17 @@ def before_last_reply(messages: list) -> list:
     return messages
 
 
-def held_out_prompts(args, tokenizer, count: int, room: int) -> list:
+def held_out_prompts(args, tokenizer, config, count: int, room: int) -> list:
     """(shown, token ids) of the first `count` held-out rows that make a prompt of at most `room` tokens: a document's
     first half (at most PROMPT_TOKENS tokens), or a conversation up to its last assistant turn. Read as the run's data
-    is: the validation split, or the share of train held out (datasets' cache already holds it)."""
-    from .text import load_raw_datasets, read_streams
+    is: from the stream, or as the preparation kept them (a prepared folder older than that: the raw data again)."""
+    from .text import block_size_for, load_raw_datasets, prepared_held_out_rows, read_streams
 
     if args.streaming:
         rows = read_streams(args)[0]["validation"].take(100)
-    else:
+    elif (rows := prepared_held_out_rows(args, tokenizer, block_size_for(args, tokenizer, config))) is not None:
+        pass  # kept by the preparation: the corpus is not read again
+    else:  # a prepared folder older than the file
         raw = load_raw_datasets(
             dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name, train_file=args.train_file,
             validation_file=args.validation_file, validation_split_percentage=args.validation_split_percentage,
@@ -156,7 +158,7 @@ def prompts_for(args, tokenizer, config) -> list:
             f"model takes; pass --max_new_tokens {max(positions // 2, 1)} or less"
         )
     if not args.sample_prompts:
-        prompts = held_out_prompts(args, tokenizer, HELD_OUT_PROMPTS, room)
+        prompts = held_out_prompts(args, tokenizer, config, HELD_OUT_PROMPTS, room)
         if not prompts:
             logger.warning("no held-out row makes a prompt for samples.jsonl: pass --sample_prompts")
         return prompts

@@ -583,11 +583,11 @@ def _one_progress_bar():
             datasets.enable_progress_bars()
 
 
-def prepared_blocks(args, tokenizer, block_size):
-    """(blocks, folder): the train and validation blocks from --prepared_data_dir (default: a folder of the datasets
-    cache named by the inputs), prepared there first unless a run with the same inputs did."""
+def _prepared_location(args, tokenizer, block_size) -> tuple:
+    """(folder, inputs, digest, named, raw) of the run's prepared data: --prepared_data_dir, or the datasets cache's
+    folder of the inputs' digest; `raw`: a hub dataset's splits (its fingerprints are datasets', from its cache)."""
     raw = None
-    if args.dataset_name:  # its fingerprints are datasets', read from its cache
+    if args.dataset_name:
         raw = read_sources(
             dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
             data_format=args.data_format, text_column=args.text_column,
@@ -596,6 +596,23 @@ def prepared_blocks(args, tokenizer, block_size):
     digest = prepared.inputs_digest(inputs)
     named = bool(args.prepared_data_dir)
     folder = Path(args.prepared_data_dir).expanduser() if named else prepared.default_folder(digest)
+    return folder, inputs, digest, named, raw
+
+
+def prepared_held_out_rows(args, tokenizer, block_size) -> list | None:
+    """The first held-out rows as the run's preparation kept them (prepared.HELD_OUT_ROWS, the column it reads):
+    read in milliseconds whatever the corpus's size; None where the prepared folder predates them."""
+    folder = _prepared_location(args, tokenizer, block_size)[0]
+    path = folder / prepared.HELD_OUT_FILE
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def prepared_blocks(args, tokenizer, block_size):
+    """(blocks, folder): the train and validation blocks from --prepared_data_dir (default: a folder of the datasets
+    cache named by the inputs), prepared there first unless a run with the same inputs did."""
+    folder, inputs, digest, named, raw = _prepared_location(args, tokenizer, block_size)
     sources = data_sources(args.dataset_name, args.train_file, args.validation_file)
     _check_tokenizer(tokenizer, args.data_format)
     manifest = prepared.find_prepared(folder, inputs, named)
@@ -674,6 +691,12 @@ def _prepare(folder, digest, inputs, raw, tokenizer, args, block_size, sources) 
             _check_split(sources[split], totals["documents"], totals["blocks"], totals["trained"], block_size, rows)
             splits[split] = {**totals, "tokens": totals["blocks"] * block_size, "parts": parts}
     seconds = progress.close()
+    held_out = (
+        raw["validation"].select_columns([column]).select(range(min(prepared.HELD_OUT_ROWS, len(raw["validation"]))))
+    )
+    (partial / prepared.HELD_OUT_FILE).write_text(  # the samples' default prompts, without reading the corpus again
+        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in held_out), encoding="utf-8"
+    )
     manifest = {
         "version": prepared.FORMAT_VERSION, "digest": digest, "inputs": inputs, "splits": splits,
         "sources": {split: sources[split] for split in splits}, "tokenizer": tokenizer.name_or_path,

@@ -8,6 +8,7 @@ import math
 import shlex
 import shutil
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -38,7 +39,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.card import launch_record, write_card
 from common.runtime import RecipeError
-from common.text import IGNORE_INDEX, chat_example, load_raw_datasets, target_tokens, window_tokens
+from common.text import (
+    IGNORE_INDEX,
+    block_size_for,
+    chat_example,
+    load_raw_datasets,
+    prepared_blocks,
+    target_tokens,
+    window_tokens,
+)
 
 RECIPE = REPO / "recipes" / "lm_finetune.py"
 
@@ -749,9 +758,15 @@ def test_held_out_prompts_are_a_documents_first_half_or_a_conversation_to_its_la
     args = lm.parse_args([str(a) for a in chat_args(tiny_lm, tmp_path / "unused", 4)])
     held_out = load_raw_datasets(train_file=tiny_lm["chat_varied"], validation_split_percentage=10, seed=args.seed)
     conversations = held_out["validation"]["messages"][:4]
-    assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == [
-        f"<|user|> {c[0]['content']} <|end|> <|assistant|> " for c in conversations
-    ]
+    expected = [f"<|user|> {c[0]['content']} <|end|> <|assistant|> " for c in conversations]
+    assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == expected  # no prepared data: the raw rows
+    # Prepared, the data keeps its first held-out rows: the prompts are read from there, not from the corpus again
+    PartialState()
+    args.prepared_data_dir = str(tmp_path / "prepared")
+    prepared_blocks(args, tokenizer, block_size_for(args, tokenizer, config))
+    assert (tmp_path / "prepared" / "held_out.jsonl").is_file()
+    with mock.patch("common.text.load_raw_datasets", side_effect=AssertionError("the corpus read again")):
+        assert [shown for shown, _ in prompts_for(args, tokenizer, config)] == expected
     asked = tmp_path / "asked.jsonl"  # a training row: the reply it ends with is the model's to write
     asked.write_text(tiny_lm["chat"].read_text().splitlines()[0] + "\n")
     args.sample_prompts = asked
