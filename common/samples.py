@@ -225,7 +225,9 @@ def with_samples(evaluate, out, model, tokenizer, at):
         return evaluate
 
     def evaluate_and_sample(stop):
+        began = time.perf_counter()
         metrics = evaluate(stop)
+        evaluated = time.perf_counter() - began
         if metrics is not None:
             began = time.perf_counter()
             completions = generate(accelerator, model, tokenizer, prompts, args.max_new_tokens)
@@ -237,9 +239,10 @@ def with_samples(evaluate, out, model, tokenizer, at):
                 with path.open("a", encoding="utf-8") as f:
                     f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
                 to_trackers(accelerator, rows, at.step)
+            took = time.perf_counter() - began  # said against the evaluation's time: what the samples cost
             logger.info(
-                f"step {at.step}: {len(prompts)} samples of up to {args.max_new_tokens} tokens in "
-                f"{time.perf_counter() - began:.2f} s, in {path}"
+                f"step {at.step}: {len(prompts)} samples of up to {args.max_new_tokens} tokens in {took:.2f} s "
+                f"({took / max(evaluated, 1e-9):.0%} of the evaluation's {evaluated:.2f} s), in {path}"
             )
         return metrics
 

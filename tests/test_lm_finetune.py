@@ -5,6 +5,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import shlex
 import shutil
 import sys
@@ -105,7 +106,12 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
 
     out, off = tmp_path / "run", tmp_path / "off"
     args = ("--max_train_steps", "3", "--checkpointing_steps", "3", "--eval_steps", "1")
-    run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args, "--report_to", "tensorboard")])
+    proc = run([BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args, "--report_to", "tensorboard")])
+    # what the samples cost, said at each evaluation against the evaluation's own time
+    said = re.findall(
+        r"step (\d): 4 samples of up to 20 tokens in [\d.]+ s \(\d+% of the evaluation's [\d.]+ s\)", proc.stderr
+    )
+    assert said == ["1", "2", "3"], proc.stderr[-3000:]
     res = results(out)
     assert res["steps"] == 3 and res["world_size"] == 1 and res["samples_seen"] == 3 * 8
     assert len(res["log_history"]) == 3 and res["eval_tokens"] > 0  # a log at each evaluation
