@@ -30,6 +30,7 @@ GIVEN: dict = {}  # option -> text value of the last parse: where a failing path
 UNUSED: set = set()  # the arguments that do nothing with the others of the last parse (does_nothing_unless)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # set by launch.sh: how the run ended (common.preemption), and who said why
 WORLD_SIZE_ENV = "RECIPE_WORLD_SIZE"  # set by launch.sh: the processes it asked accelerate launch for
+LAUNCH_SH_ENV = "RECIPE_LAUNCH_SH"  # set by launch.sh: its own path (the model card's command runs it again)
 
 
 def first_to_say(code: int, everyone: bool = False) -> bool:
@@ -188,7 +189,9 @@ class ArgumentParser(argparse.ArgumentParser):
 # tokenizer_name), and anywhere a hub token or a URL's user:password@. The one rule for what this project prints
 # or writes; an option's value appears in a parse error only as an unrecognized argument (mask_words).
 SECRET_NAMES = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
-SECRET_VALUES = re.compile(r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)")
+SECRET_VALUES = re.compile(  # a token; a URL's user:password, also as a path keeps it (one slash)
+    r"hf_[A-Za-z0-9]{20,}|(?<=://)[^/@\s]+:[^/@\s]+(?=@)|(?<=:/)[^/@\s]+:[^/@\s]+(?=@)"
+)
 
 
 def mask_secrets(text: str) -> str:

@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .args import mask_words
+from .args import LAUNCH_SH_ENV, mask_secrets, mask_words
 from .checkpoint import model_files
 from .runtime import logger
 
@@ -53,11 +53,16 @@ def launch_record(accelerator, args) -> dict:
         strategy = f"DDP over NCCL on {accelerator.device.type.upper()}" if processes > 1 else "one GPU"
     script = Path(sys.argv[0])
     recipe = args.recipe if script.resolve() == RECIPES / f"{args.recipe}.py" else str(script)
-    launch = ["./launch.sh", recipe, *(["--config", config] if config else []), "--num_processes", str(per_node)]
+    # launch.sh as the run was started from its folder: ./launch.sh there, else by its path, with the folder to cd to
+    here, launch_sh = Path.cwd(), Path(os.environ.get(LAUNCH_SH_ENV) or RECIPES.parent / "launch.sh")
+    at_home = launch_sh.resolve() == (here / "launch.sh").resolve()
+    launch = ["./launch.sh" if at_home else str(launch_sh), recipe, *(["--config", config] if config else [])]
+    launch += ["--num_processes", str(per_node)]
     if accelerator.mixed_precision in ("no", "bf16", "fp16"):
         launch += ["--mixed_precision", accelerator.mixed_precision]
     return {
         "command": shlex.join(launch + mask_words(sys.argv[1:])),
+        "cwd": None if at_home else mask_secrets(str(here)),  # the folder the command's relative paths are from
         "strategy": strategy,
         "distributed_type": kind,
         "processes": processes,
@@ -216,6 +221,7 @@ def card_text(output_dir: Path, record: dict, pictures: list) -> str:
         + f", mixed precision {record.get('mixed_precision')}. The command, from the folder it was started in:",
         "",
         "```bash",
+        *([f"cd {shlex.quote(launch['cwd'])}"] if launch.get("cwd") else []),
         launch.get("command", "(not recorded)"),
         "```",
         "",

@@ -374,6 +374,7 @@ def _others_reached_the_end(seconds: float = 10) -> bool:
 def _say(code: int, status: str | None, line: str | None, everyone: bool) -> None:
     """The line that says why the run ended, by the process that says it, and the status for launch.sh."""
     # status None: a line that names no cause (a peer gone), which launch.sh does not take the exit code of
+    line = line and _args.mask_secrets(line)  # a library's message may quote a URL's password
     if line and _args.first_to_say(code if status else None, everyone):
         # on a line of its own, below a progress bar: this process's (tqdm.write clears it), or one another process
         # of its node draws (each draws transformers' "Loading weights"), which only a new line ends

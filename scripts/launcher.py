@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 sys.path.insert(0, str(ROOT))
-from common.args import SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
+from common.args import LAUNCH_SH_ENV, SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 CODE_FILE = os.environ.pop("LAUNCH_SH_CODE", "")  # where launch.sh reads this process's exit code
@@ -323,6 +323,7 @@ def main(argv: list[str]) -> int:
     print(show([f"{name}={value}" for name, value in variables.items()] + cmd), file=sys.stderr, flush=True)
     os.environ.update(variables)  # the command printed is the one that runs (it runs by hand too)
     # the processes check that they formed as many (accelerate launch starts one for a MULTI_CPU config)
+    os.environ[LAUNCH_SH_ENV] = str(ROOT / "launch.sh")
     os.environ["RECIPE_WORLD_SIZE"] = str(per_node * nodes if nodes > 1 else num_processes or processes)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # a group's launcher sets these; left
         os.environ.pop(name, None)  # from another job, they would make a process of one take itself for a rank

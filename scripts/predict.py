@@ -30,7 +30,7 @@ def load_run(run_dir: Path):
     """(model in eval mode, the evaluation transform, the class names) of the image-recipe run in `run_dir`."""
     from safetensors.torch import load_file
 
-    from common.runtime import RecipeError
+    from common.runtime import RecipeError, one_line
     from common.vision import build_model, image_size_and_stats
     from recipes.cifar import eval_transform
 
@@ -43,12 +43,21 @@ def load_run(run_dir: Path):
     except (OSError, ValueError, KeyError, TypeError) as err:  # not a run, one still training, an older one's record
         why = "no results.json" if isinstance(err, OSError) else f"its results.json lacks {err}"
         raise RecipeError(f"{run_dir}: not a finished image-recipe run ({why}); {fix}") from err
-    if saved.get("recipe") != "cifar" or not (run_dir / "model.safetensors").is_file():
+    if saved.get("recipe") != "cifar":
         raise RecipeError(f"{run_dir}: a run of recipes/{saved.get('recipe')}.py, not the image recipe; {fix}")
+    weights = run_dir / "model.safetensors"
+    if not weights.is_file():
+        raise RecipeError(f"{weights}: no such file, and the run's results.json says it finished; {fix} whole")
     size, mean, std = image_size_and_stats(Namespace(**saved))
     # the run's model, its weights from the file: none downloaded or read from --pretrained_path
     model = build_model(Namespace(**{**saved, "pretrained": False, "pretrained_path": None}), len(classes), False)
-    model.load_state_dict(load_file(run_dir / "model.safetensors"))
+    try:
+        model.load_state_dict(load_file(weights))
+    except Exception as err:  # cut short, damaged, or another model's (safetensors' and torch's own errors)
+        raise RecipeError(
+            f"{weights} does not load into the model its results.json describes ({one_line(err)}); it is damaged or "
+            f"another run's: {fix} whole"
+        ) from err
     return model.eval(), eval_transform(size, mean, std), classes
 
 
@@ -63,7 +72,10 @@ def main(argv=None):
     PartialState()  # one process: the recipes' logger needs it
     model, transform, classes = load_run(Path(args.run_dir))
     if missing := [path for path in args.images if not Path(path).is_file()]:
-        raise RecipeError(f"{missing[0]}: no such image file; check the path")
+        what = (
+            "a folder, not an image file: pass the images in it" if Path(missing[0]).is_dir() else "no such image file"
+        )
+        raise RecipeError(f"{missing[0]}: {what}; check the path" if "no such" in what else f"{missing[0]}: {what}")
     images = [transform(load_image(path)) for path in args.images]  # a file that does not decode: one line, exit 2
     with torch.no_grad():
         probabilities = torch.cat([model(torch.stack(b)).softmax(-1) for b in _batches(images, args.batch_size)])

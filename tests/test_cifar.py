@@ -178,10 +178,19 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
         "finished recipes/cifar.py run"
     ]
     PartialState()
+    cut = tmp_path / "cut"  # a copy of the run whose weights were cut short, and one without them
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("checkpoint-*"))
+    (cut / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:1000])
+    gone = tmp_path / "gone"
+    shutil.copytree(cut, gone)
+    (gone / "model.safetensors").unlink()
     for folder, image, message in (
         (tmp_path / "nowhere", images[0], "no such folder"),
         (out, tmp_path / "missing.png", "no such image file"),
         (out, out / "results.json", "unreadable image"),
+        (out, digits["val"], "a folder, not an image file: pass the images in it"),
+        (cut, images[0], "model.safetensors does not load into the model its results.json describes"),
+        (gone, images[0], "model.safetensors: no such file, and the run's results.json says it finished"),
     ):
         with pytest.raises(RecipeError, match=message):
             predict.main([str(folder), str(image)])

@@ -608,6 +608,18 @@ def test_public_args_masks_credentials():
     }
 
 
+def test_the_line_a_run_ends_with_masks_a_password_a_library_quoted(capsys, monkeypatch):
+    """A library's message may quote the URL it was given (transformers' repo-id error, datasets' resolved path,
+    where a URL's // became /): the error line masks its password, as every line and file of a run does."""
+    from common import runtime
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    message = "--model_name_or_path https://alice:pw3SECRET@example.com/m: OSError: Repo id 'https://alice:pw3SECRET@"
+    runtime._say(2, None, f"error: {message}ex' or /w/https:/bob:pw4SECRET@host/ds", everyone=True)
+    err = capsys.readouterr().err
+    assert "SECRET" not in err and err.count("***@") == 3, err
+
+
 # The library uses that have no public API ------------------------------------------------------
 
 

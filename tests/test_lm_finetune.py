@@ -154,6 +154,13 @@ def test_a_tiny_run_in_one_process_trains_saves_reports_and_writes_its_model_car
     command = launch_record(Accelerator(cpu=True), argparse.Namespace(recipe="lm_finetune"))["command"]
     assert command.endswith(" --dataset_name 'https://***@example.org/d' --hub_token '***'"), command
     assert command.startswith("./launch.sh lm_finetune --config cpu --num_processes 1 --mixed_precision no ")
+    # started from another folder (launch.sh says its path): the command runs launch.sh by its path, from that folder
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RECIPE_LAUNCH_SH", str(REPO / "launch.sh"))
+    record = launch_record(Accelerator(cpu=True), argparse.Namespace(recipe="lm_finetune"))
+    assert record["command"].startswith(f"{REPO / 'launch.sh'} lm_finetune --config cpu ") and record["cwd"] == str(
+        tmp_path
+    )
 
     rows = samples(out)
     assert [(r["step"], r["samples_seen"]) for r in rows] == [(step, 8 * step) for step in (1, 2, 3) for _ in "1234"]
