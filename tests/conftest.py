@@ -75,13 +75,19 @@ class _Warm:
         recipe = len(cmd) > 1 and Path(cmd[0]) == BIN / "python" and Path(cmd[1]).parent.name == "recipes"
         if not recipe or env.get("RECIPES_TESTS_COLD"):  # a fresh interpreter asked for
             return False
+        wanted, alive = read_at_import(env), self.proc is not None and self.proc.poll() is None
+        if alive and self.read_at_import != wanted == read_at_import(user_env()):
+            # started in an environment this process has since left (a test or a library changed a variable of
+            # it): a user's run of now is started from a server of now
+            self.proc.kill()
+            self.proc.wait()
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
                 [sys.executable, str(REPO / "tests" / "warm.py")], cwd=REPO, env=user_env(), text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             )  # fmt: skip
             self.read_at_import = read_at_import(json.loads(self.proc.stdout.readline())["environment"])
-        return read_at_import(env) == self.read_at_import
+        return wanted == self.read_at_import
 
     def run(self, cmd: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as folder:
