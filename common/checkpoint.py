@@ -376,14 +376,15 @@ def instead_of(path, output_dir) -> str:
     passes over a damaged one), else the newest checkpoint before it in its folder."""
     if in_run_folder(path, output_dir):
         return "pass an older checkpoint-<step> folder, or `latest` to pick the newest intact one"
-    step = _step_of(path)
-    older = [c for c in complete_checkpoints(Path(path).parent) if step is None or _step_of(c) < step]
+    step = step_of(path)
+    older = [c for c in complete_checkpoints(Path(path).parent) if step is None or step_of(c) < step]
     if older:
         return f"pass an older checkpoint ({older[-1]})"
     return "pass another checkpoint, or drop --resume_from_checkpoint to start a new run"
 
 
-def _step_of(path) -> int | None:
+def step_of(path) -> int | None:
+    """The step of a checkpoint-<step> folder (None for another name)."""
     return int(found[1]) if (found := CHECKPOINT_RE.fullmatch(Path(path).name)) else None
 
 

@@ -43,6 +43,7 @@ from .checkpoint import (
     save_model,
     saved_at,
     start_anew,
+    step_of,
     universal_load_if_resharded,
     write_json,
 )
@@ -278,7 +279,7 @@ def _train_further(output_dir: Path) -> str:
     if not checkpoints:
         return ""
     record = json.loads((output_dir / RESULTS_FILE).read_text())
-    step, last = int(CHECKPOINT_RE.fullmatch(checkpoints[-1].name)[1]), record.get("steps", 0)
+    step, last = step_of(checkpoints[-1]), record.get("steps", 0)
     again = f" (step {step} of {last}: the steps after it train again)" if step < last else ""
     longer = "--max_train_steps" + ("" if record.get("args", {}).get("streaming") else " or --num_train_epochs")
     return f"pass --resume_from_checkpoint {checkpoints[-1]}{again} with a larger {longer}"
