@@ -18,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import mesh
 from .args import LAUNCH_SH_ENV, mask_secrets, mask_words
 from .checkpoint import model_files
 from .runtime import logger
@@ -44,6 +45,9 @@ def launch_record(accelerator, args) -> dict:
         offload = offload not in (None, "none")
         config = {2: "zero2", 3: "zero3_offload" if offload else "zero3"}.get(plugin.zero_stage, "")
         strategy = f"DeepSpeed ZeRO-{plugin.zero_stage}{' with optimizer offload' if offload else ''}"
+    elif kind == "FSDP" and (sizes := mesh.from_environment()) and sizes["dp_replicate"] > 1:
+        config = "hsdp_multi_node" if nodes > 1 else "hsdp"
+        strategy = f"HSDP on FSDP2, mesh {mesh.describe(sizes)}"
     elif kind == "FSDP":
         config, strategy = "fsdp", "FSDP2"
     elif accelerator.device.type == "cpu":

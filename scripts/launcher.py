@@ -40,7 +40,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 sys.path.insert(0, str(ROOT))
-from common.args import LAUNCH_SH_ENV, SECRET_VALUES, mask_words  # noqa: E402  (imports no torch: --dry_run and errors stay fast)
+from common import mesh  # noqa: E402  (these two import no torch: --dry_run and errors stay fast)
+from common.args import LAUNCH_SH_ENV, SECRET_VALUES, mask_words  # noqa: E402
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 CODE_FILE = os.environ.pop("LAUNCH_SH_CODE", "")  # where launch.sh reads this process's exit code
@@ -278,12 +279,14 @@ def main(argv: list[str]) -> int:
                 "num_machines: 1 on one machine (under Slurm launch.sh sets them)"
             )
     per_node = num_processes or max(processes // machines, 1)
+    sizes = mesh.from_config(yaml_config)  # HSDP's or tensor parallelism's mesh, sized to the job below
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(config_file)]
     variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
         variables["ACCELERATE_USE_CPU"] = "true"
     elif gpus == 0 and kind in ("DEEPSPEED", "FSDP"):  # DeepSpeed's CPU accelerator, FSDP2 over gloo: on a laptop
-        per_node = num_processes = num_processes or 2
+        least = 2 * sizes["tp"] * (sizes["dp_replicate"] if nodes == 1 else 1) if sizes else 2  # shards of 2
+        per_node = num_processes = num_processes or least
         precision = precision or "no"  # the configs' bf16 is for GPUs, unless asked for
         what = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}[kind], "fp32" if precision == "no" else precision
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
@@ -294,6 +297,12 @@ def main(argv: list[str]) -> int:
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
+    if sizes:  # the config's mesh for this job's nodes and processes (accelerate takes the options over the YAML's)
+        sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
+        if problem:
+            die(f"{config_file.name}: {problem}; pass --num_processes {fits}")
+        cmd += mesh.options(sizes)
+        say(f"{config_file.name}: a mesh of {mesh.describe(sizes)} over {nodes} node(s) x {per_node} process(es)")
     if nodes > 1:
         port = port or 29500
         # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart

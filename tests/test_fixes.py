@@ -43,6 +43,8 @@ NOT_FOLLOWED_HERE = {
     "a DeepSpeed file whose batch": "DeepSpeed in processes: tests/test_zero.py",
     "a ZeRO-3 config that cannot save": "DeepSpeed in processes: tests/test_zero.py",
     "`accelerate launch --num_processes 2` that starts one process": "two processes: tests/test_launch_sh.py",
+    "an HSDP or tensor-parallel mesh": "4 processes: tests/test_hsdp.py follows it",
+    "a process count `./launch.sh --config hsdp`": "tests/test_hsdp.py follows it (launch.sh --dry_run)",
     "an encoder (BERT and kin)": "the fix is another model, the user's to choose",
     "a credential in a mistyped argument": "as an unknown argument, which a case follows; the value is masked",
 }
