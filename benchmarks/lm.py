@@ -1,26 +1,32 @@
-"""LM: recipes/lm_finetune.py's tokens/s, MFU and peak memory per process under DDP, ZeRO-2, ZeRO-3
-and ZeRO-3 with CPU offload, for the same Llama (built from a config in a local folder: nothing
-downloaded) on the same packed text. Values come from each run's results.json.
+"""LM: recipes/lm_finetune.py's tokens/s, MFU and peak memory per process under DDP, ZeRO-2, ZeRO-3,
+ZeRO-3 with CPU offload, FSDP2 and HSDP (2 copies, each sharded over half the processes), for the same Llama
+(built from a config in a local folder: nothing downloaded) on the same packed text. Values come from each run's
+results.json.
 
     .venv/bin/python benchmarks/lm.py                                  # CPU: 2 processes, fp32
+    .venv/bin/python benchmarks/lm.py --configs ddp fsdp hsdp --processes 4   # the sharding strategies side by side
     .venv/bin/python benchmarks/lm.py --hidden_size 2048 --num_layers 16 --block_size 1024 --torch_compile   # GPUs
 
 MFU is reported on A100/H100/H200 only (common/metrics.py knows their bf16 peak); on CPU it is
 empty. Peak memory is the CUDA allocator's peak on GPUs, the resident set on CPU (which includes
 the Python runtime and, under DeepSpeed, its libraries: compare sharding savings on GPUs, or with a
 model large enough for its states to dominate). The first DeepSpeed run on a machine builds a C++
-op (40-60 s); that run's start-up, not its tokens/s, pays for it.
+op (40-60 s); that run's start-up, not its tokens/s, pays for it. HSDP needs 4 processes or more: with it every
+config runs in as many. On CPU, processes share the cores and gloo's links are memory copies: the numbers show each
+strategy's memory per process and its cost in communication on one machine, not its speed between GPUs or nodes
+(where HSDP's point is that per-layer traffic stays within a node).
 """
 
 import benchlib
 
 NAME = "lm"
 CONFIGS = {"ddp": None, "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
+CONFIGS |= {"fsdp": "fsdp", "hsdp": "hsdp"}  # hsdp: 4 processes or more
 
 
 def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all (smoke: ddp)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all but hsdp (smoke: ddp)")
     p.add_argument("--processes", type="positive_int", help="default: 2 (CPU) or every GPU")
     p.add_argument("--hidden_size", type="positive_int")
     p.add_argument("--num_layers", type="positive_int")
@@ -35,8 +41,10 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     big = gpus and not args.smoke
-    args.configs = args.configs or (["ddp"] if args.smoke else list(CONFIGS))
+    args.configs = args.configs or (["ddp"] if args.smoke else [c for c in CONFIGS if c != "hsdp"])
     args.processes = args.processes or max(2, gpus)
+    if "hsdp" in args.configs:  # 2 copies of at least 2 shards; the others alike, to compare
+        args.processes = max(args.processes, 4)
     args.hidden_size = args.hidden_size or (2048 if big else 64 if args.smoke else 256)
     args.num_layers = args.num_layers or (16 if big else 2 if args.smoke else 4)
     args.block_size = args.block_size or (1024 if big else 32 if args.smoke else 128)
@@ -123,10 +131,10 @@ def main(argv=None):
         )
     kind = results[0]["peak_memory_kind"]
     md = (
-        f"### LM: recipes/lm_finetune.py under DDP and ZeRO\n\nLlama {args.hidden_size} hidden x {args.num_layers} "
-        f"layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, per-device batch "
-        f"{args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, median of "
-        f"{args.repeats}; tokens/s after the first step. Peak memory: {kind} (GB per process).\n\n"
+        f"### LM: recipes/lm_finetune.py under DDP, ZeRO, FSDP2 and HSDP\n\nLlama {args.hidden_size} hidden x "
+        f"{args.num_layers} layers ({results[0]['parameters']:,} parameters), packed blocks of {args.block_size}, "
+        f"per-device batch {args.per_device_train_batch_size}, {args.steps} steps, {args.processes} processes, "
+        f"median of {args.repeats}; tokens/s after the first step. Peak memory: {kind} (GB per process).\n\n"
         + benchlib.markdown_table(
             [
                 "config",

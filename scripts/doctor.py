@@ -443,6 +443,7 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--report", action="store_true", help="print this node's report and exit (no process group)")
     p.add_argument("--num_processes", type="positive_int", help="processes requested on this node, for the report")
+    p.add_argument("--mesh", help="the device mesh this job would have, for the report (launch.sh passes it)")
     p.add_argument("--timeout", type="seconds", default=60, help="seconds before a group that does not form fails")
     p.add_argument(
         "--sizes_mib",
@@ -461,6 +462,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.report or "RANK" not in os.environ:
         lines, warnings = report(args.num_processes)
+        lines += [f"  mesh:          {args.mesh}"] if args.mesh else []
         print("\n".join(lines + [f"warning: {w}" for w in warnings]), flush=True)
         return
     import torch

@@ -339,12 +339,24 @@ def main(argv: list[str]) -> int:
     if "--dry_run" in ours:
         return 0
     if recipe == "doctor":  # this node's report first: it needs no other node
-        report = subprocess.run([sys.executable, str(script), "--report", "--num_processes", str(per_node), *rest])
+        shown = ["--num_processes", str(per_node)]
+        shown += ["--mesh", mesh_line(sizes, nodes, per_node)] if sizes or nodes > 1 else []  # HSDP's use: nodes
+        report = subprocess.run([sys.executable, str(script), "--report", *shown, *rest])
         if report.returncode:
             return report.returncode
     if rank:  # else torch waits for the head as long as its own timeout
         wait_for_head(head, port, rdzv_timeout, rank)
     return run(cmd[2:])
+
+
+def mesh_line(sizes: dict | None, nodes: int, per_node: int) -> str:
+    """The doctor's line on the mesh of this job: the config's, or the one hsdp_multi_node would give it."""
+    name = None if sizes else "hsdp_multi_node"
+    fit = mesh.fitted(sizes or mesh.from_config(read_config(CONFIGS / f"{name}.yaml")[4]), nodes, per_node)
+    under = f" under --config {name}" if name else ""
+    if fit.problem:
+        return f"none{under}: {fit.problem}; --num_processes {fit.per_node} would give one"
+    return f"{mesh.describe(fit.mesh)} over {nodes} node(s) x {per_node} process(es){under}"
 
 
 def run(launch_args: list[str]) -> int:

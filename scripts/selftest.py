@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ from launcher import read_config  # noqa: E402
 from make_digits import write_digits  # noqa: E402
 from make_tiny_lm import write_tiny_lm  # noqa: E402
 
-from common.args import ArgumentParser  # noqa: E402  (launcher put the repository on the path)
+from common import mesh  # noqa: E402  (launcher put the repository on the path)
+from common.args import ArgumentParser  # noqa: E402
 
 TOLERANCE = {"no": 1e-4, "bf16": 5e-2, "fp16": 5e-2}  # a distance relative to the update itself
 
@@ -161,9 +163,11 @@ def main(argv=None) -> int:
     command = dry.stderr.strip().splitlines()[-1]
     config = command.split("--config_file ")[1].split()[0]
     nproc = int(command.split("--num_processes ")[1].split()[0]) if "--num_processes " in command else 0
-    _, config_nproc, _, use_cpu, _ = read_config(Path(config))
+    _, config_nproc, kind, use_cpu, _ = read_config(Path(config))
     nproc = nproc or config_nproc
-    deepspeed_or_fsdp = any(name in command for name in ("zero", "fsdp"))
+    deepspeed_or_fsdp = kind in ("DEEPSPEED", "FSDP")
+    sizes = {d: int(v) for d, v in re.findall(r"--parallelism_config_(\w+?)_size (\d+)", command)}  # launch.sh's mesh
+    data_parallel = mesh.data_parallel_size(sizes) if sizes else nproc  # tensor-parallel ranks share a batch
     print(f"selftest: {config}, {nproc} process(es), --mixed_precision {precision}")
     rows, tol = [], TOLERANCE[precision]
 
@@ -186,11 +190,13 @@ def main(argv=None) -> int:
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed, imported on the way, says which device it found
             lm = write_tiny_lm(tmp / "lm")
         one, many = tmp / "one", tmp / "many"
-        single = [*(["--config", args.config] if args.config else []), "--num_processes", "1"]
+        # one process of the same strategy: a mesh's config needs several, and FSDP2 on one process is its 1 x 1
+        alone = "fsdp" if sizes else args.config
+        single = [*(["--config", alone] if alone else []), "--num_processes", "1"]
         single += ["--mixed_precision", args.mixed_precision] if args.mixed_precision else []
 
         def big_batch():
-            launch(single, "lm_finetune", *lm_args(lm, one, 2 * nproc, "--max_train_steps", "6"))
+            launch(single, "lm_finetune", *lm_args(lm, one, 2 * data_parallel, "--max_train_steps", "6"))
             launch(ours, "lm_finetune", *lm_args(lm, many, 2, "--max_train_steps", "6"))
             d = distance(many, one, lm["model"])
             return d < tol, f"distance {d:.1e} of the update (below {tol:g})"

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import signal
+import sys
 
 import pytest
 import yaml
@@ -172,3 +173,22 @@ def test_hsdp_stopped_resumes_on_another_mesh_and_in_one_process_to_the_uninterr
     run(one, env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
+
+
+def test_the_doctor_says_which_mesh_the_nodes_and_processes_give():
+    """./launch.sh doctor's report names the mesh of the job: the config's, or across nodes the one hsdp_multi_node
+    would give (one copy a node, sharded over its GPUs), or why none fits and the count that would."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from launcher import mesh_line
+
+    assert mesh_line(None, 2, 8) == (
+        "2 x 8 (dp_replicate x dp_shard) over 2 node(s) x 8 process(es) under --config hsdp_multi_node"
+    )
+    assert mesh_line(None, 4, 1) == (
+        "none under --config hsdp_multi_node: 4 processes in 4 replicas leave one process a shard, which is plain "
+        "data parallelism; --num_processes 2 would give one"
+    )
+    config = mesh.from_config(yaml.safe_load(HSDP.read_text()))
+    assert mesh_line(config, 1, 8) == "2 x 4 (dp_replicate x dp_shard) over 1 node(s) x 8 process(es)"
+    proc = run([BIN / "python", REPO / "scripts" / "doctor.py", "--report", "--mesh", mesh_line(config, 1, 8)])
+    assert "\n  mesh:          2 x 4 (dp_replicate x dp_shard) over 1 node(s) x 8 process(es)\n" in proc.stdout
