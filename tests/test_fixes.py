@@ -29,6 +29,7 @@ from conftest import (
     digits_args,
     error_lines,
     lm_args,
+    read_only,
     results,
     run,
     snapshot,
@@ -45,7 +46,6 @@ TABLE = [
 NOT_FOLLOWED_HERE = {
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
     "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
-    "an unwritable `--output_dir`": "permissions do not bind root, which runs the suite; tests/test_rules.py",
     "more processes than GPUs": "needs GPUs",
     "GPUs nvidia-smi lists but this torch cannot use": "needs GPUs",
     "a recipe started as N copies by `srun`": "needs srun: tests/test_slurm.py",
@@ -74,6 +74,7 @@ class Case:
     before: Callable = None  # (context) -> None: the folder, data or checkpoint the mistake needs
     env: Callable = lambda ctx: {}  # (context) -> the variables the runs have beside the user's
     secret: str = None  # a value given that neither run may print or write anywhere
+    prefix: Callable = lambda ctx: []  # (context) -> what the runs are started under (a mount namespace)
 
 
 def setting(option, value):
@@ -556,6 +557,15 @@ CASES = [
         before=an_encoder,
     ),
     Case(
+        "an unwritable `--output_dir`",
+        "lm_finetune",
+        [],
+        r"cannot write to (--output_dir) \S+ \(.*\); pass a folder this job can write to",
+        lambda m, argv, ctx: setting(m[1], str(ctx.tmp / "another"))(argv),
+        before=lambda ctx: ctx.out.mkdir(),
+        prefix=lambda ctx: read_only(ctx.out),  # as root, which runs the suite, a chmod would not stop a write
+    ),
+    Case(
         "an `--output_dir` another run is writing",
         "lm_finetune",
         ["--overwrite_output_dir"],  # to start over there
@@ -760,7 +770,7 @@ def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case
         if case.before:
             case.before(ctx)
         argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
-        recipe = [BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
+        recipe = [*case.prefix(ctx), BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
         refused = run(recipe + argv, env=env, check=False)
         assert refused.returncode == 2, refused.stderr[-3000:]
         (line,) = error_lines(refused.stderr)
