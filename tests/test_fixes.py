@@ -13,12 +13,28 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import BIN, NO_NETWORK, REPO, digits_args, error_lines, lm_args, results, run, snapshot, user_env
+from conftest import (
+    BIN,
+    NO_NETWORK,
+    REPO,
+    cpu_env,
+    digits_args,
+    error_lines,
+    lm_args,
+    read_only,
+    results,
+    run,
+    snapshot,
+    user_env,
+)
 from PIL import Image
 
 TABLE = [
@@ -28,25 +44,13 @@ TABLE = [
 ]
 # Rows whose fix cannot be followed in a one-process CPU run here, and where each is tested instead.
 NOT_FOLLOWED_HERE = {
-    "a DeepSpeed config where DeepSpeed is not installed": "needs an environment without DeepSpeed",
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
     "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
-    "a checkpoint of another distributed strategy": "needs DeepSpeed in two processes: tests/test_zero.py",
-    "an `--output_dir` another run is writing": "the fix is to wait for a second run: tests/test_rules.py",
-    "a full disk": "needs a small filesystem: tests/test_fault.py",
-    "an unwritable `--output_dir`": "permissions do not bind root, which runs the suite; tests/test_rules.py",
     "more processes than GPUs": "needs GPUs",
-    "processes that did not form one group": "needs a broken launch: tests/test_launch_sh.py",
     "GPUs nvidia-smi lists but this torch cannot use": "needs GPUs",
     "a recipe started as N copies by `srun`": "needs srun: tests/test_slurm.py",
-    "an accelerate config that starts fewer processes": "two processes: tests/test_launch_sh.py",
-    "a DeepSpeed file whose batch": "DeepSpeed in processes: tests/test_zero.py",
-    "a ZeRO-3 config that cannot save": "DeepSpeed in processes: tests/test_zero.py",
-    "`accelerate launch --num_processes 2` that starts one process": "two processes: tests/test_launch_sh.py",
-    "an HSDP or tensor-parallel mesh": "4 processes: tests/test_hsdp.py follows it",
-    "a process count `./launch.sh --config hsdp`": "tests/test_hsdp.py follows it (launch.sh --dry_run)",
-    "an encoder (BERT and kin)": "the fix is another model, the user's to choose",
-    "a credential in a mistyped argument": "as an unknown argument, which a case follows; the value is masked",
+    "an HSDP or tensor-parallel mesh": "followed in tests/test_hsdp.py (4 processes)",
+    "a process count `./launch.sh --config hsdp`": "followed in tests/test_hsdp.py (launch.sh --dry_run)",
 }
 
 
@@ -59,6 +63,7 @@ class Context:
     digits: dict
     lm: dict
     paths: dict = field(default_factory=dict)
+    holder: subprocess.Popen = None  # another run, started by `before`
 
 
 @dataclass
@@ -70,6 +75,8 @@ class Case:
     follow: Callable  # (match, argv, context) -> the argv the fix asks for, having done what else it asks
     before: Callable = None  # (context) -> None: the folder, data or checkpoint the mistake needs
     env: Callable = lambda ctx: {}  # (context) -> the variables the runs have beside the user's
+    secret: str = None  # a value given that neither run may print or write anywhere
+    prefix: Callable = lambda ctx: []  # (context) -> what the runs are started under (a mount namespace)
 
 
 def setting(option, value):
@@ -234,6 +241,48 @@ def broken_model_config(ctx):
     ctx.paths |= {"broken_model": str(ctx.tmp / "broken-model"), "model": str(ctx.lm["model"])}
 
 
+def an_encoder(ctx):
+    """A tiny BERT (built from a config, saved with the tiny LM's tokenizer) as {encoder}; {model}: the causal LM."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.lm["model"])
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    BertForMaskedLM(config).save_pretrained(ctx.tmp / "bert")
+    tokenizer.save_pretrained(ctx.tmp / "bert")
+    ctx.paths |= {"encoder": str(ctx.tmp / "bert"), "model": str(ctx.lm["model"])}
+
+
+def another_run_writing(ctx):
+    """A run of 2 steps into the folder, frozen (SIGSTOP) once its first checkpoint is saved: it holds the folder."""
+    cmd = [BIN / "python", REPO / "recipes/lm_finetune.py",
+           *lm_args(ctx.lm, ctx.out, "--max_train_steps", "2", "--checkpointing_steps", "1")]  # fmt: skip
+    ctx.holder = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=user_env(), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (ctx.out / "checkpoint-1" / "trainer_state.json").exists():  # written last: the checkpoint is whole
+        assert ctx.holder.poll() is None and time.monotonic() < deadline, "the other run did not reach checkpoint-1"
+        time.sleep(0.05)
+    ctx.holder.send_signal(signal.SIGSTOP)
+
+
+def waiting_for_it_to_end(m, argv, ctx):
+    assert int(m[1]) == ctx.holder.pid, m[0]  # the line names the run that holds the folder
+    ctx.holder.send_signal(signal.SIGCONT)
+    assert ctx.holder.wait(timeout=300) == 0, "the other run failed"
+    return argv
+
+
+def with_help_read(m, argv, ctx):
+    """Follows "--help lists every option": the help read, the option not among them, so dropped."""
+    shown = run([BIN / "python", REPO / "recipes" / m[2], "--help"]).stdout
+    assert re.search(r"^  --\w", shown, re.M) and not re.search(rf"^  {m[1]}\b", shown, re.M), shown
+    return dropping(m[1])(argv)
+
+
+TOKEN = "hf_" + "Xy7Kq2" * 6  # a token's form: masked wherever it appears, whatever the option
+
+
 CASES = [
     Case(
         "unknown argument",
@@ -241,6 +290,14 @@ CASES = [
         ["--per_device_batch_size", "8"],
         r"did you mean (--\w+) or (--\w+)\?",  # the eval batch or the train batch: the second is this one
         lambda m, argv, ctx: setting(m[2], "8")(dropping("--per_device_batch_size")(argv)),
+    ),
+    Case(
+        "a credential in a mistyped argument",
+        "lm_finetune",
+        ["--hub_token", TOKEN],  # an option of other trainers' scripts, not of these recipes
+        r"unrecognized arguments: (--hub_token) \*\*\*; (lm_finetune\.py) --help lists every option$",
+        with_help_read,
+        secret=TOKEN,
     ),
     Case(
         "a batch larger than the dataset",
@@ -494,6 +551,31 @@ CASES = [
         before=lambda ctx: ctx.paths.update(model=str(ctx.lm["model"])),
     ),
     Case(
+        "an encoder (BERT and kin)",
+        "lm_finetune",
+        ["--model_name_or_path", "{encoder}"],
+        r"--model_name_or_path \S+: BertLMHeadModel lets each position see .*; pass a decoder model \(GPT-2, Llama",
+        lambda m, argv, ctx: setting("--model_name_or_path", ctx.paths["model"])(argv),  # the tiny Llama
+        before=an_encoder,
+    ),
+    Case(
+        "an unwritable `--output_dir`",
+        "lm_finetune",
+        [],
+        r"cannot write to (--output_dir) \S+ \(.*\); pass a folder this job can write to",
+        lambda m, argv, ctx: setting(m[1], str(ctx.tmp / "another"))(argv),
+        before=lambda ctx: ctx.out.mkdir(),
+        prefix=lambda ctx: read_only(ctx.out),  # as root, which runs the suite, a chmod would not stop a write
+    ),
+    Case(
+        "an `--output_dir` another run is writing",
+        "lm_finetune",
+        ["--overwrite_output_dir"],  # to start over there
+        r"is in use by another run \(pid (\d+) .*\); wait for it to end, or pass another --output_dir$",
+        waiting_for_it_to_end,
+        before=another_run_writing,
+    ),
+    Case(
         "a damaged model folder",
         "lm_finetune",
         ["--model_name_or_path", "{broken_model}"],
@@ -567,8 +649,37 @@ def config_set(key, value):
     return follow
 
 
+def deepspeed_hidden(ctx):
+    """DeepSpeed not importable in any process of the runs: a sitecustomize.py on their PYTHONPATH blocks it (what a
+    machine without it installed is to Python), in {hide}."""
+    (ctx.tmp / "hide").mkdir()
+    (ctx.tmp / "hide" / "sitecustomize.py").write_text(
+        "import sys\n\nsys.modules['deepspeed'] = None  # not installed\n"
+    )
+
+
+def hiding(ctx):
+    return {"PYTHONPATH": os.pathsep.join([str(ctx.tmp / "hide"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def installed(m, argv, ctx):
+    """Follows `pip install ...[deepspeed]` by removing the block: the installed DeepSpeed becomes importable."""
+    assert m[1] == "pip install -e '.[deepspeed]'", m[1]
+    (ctx.tmp / "hide" / "sitecustomize.py").unlink()
+    return argv
+
+
 # launch.sh's own refusals (its options, the config), followed the same way: through launch.sh, one CPU process.
 LAUNCH_CASES = [
+    Case(
+        "a DeepSpeed config where DeepSpeed is not installed",
+        "lm_finetune",
+        ["--config", "zero2"],
+        r"zero2\.yaml runs DeepSpeed, which is not installed here: (pip install -e '\.\[deepspeed\]'), or pass",
+        installed,
+        before=deepspeed_hidden,
+        env=hiding,
+    ),
     Case(
         "unknown config",
         "lm_finetune",
@@ -611,12 +722,22 @@ def user_weights(ctx):
     return ctx.paths["weights"]
 
 
-DOCTOR_ROW = "a bad option of `./launch.sh doctor`"  # followed by the last test here
+DOCTOR_ROW = "a bad option of `./launch.sh doctor`"  # followed by the doctor's test here
+FULL_DISK_ROW = "a full disk"  # followed by the test of a full disk here
+# Rows followed by the tests of launches of several processes, at the end of this file.
+LAUNCHES_ROWS = [
+    "a DeepSpeed file whose batch",
+    "a ZeRO-3 config that cannot save",
+    "a checkpoint of another distributed strategy",
+    "an accelerate config that starts fewer processes",
+    "`accelerate launch --num_processes 2` that starts one process",
+    "processes that did not form one group",
+]
 
 
 def test_every_row_of_the_table_is_followed_here_or_says_where():
     def key_of(row):
-        keys = [c.row for c in CASES + LAUNCH_CASES] + [DOCTOR_ROW, *NOT_FOLLOWED_HERE]
+        keys = [c.row for c in CASES + LAUNCH_CASES] + [DOCTOR_ROW, FULL_DISK_ROW, *LAUNCHES_ROWS, *NOT_FOLLOWED_HERE]
         return [key for key in keys if row.startswith(key)]
 
     assert [row for row in TABLE if len(key_of(row)) != 1] == [], "a row no case follows, or more than one"
@@ -647,20 +768,28 @@ def command(case, ctx, launcher=()):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.row[:50])
 def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case, digits, tiny_lm, tmp_path):
     ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm)
-    if case.before:
-        case.before(ctx)
-    argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
-    recipe = [BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
-    proc = run(recipe + argv, env=env, check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    (line,) = error_lines(proc.stderr)
-    assert snapshot(tmp_path) == held, "the refused run changed what it was given"
-    match = re.search(case.fix, line)
-    assert match, f"the line does not say the fix {case.fix!r}: {line}"
-    fixed = case.follow(match, argv, ctx)
-    proc = run(recipe + fixed, env=env, check=False)
-    assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
-    assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
+    try:
+        if case.before:
+            case.before(ctx)
+        argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
+        recipe = [*case.prefix(ctx), BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
+        refused = run(recipe + argv, env=env, check=False)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        (line,) = error_lines(refused.stderr)
+        assert snapshot(tmp_path) == held, "the refused run changed what it was given"
+        match = re.search(case.fix, line)
+        assert match, f"the line does not say the fix {case.fix!r}: {line}"
+        fixed = case.follow(match, argv, ctx)
+        proc = run(recipe + fixed, env=env, check=False)
+        assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
+        assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
+    finally:
+        if ctx.holder and ctx.holder.poll() is None:
+            os.killpg(ctx.holder.pid, signal.SIGKILL)
+            ctx.holder.wait()
+    if case.secret:  # in neither run's output, nor in any file of the case's folder
+        assert all(case.secret not in p.stdout + p.stderr for p in (refused, proc))
+        assert not [p for p in tmp_path.rglob("*") if p.is_file() and case.secret.encode() in p.read_bytes()]
 
 
 @pytest.mark.slow
@@ -670,13 +799,14 @@ def test_launch_sh_s_fixes_followed_literally_let_the_run_start(case, tiny_lm, t
     if case.before:
         case.before(ctx)
     argv, launch = command(case, ctx, launcher=True), [REPO / "launch.sh", case.recipe]
-    proc = run(launch + argv, check=False)
+    env = user_env(**case.env(ctx))
+    proc = run(launch + argv, env=env, check=False)
     assert proc.returncode == 2 and not ctx.out.exists(), proc.stderr[-3000:]
     (line,) = [line for line in proc.stderr.splitlines() if "error:" in line]
     match = re.search(case.fix, line)
     assert match, f"the line does not say the fix {case.fix!r}: {line}"
     fixed = case.follow(match, argv, ctx)
-    proc = run(launch + fixed, check=False)
+    proc = run(launch + fixed, env=env, check=False)
     assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
     assert results(ctx.out)["steps"] == 1
 
@@ -694,3 +824,149 @@ def test_the_doctors_fix_followed_literally_lets_it_run():
     assert match, line
     proc = run([*doctor, match[1], str(int(match[2]) + 60)])  # a minute more than the least it takes
     assert "sums correct on all 2 processes" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_a_full_disks_fix_followed_lets_the_run_train(tiny_lm, tmp_path):
+    """A filesystem (a tmpfs mounted here: root runs the suite) that holds the run's first checkpoint and not its
+    second: the run stops at that save with one line and keeps the first intact, and its fix, followed, trains."""
+    from common.checkpoint import checkpoint_damage, complete_checkpoints
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    lm_run(tmp_path / "probe", tiny_lm, 1)  # the size of one checkpoint of this model
+    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoint-1").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * size)}", "tmpfs", disk],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out, recipe = disk / "run", [BIN / "python", REPO / "recipes/lm_finetune.py"]
+        argv = [str(a) for a in lm_args(tiny_lm, out, "--max_train_steps", "3", "--checkpointing_steps", "1")]
+        proc = run(recipe + argv, check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = error_lines(proc.stderr)
+        match = re.search(
+            rf"no space left on the filesystem of {out} to save the checkpoint {out}/checkpoint-2: it needs about .*; "
+            r"free space there or pass another (--output_dir) \(the checkpoints already saved are intact\)$",
+            line,
+        )
+        assert match, line
+        assert complete_checkpoints(out) == [out / "checkpoint-1"] and checkpoint_damage(out / "checkpoint-1") is None
+        assert not list(out.glob("*checkpoint-2*")), "a half-written checkpoint is left"
+        fixed = setting(match[1], str(tmp_path / "another"))(argv)
+        proc = run(recipe + fixed, check=False)
+        assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
+        assert results(tmp_path / "another")["steps"] == 3
+    finally:
+        subprocess.run(["umount", "-l", disk], check=True)
+
+
+# ---------------------------------------------------------------- launches of several processes
+# The rows whose mistake is in how the processes are started: made the way users launch (./launch.sh, accelerate
+# launch), in 2 CPU processes. A fix followed may meet the next row's refusal: one command is followed through both,
+# so that a launch that trains serves several rows.
+
+
+def refused(cmd, env, fix, folder):
+    """`cmd` refused in one `error:` line that says `fix` (a regular expression), `folder` as it was: the match."""
+    held = snapshot(folder)
+    proc = run(cmd, env=env, check=False)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert snapshot(folder) == held, "the refused run changed what it was given"
+    match = re.search(fix, lines[0])
+    assert match, f"the line does not say the fix {fix!r}: {lines[0]}"
+    return match
+
+
+def set_in_yaml(path, key, value, under=None):
+    """Follows a fix that sets a config file's `key`: where it is, else added (to the block `under`, or at the top)."""
+    text = Path(path).read_text()
+    if re.search(rf"(?m)^ *{key}: .*$", text):
+        text = re.sub(rf"(?m)^( *){key}: .*$", rf"\g<1>{key}: {value}", text)
+    elif under:
+        text = re.sub(rf"(?m)^{under}:\n", f"{under}:\n  {key}: {value}\n", text)
+    else:
+        text += f"{key}: {value}\n"
+    Path(path).write_text(text)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_launchs_fixes_followed_train_and_its_checkpoint_under_ddp_is_refused_then_started_anew(
+    tiny_lm, tmp_path
+):
+    """A ZeRO-3 config of the user's that clips at another norm than the recipe's flag and lacks the 16-bit gather:
+    each refused, each fix followed, the launch trains in 2 DeepSpeed processes and writes a checkpoint. That
+    checkpoint resumed by 2 DDP processes through a config as `accelerate config` writes it for CPUs: refused for
+    the config, then for the checkpoint's strategy; followed, the run starts anew and trains."""
+    env, zero, ddp = cpu_env(), tmp_path / "zero", tmp_path / "ddp"
+    config = tmp_path / "my_zero3.yaml"  # zero3.yaml with its own clipping and without the gather
+    config.write_text(
+        (REPO / "accelerate_configs/zero3.yaml")
+        .read_text()
+        .replace("zero3_save_16bit_model: true", "gradient_clipping: 0.01")
+    )
+    launch = [REPO / "launch.sh", "lm_finetune", "--config", str(config)]
+    argv = [str(a) for a in lm_args(tiny_lm, zero, "--max_train_steps", "1", "--checkpointing_steps", "1")]
+    m = refused([*launch, *argv], env, r"or pass (--max_grad_norm) (\S+)$", tmp_path)
+    argv = setting(m[1], m[2])(argv)
+    m = refused(
+        [*launch, *argv],
+        env,
+        r"only with (zero3_save_16bit_model): (true) in the accelerate config's (deepspeed_config) .*; set it\b",
+        tmp_path,
+    )
+    set_in_yaml(config, m[1], m[2], under=m[3])
+    run([*launch, *argv], env=env)
+    res = results(zero)
+    assert (res["steps"], res["world_size"], res["distributed_type"]) == (1, 2, "DEEPSPEED")
+    assert res["args"]["max_grad_norm"] == 0.01
+
+    config = tmp_path / "my_cpu.yaml"  # accelerate config's answers for 2 CPU processes
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 2\n"
+        "mixed_precision: 'no'\nuse_cpu: true\n"
+    )
+    launch = [REPO / "launch.sh", "lm_finetune", "--config", str(config)]
+    argv = [
+        str(a)
+        for a in lm_args(tiny_lm, ddp, "--max_train_steps", "2", "--resume_from_checkpoint", zero / "checkpoint-1")
+    ]
+    m = refused(
+        [*launch, *argv], env, r"use (distributed_type): (MULTI_GPU) with (use_cpu): (true) in the config", tmp_path
+    )
+    set_in_yaml(config, m[1], m[2])
+    set_in_yaml(config, m[3], m[4])
+    m = refused(
+        [*launch, *argv], env, r"this run is DDP, .*, or drop (--resume_from_checkpoint) to start a new run$", tmp_path
+    )
+    run([*launch, *dropping(m[1])(argv)], env=env)
+    res = results(ddp)
+    assert (res["steps"], res["world_size"]) == (2, 2) and "resume_from_checkpoint" not in res["args"], res
+
+
+@pytest.mark.slow
+def test_accelerate_launchs_refusals_of_processes_that_would_not_train_as_one_are_followed_to_one_run(
+    tiny_lm, tmp_path
+):
+    """`accelerate launch --num_processes 2` starts one process on a host without GPUs; with --multi_gpu it starts
+    two that form no group. Each fix, followed, gives the same command, which trains in 2 processes."""
+    env, out = cpu_env(), tmp_path / "run"
+    args = [REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, out, "--max_train_steps", "1")]
+    accelerate = [BIN / "accelerate", "launch", "--main_process_port", env["MASTER_PORT"], "--num_processes", "2"]
+    m = refused([*accelerate, *args], env, r"pass (--multi_gpu) with (ACCELERATE_USE_CPU)=(true) exported", tmp_path)
+    one = [*accelerate, m[1], *args], {**env, m[2]: m[3]}
+    multi_gpu = [*accelerate, "--multi_gpu", *args]
+    m = refused(
+        multi_gpu,
+        env,
+        r"formed no group .*, or (export) (ACCELERATE_USE_CPU)=(true) before accelerate launch",
+        tmp_path,
+    )
+    no_group = multi_gpu, {**env, m[2]: m[3]}
+    assert [str(a) for a in one[0]] == [str(a) for a in no_group[0]] and one[1] == no_group[1]
+    run(*one)
+    assert results(out)["world_size"] == 2

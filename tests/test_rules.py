@@ -29,6 +29,7 @@ from conftest import (
     free_port,
     lm_args,
     load_recipe,
+    read_only,
     results,
     run,
     snapshot,
@@ -960,17 +961,6 @@ def test_what_a_run_writes_gets_the_permissions_the_umask_gives(acc, tmp_path):
     modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert "model.safetensors" in modes and "checkpoint-2/model.safetensors" in modes
     assert set(modes.values()) == {0o664}, modes
-
-
-def read_only(*folders) -> list:
-    """A command prefix that runs the rest with `folders` read-only (a bind mount in a mount namespace of its own:
-    nothing outside it changes, nothing is left mounted, however it ends); as root, chmod would not stop a write."""
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "--bind", "/", "/mnt"],
-                           capture_output=True, text=True)  # fmt: skip
-    if probe.returncode:
-        pytest.skip(f"no mount namespace here for a read-only bind mount: {probe.stderr.strip()[-200:]}")
-    mounts = " && ".join(f"mount --bind '{f}' '{f}' && mount -o remount,ro,bind '{f}'" for f in folders)
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
 
 
 @pytest.mark.slow
