@@ -21,7 +21,6 @@ from pathlib import Path
 import psutil  # accelerate's dependency
 from accelerate.utils import gather_object
 
-from .args import UNUSED
 from .card import launch_record, write_card
 from .checkpoint import (
     CHECKPOINT_RE,
@@ -77,8 +76,9 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
+        unused = getattr(args, "unused_arguments", ())  # of its parse; arguments made by hand (a test's) had none
         for name in INPUTS:  # what the run reads and where it writes, apart
-            if name in UNUSED or not isinstance(value := getattr(args, name, None), str) or not value:
+            if name in unused or not isinstance(value := getattr(args, name, None), str) or not value:
                 continue
             path, out = Path(value).resolve(), output_dir.resolve()
             if path.is_dir() and out.is_relative_to(path):

@@ -114,7 +114,9 @@ def os_error_line(err: BaseException) -> str | None:
         return None
     name = os.fsdecode(found.filename)
     path, where = os.path.abspath(name), name
-    origins = [*_args.GIVEN.items(), *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
+    parsed = _arguments_of_failing_code(err)
+    options = parsed.values_by_option.items() if parsed else ()
+    origins = [*options, *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
     for origin, value in origins:
         base = os.path.abspath(os.path.expanduser(value))
         inside = path.startswith(base.rstrip(os.sep) + os.sep)
@@ -129,6 +131,27 @@ def os_error_line(err: BaseException) -> str | None:
             where = f"{name} (on the path of {origin} {value})"
             break
     return _args.mask_secrets(f"{where}: {_os_reason(found)}")
+
+
+def _arguments_of_failing_code(err: BaseException) -> _args.ParsedArgs | None:
+    """The parsed arguments the code that raised `err` ran with: the innermost held by a frame `err` passed through,
+    or by one of their callers (while `err` is still being handled, as in decide_on_main). The failure carries its
+    own run's arguments, so that no module keeps the last parse's: two parses in one process (tests, tests/warm.py's
+    forks) do not name each other's options."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    frames.reverse()  # innermost first, then the callers of the outermost
+    caller = frames[-1].f_back if frames else None
+    while caller is not None:
+        frames.append(caller)
+        caller = caller.f_back
+    for frame in frames:
+        for value in frame.f_locals.values():
+            if isinstance(value, _args.ParsedArgs):
+                return value
+    return None
 
 
 def _os_reason(err: OSError) -> str:
