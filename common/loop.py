@@ -101,7 +101,7 @@ class TrainingLoop:
         """Held-out metrics into the log and trackers; a stop during it saves a checkpoint and ends the run, except
         during the final evaluation, which it lets finish."""
         last = self.at.step >= self.plan.max_train_steps
-        metrics = self.evaluate(self.stop.finishing if last else self.stop)
+        metrics = self.evaluate(self.stop.progress_only if last else self.stop)
         if metrics is None:
             saved = self.out.save_checkpoint(self.model, self.plan, self.at, self.log)
             raise self.stop.preempted(self.at.step, saved, "evaluation")
@@ -112,7 +112,7 @@ class TrainingLoop:
         """The final held-out metrics (evaluated now if the run resumed at its end: nothing was left to train), once
         the loss and the weights are checked finite: what the run saves next is worth saving."""
         if not self.metrics:
-            self.metrics = self.evaluate(self.stop.finishing)
+            self.metrics = self.evaluate(self.stop.progress_only)
         self.log.check_finite(self.at.step, self.model)
         return self.metrics
 

@@ -151,7 +151,9 @@ class TrainLog:
 
     def check_finite(self, step: int, model) -> None:
         """Before a save: raise if the loss since the last log or the weights this process holds are NaN or inf."""
-        sums, _ = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
+        sums, _ = self._sums(
+            float(any(t.numel() and not torch.isfinite(t).all() for t in local_parameter_tensors(model)))
+        )
         self.window = [float(sums[0]), float(sums[1])]  # what a checkpoint keeps of the log (save_checkpoint)
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
@@ -219,11 +221,15 @@ def count_parameters(model, trainable_only=False) -> int:
 
 def parameters_per_process(accelerator, model) -> list:
     """Parameter elements each process holds: all of them under DDP, about 1/N under ZeRO-3 or FSDP."""
-    return accelerator.gather(torch.tensor([sum(t.numel() for t in held(model))], device=accelerator.device)).tolist()
+    return accelerator.gather(
+        torch.tensor([sum(t.numel() for t in local_parameter_tensors(model))], device=accelerator.device)
+    ).tolist()
 
 
-def held(model):
-    """The parameter tensors this process holds: its ZeRO-3 or FSDP shard of each, or the whole of each."""
+def local_parameter_tensors(model):
+    """The parameter tensors this process holds in memory: its ZeRO-3 or FSDP shard of each, or under DDP the whole
+    of each. What a per-process count or a finiteness check must look at: model.parameters() alone are empty
+    placeholders under ZeRO-3 and sharded DTensors under FSDP2."""
     return (
         p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
         for p in model.parameters()

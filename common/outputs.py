@@ -30,11 +30,11 @@ from .checkpoint import (
     RESULTS_FILE,
     RUN_FOLDER_RE,
     STATE_FILE,
+    apply_umask,
     complete_checkpoints,
     load_checkpoint,
     model_files,
     nearest_existing,
-    publish,
     read_state,
     remove_checkpoint,
     resolve_checkpoint,
@@ -135,7 +135,7 @@ class OutputDir:
         if self.accelerator.is_main_process:
             output_dir = Path(self.args.output_dir)
             for name in names:
-                publish(output_dir / name)
+                apply_umask(output_dir / name)
             write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
 
 

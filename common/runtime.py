@@ -359,7 +359,7 @@ def exit_codes():
         try:
             yield
         finally:
-            preemption.ending()  # a signal from here on cannot interrupt the handling below
+            preemption.mark_run_ending()  # a signal from here on cannot interrupt the handling below
         write_status("finished")
         return
     except SystemExit:  # argparse's --help and usage errors
@@ -503,7 +503,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
     try:
-        with _meeting(expected, args.ddp_timeout):
+        with _watching_group_formation(expected, args.ddp_timeout):
             if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
                 fsdp_on_cpu(group["timeout"])  # forms the group itself
             accelerator = Accelerator(
@@ -592,10 +592,12 @@ def _group() -> str:
 
 
 @contextlib.contextmanager
-def _meeting(expected: int, timeout: int):
-    """While the processes form their group torch waits in C++, where Python's signal handlers do not run: a stop
-    signal still ends this process (as before training, a second later), a wait of 30 s says what it waits for, and
-    one past `timeout` ends it (torch retries a store it cannot reach for minutes past it, without a word).
+def _watching_group_formation(expected: int, timeout: int):
+    """Around the forming of the process group (`expected` processes), a thread that watches the wait: torch waits in
+    C++, where Python's signal handlers do not run, so without it a stop signal would not end the process, a long
+    wait would say nothing, and a store torch cannot reach would be retried for minutes past `timeout`. With it a
+    stop signal ends this process (as before training, a second later), a wait of 30 s says what it waits for, and
+    one past `timeout` ends it.
     The signal's number reaches a thread here through Python's wakeup file descriptor (signal.set_wakeup_fd)."""
     if expected == 1 or threading.current_thread() is not threading.main_thread():
         yield

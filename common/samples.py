@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import publish, read_state
+from .checkpoint import apply_umask, read_state
 from .runtime import RecipeError, check_path, decide_on_main, logger, one_line
 
 SAMPLES_FILE = "samples.jsonl"
@@ -263,7 +263,7 @@ def keep_recorded(path: Path, eval_history: list) -> None:
             kept.append(line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
-    publish(tmp)
+    apply_umask(tmp)
     os.replace(tmp, path)
 
 
