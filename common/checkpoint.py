@@ -228,14 +228,14 @@ def checkpoint_damage(path, accelerator=None) -> str | None:
 # Saving -------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
-    """The training state at `at` (a common.plan.Position) with what a resume on any layout needs; a run whose loss
-    or weights are no longer finite is not saved."""
-    log.check_finite(at.step, model)
+def save_checkpoint(accelerator, model, args, plan, position, log) -> Path:
+    """The training state at `position` (a common.plan.Position) with what a resume on any layout needs; a run
+    whose loss or weights are no longer finite is not saved."""
+    log.check_finite(position.step, model)
     state = {
-        "epoch": at.epoch,
-        "samples_in_epoch": at.sample,
-        "samples_seen": at.seen,
+        "epoch": position.epoch,
+        "samples_in_epoch": position.sample,
+        "samples_seen": position.seen,
         "recipe": args.recipe,
         **model_signature(model),
         "distributed_type": accelerator.distributed_type.value,
@@ -256,7 +256,7 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "train_seconds": log.seconds,  # the time since the last log too
         "args": public_args(args),
     }
-    return write_checkpoint(accelerator, args.output_dir, at.step, state, args.save_total_limit, model)
+    return write_checkpoint(accelerator, args.output_dir, position.step, state, args.save_total_limit, model)
 
 
 def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:

@@ -75,19 +75,19 @@ class TrainingPlan:
             return None
         return self.num_samples // self.round_samples // self.gradient_accumulation_steps
 
-    def epoch_done(self, at: Position) -> bool:
-        """Whether epoch `at.epoch` has no whole step left after sample `at.sample` of its order (a stream's: not
-        known before it ends)."""
-        return self.num_samples is not None and self.num_samples - at.sample < self.effective_batch_size
+    def epoch_done(self, position: Position) -> bool:
+        """Whether epoch `position.epoch` has no whole step left after sample `position.sample` of its order (a
+        stream's: not known before it ends)."""
+        return self.num_samples is not None and self.num_samples - position.sample < self.effective_batch_size
 
-    def epochs(self, at: Position) -> float:
-        """Epochs trained at `at`, as transformers counts them: the whole ones and the share of the current one's
+    def epochs(self, position: Position) -> float:
+        """Epochs trained at `position`, as transformers counts them: the whole ones and the share of the current one's
         steps (one trained in several layouts is whole once no step is left in it); a stream's, the whole ones."""
         if self.num_samples is None:
-            return float(at.epoch)
-        if self.epoch_done(at):
-            return at.epoch + 1.0
-        return at.epoch + at.sample / (self.steps_per_epoch * self.effective_batch_size)
+            return float(position.epoch)
+        if self.epoch_done(position):
+            return position.epoch + 1.0
+        return position.epoch + position.sample / (self.steps_per_epoch * self.effective_batch_size)
 
     def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
         """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
