@@ -897,6 +897,21 @@ def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_a_path_under_a_file_is_named_with_its_option_in_two_processes(tiny_lm, tmp_path):
+    """--prepared_data_dir under a file, in 2 processes: the main process prepares the data while the other waits for
+    it, and fails; the one line names the option the path came from (the arguments the failing code ran with carry
+    their parse's values: common.args.ParsedArgs), whichever process says it."""
+    (blocked := tmp_path / "file").write_text("not a folder")
+    prepared = blocked / "prepared"
+    argv = [*lm_args(tiny_lm, tmp_path / "run"), "--prepared_data_dir", prepared, "--max_train_steps", "1"]
+    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", *argv], check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: {blocked} (on the path of --prepared_data_dir {prepared}): file exists; it is a file where a folder "
+        "must be: remove it or use another path"
+    ], proc.stderr[-3000:]
+
+
 def test_a_cache_under_a_file_is_named_with_its_variable(tiny_lm, tmp_path, monkeypatch):
     """HF_DATASETS_CACHE under a file: the folder the run makes first under it (the prepared blocks', as
     recipes/lm_finetune.py does), with the variable and the recipe's arguments as a run has them; the line is the one
