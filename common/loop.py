@@ -23,7 +23,7 @@ from .data import epoch_batches
 from .metrics import TrainLog
 from .preemption import StopOnSignal
 from .runtime import RecipeError
-from .watchdog import watch
+from .watchdog import start_watchdog
 
 
 class TrainingLoop:
@@ -38,7 +38,8 @@ class TrainingLoop:
         self.checkpointing_steps = args.checkpointing_steps  # None, "epoch" or N optimizer steps
         self.eval_steps = getattr(args, "eval_steps", None)
         self.accumulation = args.gradient_accumulation_steps
-        self.stop = StopOnSignal(accelerator, watch(accelerator, args))  # signals; a stalled process named
+        # signals agreed on by every process; a stalled process named (the watchdog)
+        self.stop = StopOnSignal(accelerator, start_watchdog(accelerator, args))
         self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from, loader_fixes(args))
 
     def steps(self, train_dl, optimizer=None, scheduler=None):

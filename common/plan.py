@@ -89,7 +89,7 @@ class TrainingPlan:
             return position.epoch + 1.0
         return position.epoch + position.sample / (self.steps_per_epoch * self.effective_batch_size)
 
-    def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
+    def steps_and_samples_from(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
         """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
         at least `samples` trained (in whole steps), or epoch `epochs` is reached."""
         k, per_round = self.gradient_accumulation_steps, self.round_samples
@@ -146,8 +146,8 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         plan,
         max_train_steps=max_train_steps,
         warmup_steps=warmup_steps,
-        warmup_samples=plan.walk(Position(), steps=warmup_steps)[1],
-        total_samples=plan.walk(Position(), steps=max_train_steps)[1],
+        warmup_samples=plan.steps_and_samples_from(Position(), steps=warmup_steps)[1],
+        total_samples=plan.steps_and_samples_from(Position(), steps=max_train_steps)[1],
     )
     try:  # transformers builds the schedule now: what it refuses (polynomial's lr_end above the rate) before training
         plan.lr_at(0)
@@ -241,11 +241,11 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
             "checkpoint"
         )
     if args.max_train_steps is None:
-        steps, samples = plan.walk(start, epochs=args.num_train_epochs)
+        steps, samples = plan.steps_and_samples_from(start, epochs=args.num_train_epochs)
     elif same_length:  # the samples it meant for that run
-        steps, samples = plan.walk(start, samples=state["total_samples"] - start.seen)
+        steps, samples = plan.steps_and_samples_from(start, samples=state["total_samples"] - start.seen)
     else:
-        steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)
+        steps, samples = plan.steps_and_samples_from(start, steps=args.max_train_steps - start.step)
     plan = replace(plan, max_train_steps=start.step + steps, total_samples=start.seen + samples)
     if not steps:  # a run stopped in its final evaluation or save, or one resumed into another folder
         logger.info(

@@ -130,9 +130,9 @@ class StopOnSignal:
     """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
     every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
     their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
-    (`watchdog`'s, common.watchdog.watch). `progress_only` is the stop check of a final evaluation, which a signal
-    does not cut short (its metrics are what the run saves next): its `requested()` tells the watchdog the process
-    is alive and never asks to stop."""
+    (`watchdog`'s, common.watchdog.start_watchdog). `progress_only` is the stop check of a final evaluation, which a
+    signal does not cut short (its metrics are what the run saves next): its `requested()` tells the watchdog the
+    process is alive and never asks to stop."""
 
     def __init__(self, accelerator, watchdog=None):
         global _in_loop

@@ -106,7 +106,8 @@ def test_plan_refuses_a_batch_larger_than_the_data():
 
 def test_schedule_warms_up_then_decays_to_zero():
     p = plan(max_train_steps=100, warmup_steps=10, lr_scheduler_type="cosine")
-    lrs = [p.lr_at(p.walk(Position(), steps=step)[1]) for step in range(100)]  # the rate of each step
+    samples = [p.steps_and_samples_from(Position(), steps=step)[1] for step in range(100)]  # before each step
+    lrs = [p.lr_at(seen) for seen in samples]  # the rate of each step
     assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate
