@@ -91,10 +91,12 @@ def recipe(steps, accelerator, out):
     args = recipe_args(steps, out)
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
-    plan, at = common.plan_run(args, data, accelerator.num_processes)
+    plan, position = common.plan_run(args, data, accelerator.num_processes)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     no_saves = SimpleNamespace(resume_from=None)  # the run ends before its first checkpoint (none is asked for)
-    loop = common.TrainingLoop(accelerator, args, plan, at, no_saves, model, evaluate=lambda stop: {"eval_loss": 0.0})
+    loop = common.TrainingLoop(
+        accelerator, args, plan, position, no_saves, model, evaluate=lambda stop: {"eval_loss": 0.0}
+    )
     tic = time.thread_time()
     for step in loop.steps(train_dl, optimizer):
         for x, y in step.micro_batches():

@@ -26,8 +26,6 @@ TRAINING_HYPERPARAMETERS = (
     "learning_rate", "reference_batch_size", "lr_scaling", "lr_scheduler_type", "warmup_ratio", "weight_decay",
     "max_grad_norm", "num_train_epochs", "logging_steps",
 )  # fmt: skip
-GIVEN: dict = {}  # option -> text value of the last parse: where a failing path came from (runtime.os_error_line)
-UNUSED: set = set()  # the arguments that do nothing with the others of the last parse (does_nothing_unless)
 STATUS_FILE_ENV = "RECIPE_STATUS_FILE"  # set by launch.sh: how the run ended (common.preemption), and who said why
 WORLD_SIZE_ENV = "RECIPE_WORLD_SIZE"  # set by launch.sh: the processes it asked accelerate launch for
 LAUNCH_SH_ENV = "RECIPE_LAUNCH_SH"  # set by launch.sh: its own path (the model card's command runs it again)
@@ -80,6 +78,21 @@ def _said_file(attempts_back: int = 0) -> Path | None:
     return Path(f"{path}.said-{attempt}") if path and attempt >= 0 else None
 
 
+class ParsedArgs(argparse.Namespace):
+    """The arguments of one parse, and beside them (not among them: vars(), and so results.json, checkpoints and
+    trackers, see the arguments alone) what the parse learned: `values_by_option`, each option's text value by its
+    flag ({"--output_dir": "outputs/x"}: where a failing path came from, runtime.os_error_line), and
+    `unused_arguments`, those that do nothing with the others (does_nothing_unless: OutputDir does not check their
+    paths). Kept with the parse, not in this module: two parses in one process (tests, tests/warm.py's forks) never
+    see each other's."""
+
+    __slots__ = ("values_by_option", "unused_arguments")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.values_by_option, self.unused_arguments = {}, frozenset()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The one parser of every entry point (the recipes, launch.sh's doctor and selftest, the benchmarks and the
     scripts that make test data): errors are one `error:` line (no usage block), exit 2, printed by the first process
@@ -95,7 +108,9 @@ class ArgumentParser(argparse.ArgumentParser):
         for name, kind in TYPES.items():
             self.register("type", name, kind)
 
-    def parse_args(self, args=None, namespace=None):
+    def parse_args(self, args=None, namespace=None) -> ParsedArgs:
+        if namespace is not None and not isinstance(namespace, ParsedArgs):  # what the parse learned would be args
+            raise TypeError("pass a common.args.ParsedArgs as the namespace, or none")
         if bare := [(a.option_strings or [a.dest])[0] for a in self._actions if a.type in (int, float)]:
             raise TypeError(  # the script's mistake, met by its first parse (its tests'), not by its users
                 f"{', '.join(bare)}: a bare int or float takes nan, inf and any sign; name one of common.args.TYPES "
@@ -105,13 +120,13 @@ class ArgumentParser(argparse.ArgumentParser):
         unset = [name for name in TRAINING_HYPERPARAMETERS if recipe and self.get_default(name) is None]
         if unset:  # a mistake in the recipe, not the user's
             raise TypeError(f"the recipe's HYPERPARAMETERS has no default for {', '.join(unset)}")
-        namespace, extras = self.parse_known_args(args, namespace)
+        namespace, extras = self.parse_known_args(args, ParsedArgs() if namespace is None else namespace)
         if extras:
             known = [option for action in self._actions for option in action.option_strings]
             near = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
             hint = f" (did you mean {' or '.join(near)}?)" if near else f"; {self.prog} --help lists every option"
             self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}")
-        GIVEN.clear()
+        values_by_option = {}
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
             values = value if isinstance(value, list) else [value]  # nargs="+"
@@ -120,22 +135,24 @@ class ArgumentParser(argparse.ArgumentParser):
             if action.option_strings and isinstance(value, str):
                 if value.startswith("~"):  # a shell expands ~ only at a word's start, not in --option=~/path
                     setattr(namespace, action.dest, value := os.path.expanduser(value))
-                GIVEN[action.option_strings[0]] = value
+                values_by_option[action.option_strings[0]] = value
+        namespace.values_by_option = values_by_option  # before the checks: a failing path they meet is named too
         given = {word.partition("=")[0] for word in (sys.argv[1:] if args is None else args)}
         self._check_defaults(
             namespace, {self._option_string_actions[o].dest for o in given & self._option_string_actions.keys()}
         )
         for check in self.checks:
             check(self, namespace)
-        UNUSED.clear()
+        unused = set()
         for options, applies, why, fix in self.unless:
             if applies(namespace):
                 continue
-            UNUSED.update(self._option_string_actions[o].dest for o in options)
+            unused.update(self._option_string_actions[o].dest for o in options)
             if named := [o for o in options if o in given]:
                 self.error(
                     f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}"
                 )
+        namespace.unused_arguments = frozenset(unused)
         return namespace
 
     def _check_defaults(self, namespace, given: set) -> None:

@@ -9,7 +9,8 @@ Layout in --output_dir (common.outputs keeps it to one run at a time):
     results.json             the run's record (common.metrics), written last: the run has finished
 
 `latest` is the intact checkpoint written last. A write all processes take part in succeeds on all of them or
-fails on all of them with one line (`_together`): none is left waiting in a collective for one that failed.
+fails on all of them with one line (`_save_or_fail_together`): none is left waiting in a collective for one that
+failed.
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ def write_json(path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-        publish(tmp)
+        apply_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no stray temporary file
         raise
 
 
-def publish(path: Path) -> dict:
-    """The user's umask's permissions for `path` (a file, or a folder's files): safetensors writes 0600, which a
-    colleague or a service account could not read. Returns the folder's files' sizes by their path in it."""
+def apply_umask(path: Path) -> dict:
+    """Give `path` (a file, or each file in a folder) the permissions the user's umask gives a new file: safetensors
+    and torch write 0600, which a colleague or a service account sharing the results could not read. Returns each
+    file's size by its path in the folder (a checkpoint's marker records them)."""
     umask = os.umask(0)
     os.umask(umask)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -99,10 +101,12 @@ def _all_gather(accelerator, obj) -> list:
     return gather_object([obj]) if accelerator is not None and accelerator.num_processes > 1 else [obj]
 
 
-def _together(accelerator, what: str, output_dir: Path, needed, fn, tmp: Path, main_only=False):
-    """`fn` on every process (or the main one), then agreed: all return every process's result, or all raise. A
-    failure to write is one line (a full disk: the space `needed()` and the space free); any other exception is
-    re-raised where it happened. `tmp`, a half-written folder, is removed on failure."""
+def _save_or_fail_together(accelerator, what: str, output_dir: Path, needed, fn, tmp: Path, main_only=False):
+    """Run the save step `fn` on every process (or the main one alone), then agree on the outcome: every process
+    returns the list of all processes' results, or every process raises. Without the agreement a process whose write
+    failed would raise while the others waited for it in the save's next collective until --ddp_timeout. A failure
+    to write is one line (a full disk: the space `needed()` and the space free); any other exception is re-raised
+    where it happened. `tmp`, the half-written folder, is removed on failure."""
     failure = error = result = None
     if accelerator.is_main_process or not main_only:
         try:
@@ -224,14 +228,14 @@ def checkpoint_damage(path, accelerator=None) -> str | None:
 # Saving -------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
-    """The training state at `at` (a common.plan.Position) with what a resume on any layout needs; a run whose loss
-    or weights are no longer finite is not saved."""
-    log.check_finite(at.step, model)
+def save_checkpoint(accelerator, model, args, plan, position, log) -> Path:
+    """The training state at `position` (a common.plan.Position) with what a resume on any layout needs; a run
+    whose loss or weights are no longer finite is not saved."""
+    log.check_finite(position.step, model)
     state = {
-        "epoch": at.epoch,
-        "samples_in_epoch": at.sample,
-        "samples_seen": at.seen,
+        "epoch": position.epoch,
+        "samples_in_epoch": position.sample,
+        "samples_seen": position.seen,
         "recipe": args.recipe,
         **model_signature(model),
         "distributed_type": accelerator.distributed_type.value,
@@ -252,7 +256,7 @@ def save_checkpoint(accelerator, model, args, plan, at, log) -> Path:
         "train_seconds": log.seconds,  # the time since the last log too
         "args": public_args(args),
     }
-    return write_checkpoint(accelerator, args.output_dir, at.step, state, args.save_total_limit, model)
+    return write_checkpoint(accelerator, args.output_dir, position.step, state, args.save_total_limit, model)
 
 
 def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:
@@ -273,15 +277,17 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
         tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         return 3 * sum(getattr(t, "ds_numel", t.numel()) * t.element_size() for t in tensors)
 
-    together = functools.partial(_together, accelerator, f"checkpoint {final}", output_dir, needed, tmp=tmp)
-    together(lambda: accelerator.save_state(str(tmp)))
-    (files,) = [f for f in together(lambda: publish(tmp), main_only=True) if f is not None]
-    shares = together(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
+    save_or_fail = functools.partial(
+        _save_or_fail_together, accelerator, f"checkpoint {final}", output_dir, needed, tmp=tmp
+    )
+    save_or_fail(lambda: accelerator.save_state(str(tmp)))
+    (files,) = [f for f in save_or_fail(lambda: apply_umask(tmp), main_only=True) if f is not None]
+    shares = save_or_fail(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
     digests = {k: v for share in shares for k, v in share.items()}
     marker = {"step": step, **state, "saved_at": time.time(), "files": files, HASH: digests}
     marker["versions"] = library_versions()
     marker[MARKER_HASH] = marker_digest(json.loads(json.dumps(marker, default=str)))  # of the form read back
-    together(lambda: (write_json(tmp / STATE_FILE, marker), _install(tmp, final)), main_only=True)
+    save_or_fail(lambda: (write_json(tmp / STATE_FILE, marker), _install(tmp, final)), main_only=True)
     if accelerator.is_main_process:
         logger.info(f"saved checkpoint {final}")
         if total_limit:
@@ -594,7 +600,9 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     def write():
         output_dir.mkdir(parents=True, exist_ok=True)
         earlier = model_files(output_dir)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed; one that fails, _together removes
+        shutil.rmtree(
+            tmp, ignore_errors=True
+        )  # left by a save that crashed; one that failed was removed where it failed
         if hasattr(unwrapped, "save_pretrained"):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
@@ -604,7 +612,7 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
         else:
             tmp.mkdir()
             save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors", {"format": "pt"})
-        publish(tmp)
+        apply_umask(tmp)
         if (output_dir / "README.md").exists() and "README.md" not in earlier:  # peft's model card: a user's stays
             (tmp / "README.md").unlink(missing_ok=True)
         names = sorted(f.name for f in tmp.iterdir())
@@ -629,7 +637,7 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
 
     size = sum(t.numel() * t.element_size() for t in state_dict.values())  # before save_merged consumes them
     needed = lambda: size  # noqa: E731
-    _together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
+    _save_or_fail_together(accelerator, f"model in {output_dir}", output_dir, needed, write, tmp, main_only=True)
     return output_dir
 
 

@@ -2,7 +2,8 @@
 update; what carries the guarantees (the rate by samples trained, gradient sync on the last micro-batch only, the
 run's position, the log, the stop every process agrees on, checkpoints and evaluation points) is here.
 
-    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=partial(evaluate, model, eval_dl))
+    plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
+    loop = common.TrainingLoop(accelerator, args, plan, position, out, model, partial(evaluate, model, eval_dl))
     for step in loop.steps(train_dl, optimizer):
         for x, y in step.micro_batches():
             step.backward(loss_fn(model(x), y), items=len(y))
@@ -22,7 +23,7 @@ from .data import epoch_batches
 from .metrics import TrainLog
 from .preemption import StopOnSignal
 from .runtime import RecipeError
-from .watchdog import watch
+from .watchdog import start_watchdog
 
 
 class TrainingLoop:
@@ -32,93 +33,103 @@ class TrainingLoop:
     the arguments have it, and after the run's last step."""
 
     def __init__(self, accelerator, args, plan, start, out, model, evaluate):
-        self.accelerator, self.plan, self.at, self.out, self.model = accelerator, plan, start, out, model
+        self.accelerator, self.plan, self.position, self.out, self.model = accelerator, plan, start, out, model
         self.evaluate, self.metrics = evaluate, {}
-        self.every = args.checkpointing_steps  # None, "epoch" or N optimizer steps
+        self.checkpointing_steps = args.checkpointing_steps  # None, "epoch" or N optimizer steps
         self.eval_steps = getattr(args, "eval_steps", None)
         self.accumulation = args.gradient_accumulation_steps
-        self.stop = StopOnSignal(accelerator, watch(accelerator, args))  # signals; a stalled process named
+        # signals agreed on by every process; a stalled process named (the watchdog)
+        self.stop = StopOnSignal(accelerator, start_watchdog(accelerator, args))
         self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from, loader_fixes(args))
 
     def steps(self, train_dl, optimizer=None, scheduler=None):
         """A Step per optimizer step. The rate of each of `optimizer`'s groups is set from the plan (times the group's
         `lr_scale`), unless `scheduler` (a DeepSpeed config's own, stepped by DeepSpeed) sets it."""
-        at, plan = self.at, self.plan
+        position, plan = self.position, self.plan
         if self._evaluation_due():  # resumed from a stop at an evaluation point
             self._evaluate()
-        while at.step < plan.max_train_steps:
-            batches, ended = epoch_batches(train_dl, at.epoch, at.sample), False
-            while at.step < plan.max_train_steps:
+        while position.step < plan.max_train_steps:
+            batches, ended = epoch_batches(train_dl, position.epoch, position.sample), False
+            while position.step < plan.max_train_steps:
                 waited = batches.waited
                 window = list(itertools.islice(batches, self.accumulation))
                 if ended := len(window) < self.accumulation:  # the epoch's remainder: too few for a whole step
-                    if at.sample == 0:  # a stream (a dataset's size was checked by the plan)
+                    if position.sample == 0:  # a stream (a dataset's size was checked by the plan)
                         raise RecipeError(
                             f"the training data holds fewer samples than one step trains ({plan.effective_batch_size}"
                             "); add data, or lower --per_device_train_batch_size or --gradient_accumulation_steps"
                         )
                     break
                 if scheduler is None:
-                    lr = plan.lr_at(at.seen)  # the schedule counts samples: exact on any layout, resumed or not
+                    lr = plan.lr_at(position.seen)  # the schedule counts samples: exact on any layout, resumed or not
                     for group in optimizer.param_groups if optimizer is not None else ():
                         group["lr"] = lr * group.get("lr_scale", 1.0)
                 yield Step(self, window)
                 self._stepped(batches.waited - waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
             if self._evaluates_at_epoch_end():
                 self._evaluate()
-            if ended or plan.epoch_done(at):  # not one --max_train_steps cut short: its checkpoint resumes it there
-                at.epoch, at.sample = at.epoch + 1, 0
-            if self.every == "epoch":
-                self.out.save_checkpoint(self.model, plan, at, self.log)
+            if ended or plan.epoch_done(
+                position
+            ):  # not one --max_train_steps cut short: its checkpoint resumes it there
+                position.epoch, position.sample = position.epoch + 1, 0
+            if self.checkpointing_steps == "epoch":
+                self.out.save_checkpoint(self.model, plan, position, self.log)
 
     def _stepped(self, waited: float, lr: float | None) -> None:
         """After the recipe's update: the position, the log, the agreed stop, an evaluation, a checkpoint."""
-        at, plan = self.at, self.plan
-        at.step += 1
-        at.sample += plan.effective_batch_size
-        at.seen += plan.effective_batch_size
-        self.log.step(at.step, at.seen, lr, waited)
-        if self.stop.requested(at.step):  # on every process at the same step
-            saved = self.out.save_checkpoint(self.model, plan, at, self.log)
-            raise self.stop.preempted(at.step, saved)
+        position, plan = self.position, self.plan
+        position.step += 1
+        position.sample += plan.effective_batch_size
+        position.seen += plan.effective_batch_size
+        self.log.step(position.step, position.seen, lr, waited)
+        if self.stop.requested(position.step):  # on every process at the same step
+            saved = self.out.save_checkpoint(self.model, plan, position, self.log)
+            raise self.stop.preempted(position.step, saved)
         if self._evaluation_due():
             self._evaluate()
-        if self.every not in (None, "epoch") and at.step % self.every == 0:
-            self.out.save_checkpoint(self.model, plan, at, self.log)  # after the evaluation: it records its metrics
+        if self.checkpointing_steps not in (None, "epoch") and position.step % self.checkpointing_steps == 0:
+            self.out.save_checkpoint(
+                self.model, plan, position, self.log
+            )  # after the evaluation: it records its metrics
 
     def _evaluation_due(self) -> bool:
         """An --eval_steps point before the run's last step (which the epoch's end evaluates) not yet evaluated: a
         run stopped there evaluates it first when resumed."""
-        at, history = self.at, self.log.eval_history
-        due = self.eval_steps and at.step and at.step % self.eval_steps == 0 and at.step < self.plan.max_train_steps
-        return bool(due) and not (history and history[-1]["step"] == at.step)
+        position, history = self.position, self.log.eval_history
+        due = (
+            self.eval_steps
+            and position.step
+            and position.step % self.eval_steps == 0
+            and position.step < self.plan.max_train_steps
+        )
+        return bool(due) and not (history and history[-1]["step"] == position.step)
 
     def _evaluates_at_epoch_end(self) -> bool:
         """The run's end always; each epoch's end unless --eval_steps sets the points."""
-        return self.at.step >= self.plan.max_train_steps or not self.eval_steps
+        return self.position.step >= self.plan.max_train_steps or not self.eval_steps
 
     def _evaluate(self) -> None:
         """Held-out metrics into the log and trackers; a stop during it saves a checkpoint and ends the run, except
         during the final evaluation, which it lets finish."""
-        last = self.at.step >= self.plan.max_train_steps
-        metrics = self.evaluate(self.stop.finishing if last else self.stop)
+        last = self.position.step >= self.plan.max_train_steps
+        metrics = self.evaluate(self.stop.progress_only if last else self.stop)
         if metrics is None:
-            saved = self.out.save_checkpoint(self.model, self.plan, self.at, self.log)
-            raise self.stop.preempted(self.at.step, saved, "evaluation")
+            saved = self.out.save_checkpoint(self.model, self.plan, self.position, self.log)
+            raise self.stop.preempted(self.position.step, saved, "evaluation")
         self.metrics = metrics
-        self.log.evaluated(self.at, metrics)
+        self.log.evaluated(self.position, metrics)
 
     def finish(self) -> dict:
         """The final held-out metrics (evaluated now if the run resumed at its end: nothing was left to train), once
         the loss and the weights are checked finite: what the run saves next is worth saving."""
         if not self.metrics:
-            self.metrics = self.evaluate(self.stop.finishing)
-        self.log.check_finite(self.at.step, self.model)
+            self.metrics = self.evaluate(self.stop.progress_only)
+        self.log.check_finite(self.position.step, self.model)
         return self.metrics
 
     def summary(self, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training (common.metrics.TrainLog.summary)."""
-        return self.log.summary(self.at, tokens_per_sample)
+        return self.log.summary(self.position, tokens_per_sample)
 
 
 def loader_fixes(args) -> str:

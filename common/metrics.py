@@ -151,43 +151,47 @@ class TrainLog:
 
     def check_finite(self, step: int, model) -> None:
         """Before a save: raise if the loss since the last log or the weights this process holds are NaN or inf."""
-        sums, _ = self._sums(float(any(t.numel() and not torch.isfinite(t).all() for t in held(model))))
+        sums, _ = self._sums(
+            float(any(t.numel() and not torch.isfinite(t).all() for t in local_parameter_tensors(model)))
+        )
         self.window = [float(sums[0]), float(sums[1])]  # what a checkpoint keeps of the log (save_checkpoint)
         if not math.isfinite(loss := float(sums[0] / sums[1].clamp(min=1))):
             raise _diverged(step, f"the training loss became {loss}")
         if sums[2] > 0:
             raise _diverged(step, "the weights hold NaN or inf")
 
-    def evaluated(self, at, metrics: dict) -> None:
+    def evaluated(self, position, metrics: dict) -> None:
         """An evaluation's metrics (its numbers: per-class tables go to results.json alone), with the loss since the
         last log, in the trackers and the log; the training clock restarts after it (evaluation time is not training
         time)."""
         self._flush()
-        epoch = self.plan.epochs(at)
+        epoch = self.plan.epochs(position)
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # tables: results.json's alone
-        self.accelerator.log({**metrics, "epoch": epoch}, step=at.step)
-        self.eval_history.append({"step": at.step, "samples_seen": at.seen, "epoch": round(epoch, 4), **metrics})
+        self.accelerator.log({**metrics, "epoch": epoch}, step=position.step)
+        self.eval_history.append(
+            {"step": position.step, "samples_seen": position.seen, "epoch": round(epoch, 4), **metrics}
+        )
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         loss = "n/a" if self.train_loss is None else f"{self.train_loss:.4f}"
-        logger.info(f"epoch {at.epoch}: step {at.step}, train_loss {loss}, {shown}")
+        logger.info(f"epoch {position.epoch}: step {position.step}, train_loss {loss}, {shown}")
         self._clock = time.perf_counter()
 
-    def summary(self, at, tokens_per_sample: int | None = None) -> dict:
+    def summary(self, position, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training; steady_samples_per_second leaves out the first step, whose
         one-time costs (kernel selection, the allocator, torch.compile) a short run cannot amortize."""
         self._bar.close()
         atexit.unregister(self._bar.close)
-        steps, samples = at.step - self._start[0], at.seen - self._start[1]
+        steps, samples = position.step - self._start[0], position.seen - self._start[1]
         rate = samples / self.train_seconds if steps and self.train_seconds else None
         per_step = self.per_rank[:, 1:] / self.per_rank[:, :1].clamp(min=1)  # each rank's mean step and data wait
         median_step, median_data = per_step.median(0).values.tolist()
         steady = None
         if steps > 1 and self.train_seconds > self._first[0]:
-            steady = (at.seen - self._first[1]) / (self.train_seconds - self._first[0])
+            steady = (position.seen - self._first[1]) / (self.train_seconds - self._first[0])
         summary = {
-            "steps": at.step,
-            "epochs": round(self.plan.epochs(at), 2),
-            "samples_seen": at.seen,
+            "steps": position.step,
+            "epochs": round(self.plan.epochs(position), 2),
+            "samples_seen": position.seen,
             "train_loss": self.train_loss,
             "samples_per_second": rate,
             "steady_samples_per_second": steady,
@@ -219,11 +223,15 @@ def count_parameters(model, trainable_only=False) -> int:
 
 def parameters_per_process(accelerator, model) -> list:
     """Parameter elements each process holds: all of them under DDP, about 1/N under ZeRO-3 or FSDP."""
-    return accelerator.gather(torch.tensor([sum(t.numel() for t in held(model))], device=accelerator.device)).tolist()
+    return accelerator.gather(
+        torch.tensor([sum(t.numel() for t in local_parameter_tensors(model))], device=accelerator.device)
+    ).tolist()
 
 
-def held(model):
-    """The parameter tensors this process holds: its ZeRO-3 or FSDP shard of each, or the whole of each."""
+def local_parameter_tensors(model):
+    """The parameter tensors this process holds in memory: its ZeRO-3 or FSDP shard of each, or under DDP the whole
+    of each. What a per-process count or a finiteness check must look at: model.parameters() alone are empty
+    placeholders under ZeRO-3 and sharded DTensors under FSDP2."""
     return (
         p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
         for p in model.parameters()

@@ -21,7 +21,6 @@ from pathlib import Path
 import psutil  # accelerate's dependency
 from accelerate.utils import gather_object
 
-from .args import UNUSED
 from .card import launch_record, write_card
 from .checkpoint import (
     CHECKPOINT_RE,
@@ -31,11 +30,11 @@ from .checkpoint import (
     RESULTS_FILE,
     RUN_FOLDER_RE,
     STATE_FILE,
+    apply_umask,
     complete_checkpoints,
     load_checkpoint,
     model_files,
     nearest_existing,
-    publish,
     read_state,
     remove_checkpoint,
     resolve_checkpoint,
@@ -77,8 +76,9 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
+        unused = getattr(args, "unused_arguments", ())  # of its parse; arguments made by hand (a test's) had none
         for name in INPUTS:  # what the run reads and where it writes, apart
-            if name in UNUSED or not isinstance(value := getattr(args, name, None), str) or not value:
+            if name in unused or not isinstance(value := getattr(args, name, None), str) or not value:
                 continue
             path, out = Path(value).resolve(), output_dir.resolve()
             if path.is_dir() and out.is_relative_to(path):
@@ -113,8 +113,8 @@ class OutputDir:
     def load_checkpoint(self, model, optimizer) -> dict:
         return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args)
 
-    def save_checkpoint(self, model, plan, at, log) -> Path:
-        return save_checkpoint(self.accelerator, model, self.args, plan, at, log)
+    def save_checkpoint(self, model, plan, position, log) -> Path:
+        return save_checkpoint(self.accelerator, model, self.args, plan, position, log)
 
     def save_model(self, model, tokenizer=None) -> Path:
         return save_model(self.accelerator, model, self.args.output_dir, tokenizer)
@@ -135,7 +135,7 @@ class OutputDir:
         if self.accelerator.is_main_process:
             output_dir = Path(self.args.output_dir)
             for name in names:
-                publish(output_dir / name)
+                apply_umask(output_dir / name)
             write_json(output_dir / MODEL_FILES, {"files": sorted({*model_files(output_dir), *names})})
 
 

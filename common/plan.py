@@ -75,21 +75,21 @@ class TrainingPlan:
             return None
         return self.num_samples // self.round_samples // self.gradient_accumulation_steps
 
-    def epoch_done(self, at: Position) -> bool:
-        """Whether epoch `at.epoch` has no whole step left after sample `at.sample` of its order (a stream's: not
-        known before it ends)."""
-        return self.num_samples is not None and self.num_samples - at.sample < self.effective_batch_size
+    def epoch_done(self, position: Position) -> bool:
+        """Whether epoch `position.epoch` has no whole step left after sample `position.sample` of its order (a
+        stream's: not known before it ends)."""
+        return self.num_samples is not None and self.num_samples - position.sample < self.effective_batch_size
 
-    def epochs(self, at: Position) -> float:
-        """Epochs trained at `at`, as transformers counts them: the whole ones and the share of the current one's
+    def epochs(self, position: Position) -> float:
+        """Epochs trained at `position`, as transformers counts them: the whole ones and the share of the current one's
         steps (one trained in several layouts is whole once no step is left in it); a stream's, the whole ones."""
         if self.num_samples is None:
-            return float(at.epoch)
-        if self.epoch_done(at):
-            return at.epoch + 1.0
-        return at.epoch + at.sample / (self.steps_per_epoch * self.effective_batch_size)
+            return float(position.epoch)
+        if self.epoch_done(position):
+            return position.epoch + 1.0
+        return position.epoch + position.sample / (self.steps_per_epoch * self.effective_batch_size)
 
-    def walk(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
+    def steps_and_samples_from(self, start: Position, *, steps=NEVER, samples=NEVER, epochs=NEVER) -> tuple[int, int]:
         """(optimizer steps, samples they train) from `start` on, as the loop takes them, until `steps` are taken,
         at least `samples` trained (in whole steps), or epoch `epochs` is reached."""
         k, per_round = self.gradient_accumulation_steps, self.round_samples
@@ -146,8 +146,8 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         plan,
         max_train_steps=max_train_steps,
         warmup_steps=warmup_steps,
-        warmup_samples=plan.walk(Position(), steps=warmup_steps)[1],
-        total_samples=plan.walk(Position(), steps=max_train_steps)[1],
+        warmup_samples=plan.steps_and_samples_from(Position(), steps=warmup_steps)[1],
+        total_samples=plan.steps_and_samples_from(Position(), steps=max_train_steps)[1],
     )
     try:  # transformers builds the schedule now: what it refuses (polynomial's lr_end above the rate) before training
         plan.lr_at(0)
@@ -241,11 +241,11 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
             "checkpoint"
         )
     if args.max_train_steps is None:
-        steps, samples = plan.walk(start, epochs=args.num_train_epochs)
+        steps, samples = plan.steps_and_samples_from(start, epochs=args.num_train_epochs)
     elif same_length:  # the samples it meant for that run
-        steps, samples = plan.walk(start, samples=state["total_samples"] - start.seen)
+        steps, samples = plan.steps_and_samples_from(start, samples=state["total_samples"] - start.seen)
     else:
-        steps, samples = plan.walk(start, steps=args.max_train_steps - start.step)
+        steps, samples = plan.steps_and_samples_from(start, steps=args.max_train_steps - start.step)
     plan = replace(plan, max_train_steps=start.step + steps, total_samples=start.seen + samples)
     if not steps:  # a run stopped in its final evaluation or save, or one resumed into another folder
         logger.info(

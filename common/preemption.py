@@ -96,7 +96,10 @@ def stop_received() -> BaseException | None:
     return stop_before_training(_received[0]) if _received else None
 
 
-def ending() -> None:
+def mark_run_ending() -> None:
+    """Called by common.exit_codes once the recipe's main() has returned or raised: from here on a stop signal is
+    recorded, not raised, so that it cannot cut short the writing of how the run ended; the watchdog stands down
+    (run_ended)."""
     global _ending
     _ending = True
 
@@ -127,8 +130,9 @@ class StopOnSignal:
     """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
     every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
     their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
-    (`watchdog`'s, common.watchdog.watch). `finishing.requested()`: progress alone, for a final evaluation a signal
-    does not cut short."""
+    (`watchdog`'s, common.watchdog.start_watchdog). `progress_only` is the stop check of a final evaluation, which a
+    signal does not cut short (its metrics are what the run saves next): its `requested()` tells the watchdog the
+    process is alive and never asks to stop."""
 
     def __init__(self, accelerator, watchdog=None):
         global _in_loop
@@ -136,7 +140,7 @@ class StopOnSignal:
         spans = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if spans else None
         self.watchdog = watchdog
-        self.finishing = SimpleNamespace(requested=self.watchdog.beat if self.watchdog else lambda: None)
+        self.progress_only = SimpleNamespace(requested=self.watchdog.beat if self.watchdog else lambda: None)
         _in_loop = True
 
     def requested(self, step: int | None = None) -> str | None:

@@ -114,7 +114,9 @@ def os_error_line(err: BaseException) -> str | None:
         return None
     name = os.fsdecode(found.filename)
     path, where = os.path.abspath(name), name
-    origins = [*_args.GIVEN.items(), *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
+    parsed = _arguments_of_failing_code(err)
+    options = parsed.values_by_option.items() if parsed else ()
+    origins = [*options, *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
     for origin, value in origins:
         base = os.path.abspath(os.path.expanduser(value))
         inside = path.startswith(base.rstrip(os.sep) + os.sep)
@@ -129,6 +131,27 @@ def os_error_line(err: BaseException) -> str | None:
             where = f"{name} (on the path of {origin} {value})"
             break
     return _args.mask_secrets(f"{where}: {_os_reason(found)}")
+
+
+def _arguments_of_failing_code(err: BaseException) -> _args.ParsedArgs | None:
+    """The parsed arguments the code that raised `err` ran with: the innermost held by a frame `err` passed through,
+    or by one of their callers (while `err` is still being handled, as in decide_on_main). The failure carries its
+    own run's arguments, so that no module keeps the last parse's: two parses in one process (tests, tests/warm.py's
+    forks) do not name each other's options."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    frames.reverse()  # innermost first, then the callers of the outermost
+    caller = frames[-1].f_back if frames else None
+    while caller is not None:
+        frames.append(caller)
+        caller = caller.f_back
+    for frame in frames:
+        for value in frame.f_locals.values():
+            if isinstance(value, _args.ParsedArgs):
+                return value
+    return None
 
 
 def _os_reason(err: OSError) -> str:
@@ -336,7 +359,7 @@ def exit_codes():
         try:
             yield
         finally:
-            preemption.ending()  # a signal from here on cannot interrupt the handling below
+            preemption.mark_run_ending()  # a signal from here on cannot interrupt the handling below
         write_status("finished")
         return
     except SystemExit:  # argparse's --help and usage errors
@@ -482,7 +505,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     if expected > 1 and not torch.cuda.is_available():
         group["backend"] = "gloo"
     try:
-        with _meeting(expected, args.ddp_timeout):
+        with _watching_group_formation(expected, args.ddp_timeout):
             if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
                 fsdp_on_cpu(group["timeout"])  # forms the group itself
             accelerator = Accelerator(
@@ -571,10 +594,12 @@ def _group() -> str:
 
 
 @contextlib.contextmanager
-def _meeting(expected: int, timeout: int):
-    """While the processes form their group torch waits in C++, where Python's signal handlers do not run: a stop
-    signal still ends this process (as before training, a second later), a wait of 30 s says what it waits for, and
-    one past `timeout` ends it (torch retries a store it cannot reach for minutes past it, without a word).
+def _watching_group_formation(expected: int, timeout: int):
+    """Around the forming of the process group (`expected` processes), a thread that watches the wait: torch waits in
+    C++, where Python's signal handlers do not run, so without it a stop signal would not end the process, a long
+    wait would say nothing, and a store torch cannot reach would be retried for minutes past `timeout`. With it a
+    stop signal ends this process (as before training, a second later), a wait of 30 s says what it waits for, and
+    one past `timeout` ends it.
     The signal's number reaches a thread here through Python's wakeup file descriptor (signal.set_wakeup_fd)."""
     if expected == 1 or threading.current_thread() is not threading.main_thread():
         yield

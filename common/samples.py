@@ -2,8 +2,8 @@
 and TensorBoard. A run whose loss went down but whose chat template or masking is wrong looks like a success until
 someone reads what the model writes; this shows it at every evaluation.
 
-    held_out = with_samples(partial(evaluate_causal_lm, model, eval_dl, accelerator), out, model, tokenizer, at)
-    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
+    held_out = with_samples(partial(evaluate_causal_lm, model, eval_dl, accelerator), out, model, tokenizer, position)
+    loop = common.TrainingLoop(accelerator, args, plan, position, out, model, evaluate=held_out)
 
 The prompts are --sample_prompts' (text: a .txt file, a prompt a line, or .jsonl rows with a "prompt"; chat: .jsonl
 rows with "messages", rendered with the chat template and its generation prompt), or the first held-out rows (text:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import publish, read_state
+from .checkpoint import apply_umask, read_state
 from .runtime import RecipeError, check_path, decide_on_main, logger, one_line
 
 SAMPLES_FILE = "samples.jsonl"
@@ -209,8 +209,8 @@ def generate(accelerator, model, tokenizer, prompts: list, max_new_tokens: int) 
     return completions
 
 
-def with_samples(evaluate, out, model, tokenizer, at):
-    """`evaluate(stop)` followed, where it completed, by a greedy completion of each prompt at `at` (the run's
+def with_samples(evaluate, out, model, tokenizer, position):
+    """`evaluate(stop)` followed, where it completed, by a greedy completion of each prompt at `position` (the run's
     position, which the training loop moves): rows in samples.jsonl and text in the trackers. A resumed run first drops
     the rows of the evaluations its checkpoint has not recorded, which it evaluates again."""
     args, accelerator = out.args, out.accelerator
@@ -233,15 +233,15 @@ def with_samples(evaluate, out, model, tokenizer, at):
             completions = generate(accelerator, model, tokenizer, prompts, args.max_new_tokens)
             if accelerator.is_main_process:
                 rows = [
-                    {"step": at.step, "samples_seen": at.seen, "prompt": shown, "completion": completion}
+                    {"step": position.step, "samples_seen": position.seen, "prompt": shown, "completion": completion}
                     for (shown, _), completion in zip(prompts, completions)
                 ]
                 with path.open("a", encoding="utf-8") as f:
                     f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-                to_trackers(accelerator, rows, at.step)
+                to_trackers(accelerator, rows, position.step)
             took = time.perf_counter() - began  # said against the evaluation's time: what the samples cost
             logger.info(
-                f"step {at.step}: {len(prompts)} samples of up to {args.max_new_tokens} tokens in {took:.2f} s "
+                f"step {position.step}: {len(prompts)} samples of up to {args.max_new_tokens} tokens in {took:.2f} s "
                 f"({took / max(evaluated, 1e-9):.0%} of the evaluation's {evaluated:.2f} s), in {path}"
             )
         return metrics
@@ -263,7 +263,7 @@ def keep_recorded(path: Path, eval_history: list) -> None:
             kept.append(line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
-    publish(tmp)
+    apply_umask(tmp)
     os.replace(tmp, path)
 
 

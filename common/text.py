@@ -895,7 +895,7 @@ def load_causal_lm(args, **model_kwargs):
             )
         logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
         model.resize_token_embeddings(len(tokenizer))
-    if not causal(model):
+    if not is_causal(model):
         raise RecipeError(
             f"{flag} {source}: {type(model).__name__} lets each position see the ones after it (an encoder such as "
             "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)"
@@ -954,7 +954,7 @@ def _check_runs(base, config) -> None:
     forward(config)
 
 
-def causal(model) -> bool:
+def is_causal(model) -> bool:
     """Whether the first position's output ignores the second token, on the loaded model (True where it cannot run
     here: weights sharded by ZeRO-3, a forward that needs more)."""
     if any(p.numel() == 0 or p.device.type == "meta" for p in model.parameters()):

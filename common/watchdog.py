@@ -51,8 +51,9 @@ def phase_of(frames) -> tuple[str, bool]:
     return found[0] + (" (data loading)" if "data loading" in found[1:] else ""), waiting
 
 
-def watch(accelerator, args):
-    """The run's Watchdog (--hang_timeout, --ddp_timeout, --output_dir), or None: --hang_timeout 0 watches nothing."""
+def start_watchdog(accelerator, args):
+    """The run's Watchdog (--hang_timeout, --ddp_timeout, --output_dir), its thread started now; or None: with
+    --hang_timeout 0 nothing is watched."""
     if not args.hang_timeout:
         return None
     return Watchdog(accelerator, args.hang_timeout, args.ddp_timeout, args.output_dir)

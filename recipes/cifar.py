@@ -225,7 +225,7 @@ def main(argv=None):
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     train_dl, eval_dl, classes = get_dataloaders(args, accelerator, out.resume_from)
-    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
+    plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     on_gpu = accelerator.device.type == "cuda"
     model = build_model(args, len(classes), on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
@@ -238,7 +238,7 @@ def main(argv=None):
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     loop = common.TrainingLoop(
-        accelerator, args, plan, at, out, model, partial(evaluate, model, eval_dl, accelerator, classes)
+        accelerator, args, plan, position, out, model, partial(evaluate, model, eval_dl, accelerator, classes)
     )
 
     for step in loop.steps(train_dl, optimizer):  # the rate, the position, the log, stops, checkpoints, evaluations

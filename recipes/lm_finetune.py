@@ -183,7 +183,7 @@ def main(argv=None):
 
     model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
+    plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)
@@ -197,8 +197,8 @@ def main(argv=None):
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     held_out = partial(evaluate_causal_lm, model, eval_dl, accelerator)
-    held_out = with_samples(held_out, out, model, tokenizer, at)  # then greedy samples into samples.jsonl
-    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
+    held_out = with_samples(held_out, out, model, tokenizer, position)  # then greedy samples into samples.jsonl
+    loop = common.TrainingLoop(accelerator, args, plan, position, out, model, evaluate=held_out)
     model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 
     for step in loop.steps(train_dl, optimizer):  # the rate, the position, the log, stops, checkpoints, evaluations

@@ -135,18 +135,18 @@ def memory_estimates(accelerator, model) -> dict:
     return estimates
 
 
-def build_optimizer(args, accelerator, model, plan, at):
+def build_optimizer(args, accelerator, model, plan, position):
     """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
     stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading, and no
     scheduler: the recipe sets the learning rate of every step itself."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
-    if "scheduler" in ds_config and at.seen != at.step * plan.effective_batch_size:
+    if "scheduler" in ds_config and position.seen != position.step * plan.effective_batch_size:
         raise common.RecipeError(
-            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {at.step} steps trained "
-            f"{at.seen:,} samples, not {at.step} x this run's effective batch of {plan.effective_batch_size}: resume "
-            "with the checkpoint's effective batch (processes x per-device batch x accumulation), or delete the "
-            "config's scheduler (the recipe's own schedule counts samples)"
+            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {position.step} steps "
+            f"trained {position.seen:,} samples, not {position.step} x this run's effective batch of "
+            f"{plan.effective_batch_size}: resume with the checkpoint's effective batch (processes x per-device batch "
+            "x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
         )
     # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line.
     # "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's here (in steps:
@@ -224,17 +224,17 @@ def main(argv=None):
     model, tokenizer = build_model(args)
     estimates = memory_estimates(accelerator, model)
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, at = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
+    plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
     parameters = common.count_parameters(model)
-    optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan, at)
+    optimizer, ds_scheduler = build_optimizer(args, accelerator, model, plan, position)
     model, optimizer, train_dl, eval_dl, ds_scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, ds_scheduler
     )
     if out.resume_from:
         out.load_checkpoint(model, optimizer)
     held_out = partial(evaluate_causal_lm, model, eval_dl, accelerator)
-    held_out = with_samples(held_out, out, model, tokenizer, at)  # then greedy samples into samples.jsonl
-    loop = common.TrainingLoop(accelerator, args, plan, at, out, model, evaluate=held_out)
+    held_out = with_samples(held_out, out, model, tokenizer, position)  # then greedy samples into samples.jsonl
+    loop = common.TrainingLoop(accelerator, args, plan, position, out, model, evaluate=held_out)
     model.train()  # from_pretrained returns eval mode: dropout and gradient checkpointing would be off
 
     for step in loop.steps(train_dl, optimizer, ds_scheduler):  # ds_scheduler: a DeepSpeed config's own, or None

@@ -106,7 +106,8 @@ def test_plan_refuses_a_batch_larger_than_the_data():
 
 def test_schedule_warms_up_then_decays_to_zero():
     p = plan(max_train_steps=100, warmup_steps=10, lr_scheduler_type="cosine")
-    lrs = [p.lr_at(p.walk(Position(), steps=step)[1]) for step in range(100)]  # the rate of each step
+    samples = [p.steps_and_samples_from(Position(), steps=step)[1] for step in range(100)]  # before each step
+    lrs = [p.lr_at(seen) for seen in samples]  # the rate of each step
     assert lrs[0] == 0.0 and lrs[10] == pytest.approx(p.learning_rate)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate
@@ -413,12 +414,11 @@ def test_an_epoch_that_ends_mid_accumulation_drops_its_remainder_and_the_counts_
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     data = [torch.ones(4)] * 15  # 7 batches of 2, one sample left over
     train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
-    plan, at = common.plan_run(args, data, accelerator.num_processes)
+    plan, position = common.plan_run(args, data, accelerator.num_processes)
     assert (plan.steps_per_epoch, plan.max_train_steps, plan.total_samples) == (3, 6, 24)
     out, evaluated = SimpleNamespace(resume_from=None), []
-    loop = TrainingLoop(
-        accelerator, args, plan, at, out, torch.nn.Linear(1, 1), lambda stop: evaluated.append(at.step) or {}
-    )
+    loop = TrainingLoop(accelerator, args, plan, position, out, torch.nn.Linear(1, 1),
+                        lambda stop: evaluated.append(position.step) or {})  # fmt: skip
     windows = []
     for step in loop.steps(train_dl):  # the recipes' loop, less the model
         for x in step.micro_batches():
@@ -444,9 +444,9 @@ def test_evaluation_points_are_each_epochs_end_or_every_eval_steps_and_the_runs_
     accelerator = Accelerator(cpu=True)
     data = [torch.ones(4)] * 6  # 3 steps an epoch
     train_dl = accelerator.prepare(common.make_dataloader(data, 2, train=True, seed=0, num_workers=0))
-    plan, at = common.plan_run(args, data, accelerator.num_processes)
-    loop = TrainingLoop(accelerator, args, plan, at, SimpleNamespace(resume_from=None), torch.nn.Linear(1, 1),
-                        lambda stop: {"eval_loss": float(at.step)})  # fmt: skip
+    plan, position = common.plan_run(args, data, accelerator.num_processes)
+    loop = TrainingLoop(accelerator, args, plan, position, SimpleNamespace(resume_from=None), torch.nn.Linear(1, 1),
+                        lambda stop: {"eval_loss": float(position.step)})  # fmt: skip
     for step in loop.steps(train_dl):
         for x in step.micro_batches():
             step.backward(x.sum().requires_grad_(), len(x))

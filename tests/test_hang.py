@@ -30,7 +30,7 @@ def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer(tmp_path):
     from accelerate import Accelerator
 
     from common.preemption import StopOnSignal
-    from common.watchdog import SLOW_PHASES, Watchdog, phase_of, watch
+    from common.watchdog import SLOW_PHASES, Watchdog, phase_of, start_watchdog
 
     def save_checkpoint():
         return phase_of(traceback.extract_stack())
@@ -43,7 +43,7 @@ def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer(tmp_path):
 
     assert save_checkpoint() == ("checkpoint save", False) and "checkpoint save" in SLOW_PHASES
     assert evaluate() == ("evaluation (data loading)", False)
-    assert watch(Accelerator(cpu=True), Namespace(hang_timeout=0, ddp_timeout=600, output_dir="x")) is None
+    assert start_watchdog(Accelerator(cpu=True), Namespace(hang_timeout=0, ddp_timeout=600, output_dir="x")) is None
     assert StopOnSignal(Accelerator(cpu=True)).requested(3) is None
     dog = Watchdog(Accelerator(cpu=True), hang_timeout=3000, ddp_timeout=6000, output_dir=tmp_path)
     assert dog.slow_timeout == 6000 - 40

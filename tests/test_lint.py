@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import sys
+import textwrap
 
 from conftest import REPO
 
@@ -58,16 +59,35 @@ def test_commons_public_surface_is_what_the_recipes_import_sorted():
     assert common.__all__ == sorted(common.__all__)
 
 
-def test_common_has_no_import_cycle():
-    """Each module of common/ imports others (at the top or inside a function) without one importing it back, however
-    far round: a cycle forces imports into functions and makes the import order matter."""
+def common_imports(folder) -> dict:
+    """Each module of the package in `folder` and the modules of it that it imports, at the top or inside a function,
+    relatively (`from .x import`, `from . import x`) or by the package's name (`from common.x import`, `import
+    common.x`, `from common import name`: `name`'s module in __init__'s _WHERE)."""
+    modules = {path.stem for path in folder.glob("*.py")}
+    where = {}  # the package's lazily imported names (PEP 562): the module each comes from
+    init = folder / "__init__.py"
+    for node in ast.walk(ast.parse(init.read_text())) if init.is_file() else ():
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_WHERE"]:
+            where = ast.literal_eval(node.value)
     imports = {}
-    for path in sorted((REPO / "common").glob("*.py")):
+    for path in sorted(folder.glob("*.py")):
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found |= {node.module} if node.module else {alias.name for alias in node.names}
-        imports[path.stem] = found - {path.stem}
+            module = str(getattr(node, "module", None))
+            if isinstance(node, ast.ImportFrom) and (
+                node.level == 1 or module == "common" or module.startswith("common.")
+            ):
+                parts = (node.module or "").split(".")[0 if node.level else 1 :]
+                names = [alias.name for alias in node.names]
+                found |= {parts[0]} if parts and parts[0] else {where.get(name, name) for name in names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("common.")}
+        imports[path.stem] = (found & modules) - {path.stem}
+    return imports
+
+
+def import_cycle(imports: dict) -> list | None:
+    """A chain of modules that leads back to its first (`imports` as common_imports gives it), or None."""
 
     def cycle(module, seen):
         for other in sorted(imports.get(module, ())):
@@ -77,5 +97,118 @@ def test_common_has_no_import_cycle():
                 return found
         return None
 
-    cycles = [c for m in imports if (c := cycle(m, [m]))]
-    assert not cycles, " -> ".join(cycles[0])
+    return next((c for m in sorted(imports) if (c := cycle(m, [m]))), None)
+
+
+MUTATORS = {  # the methods that change a dict, list or set in place
+    "append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "remove", "discard", "clear",
+}  # fmt: skip
+CONTAINERS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+MADE_CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque"}  # made by a call
+
+
+def is_container(value) -> bool:
+    """Whether `value`, assigned, makes a dict, list or set (a literal, a comprehension, or dict(), set(), ...)."""
+    made = isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None))
+    return isinstance(value, CONTAINERS) or made in MADE_CONTAINERS
+
+
+# The module-level (or class-level) state common/ may keep, and why it cannot live with the run's objects.
+ALLOWED_STATE = {
+    # a signal handler is called with (signum, frame) alone: what it records, and what it must know, is module state
+    "preemption._received": "the stop signals received, in order",
+    "preemption._in_loop": "a StopOnSignal exists: the handler leaves the stop to the loop",
+    "preemption._ending": "exit_codes is ending the run: the handler records a stop and raises nothing",
+    "preemption._owner": "the process the handlers are for: a forked worker inherits them",
+    # fcntl locks belong to the process, not to an object: closing any descriptor of the file drops the lock, so the
+    # process keeps one record of the locks it holds (a second OutputDir on the same folder reuses it)
+    "outputs._RunLock.held": "this process's run locks",
+}
+
+
+def mutated_module_state(folder) -> set:
+    """`module.name` (or `module.Class.name`) for each dict, list or set assigned at the top of a module of `folder`
+    (or of a class in it) that a function mutates, and each module-level name a function rebinds (`global`)."""
+    found = set()
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        scopes = [("", tree.body), *((f"{c.name}.", c.body) for c in tree.body if isinstance(c, ast.ClassDef))]
+        state = {  # "name" or "Class.name" -> the class whose methods reach it as self.name and cls.name
+            f"{prefix}{target.id}": prefix[:-1]
+            for prefix, body in scopes
+            for node in body
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and is_container(node.value)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)
+        }
+
+        def named(expr, cls: str) -> str | None:
+            if isinstance(expr, ast.Name):
+                return expr.id
+            if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+                owner = cls if expr.value.id in ("self", "cls") else expr.value.id
+                return f"{owner}.{expr.attr}"
+            return None
+
+        classes = [("", tree), *((c.name, c) for c in tree.body if isinstance(c, ast.ClassDef))]
+        for cls, scope in classes:
+            for function in ast.walk(scope):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Global):
+                        found |= {f"{path.stem}.{name}" for name in node.names}
+                    changed = []
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in MUTATORS
+                    ):
+                        changed.append(node.func.value)
+                    elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                        targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+                        changed += [t.value for t in targets if isinstance(t, ast.Subscript)]  # SEEN[k] = v, del
+                        if isinstance(node, ast.AugAssign):  # SEEN += [v]: a list grown in place
+                            changed.append(node.target)
+                    found |= {f"{path.stem}.{n}" for e in changed if (n := named(e, cls)) in state}
+    return found
+
+
+def test_common_has_no_import_cycle(tmp_path):
+    """Each module of common/ imports others (at the top or inside a function) without one importing it back, however
+    far round: a cycle forces imports into functions and makes the import order matter. The check finds one."""
+    imports = common_imports(REPO / "common")
+    assert imports["outputs"] >= {"checkpoint", "runtime"}  # it sees imports at all
+    assert (cycle := import_cycle(imports)) is None, " -> ".join(cycle)
+    (tmp_path / "__init__.py").write_text('_WHERE = {"RecipeError": "runtime"}\n')
+    (tmp_path / "runtime.py").write_text("def f():\n    from common.plan import x\n")
+    (tmp_path / "plan.py").write_text("from common import RecipeError\n")  # back to runtime, through the package
+    assert import_cycle(common_imports(tmp_path)) in (["plan", "runtime", "plan"], ["runtime", "plan", "runtime"])
+
+
+def test_common_keeps_no_module_state_but_the_signal_flags(tmp_path):
+    """No module of common/ keeps state at its top that its functions change (a dict, list or set they fill, a name
+    they rebind), but what ALLOWED_STATE lists and says why: state of the process would outlive a run, and two runs
+    in one process (the tests, tests/warm.py's forks) would see each other's. What a run learns lives with its
+    objects (the parsed arguments carry their parse's: common.args.ParsedArgs). The check finds such state."""
+    assert mutated_module_state(REPO / "common") == set(ALLOWED_STATE)
+    (tmp_path / "args.py").write_text(
+        textwrap.dedent(
+            """\
+            SEEN: dict = {}
+            UNUSED = set()
+            LIMITS = (1, 2)
+
+            class Parser:
+                last = []
+
+                def parse(self, x):
+                    SEEN[x] = 1
+                    UNUSED.add(x)
+                    self.last.append(x)
+                    mine = {}
+                    mine[x] = LIMITS
+            """
+        )
+    )
+    assert mutated_module_state(tmp_path) == {"args.SEEN", "args.UNUSED", "args.Parser.last"}

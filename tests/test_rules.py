@@ -201,22 +201,27 @@ def test_an_option_that_does_nothing_is_no_input(acc, tmp_path, monkeypatch):
             (tmp_path / "data" / split / label).mkdir(parents=True)
     argv = ["--dataset", "imagefolder", "--train_dir", "data/train", "--val_dir", "data/val", "--model", "resnet18"]
     cifar = load_recipe("cifar")
-    outputs.OutputDir(acc[0], cifar.parse_args([*argv, "--output_dir", "data/runs/exp1"]))
+    args = cifar.parse_args([*argv, "--output_dir", "data/runs/exp1"])
+    cifar.parse_args(["--output_dir", "cifar_run"])  # a later parse in this process, whose --data_dir is an input
+    outputs.OutputDir(acc[0], args)  # what does nothing is its own parse's
     outputs._RunLock.release_all()
     with pytest.raises(RecipeError, match="--output_dir data/train/runs lies inside --train_dir data/train, which"):
         outputs.OutputDir(acc[0], cifar.parse_args([*argv, "--output_dir", "data/train/runs"]))
 
 
-def test_a_link_to_a_folder_that_is_gone_is_named_as_such(tmp_path, monkeypatch):
+def test_a_link_to_a_folder_that_is_gone_is_named_as_such(tmp_path):
     """A scratch folder purged under a link to it: the link and its missing target, not 'a file where a folder
     must be', which would have the user delete the link; named by the option the path is on."""
-    from common import args as common_args
+    from common.args import ArgumentParser
     from common.runtime import os_error_line
 
     link = tmp_path / "runs"
     link.symlink_to(tmp_path / "scratch" / "runs")
+    parser = ArgumentParser()
+    parser.add_argument("--output_dir")
     for given in (link, link / "exp1"):
-        monkeypatch.setitem(common_args.GIVEN, "--output_dir", str(given))
+        args = parser.parse_args(["--output_dir", str(given)])  # held by the frame that fails, as main() holds it
+        assert args.values_by_option == {"--output_dir": str(given)}
         with pytest.raises(OSError) as err:
             given.mkdir(parents=True, exist_ok=True)  # as the run lock's folder is made
         where = f"--output_dir {link}" if given == link else f"{link} (on the path of --output_dir {given})"
@@ -224,6 +229,29 @@ def test_a_link_to_a_folder_that_is_gone_is_named_as_such(tmp_path, monkeypatch)
             f"{where}: a symbolic link to {tmp_path / 'scratch' / 'runs'}, which does not exist; create that "
             "folder, or remove the link"
         )
+
+
+def test_an_os_error_names_the_option_of_the_parse_the_failing_code_ran_with(tmp_path):
+    """The option a failing path came from is found in the arguments the failing code holds (the innermost frame's),
+    not in the process's last parse: a test's later parse, or a forked warm process's earlier one, names nothing."""
+    from common.args import ArgumentParser
+    from common.runtime import os_error_line
+
+    parser = ArgumentParser()
+    parser.add_argument("--output_dir")
+    (blocked := tmp_path / "file").write_text("not a folder")
+
+    def save(args):  # as a recipe's code holds its own arguments
+        Path(args.output_dir, "checkpoint-1").mkdir(parents=True)
+
+    mine = parser.parse_args(["--output_dir", str(blocked)])
+    later = parser.parse_args(["--output_dir", str(tmp_path / "other")])
+    with pytest.raises(OSError) as err:
+        save(mine)
+    assert os_error_line(err.value) == (
+        f"--output_dir {blocked}: file exists; it is a file where a folder must be: remove it or use another path"
+    )
+    assert later.values_by_option == {"--output_dir": str(tmp_path / "other")}  # each parse keeps its own
 
 
 def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path):
@@ -870,13 +898,27 @@ def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_a_path_under_a_file_is_named_with_its_option_in_two_processes(tiny_lm, tmp_path):
+    """--prepared_data_dir under a file, in 2 processes: the main process prepares the data while the other waits for
+    it, and fails; the one line names the option the path came from (the arguments the failing code ran with carry
+    their parse's values: common.args.ParsedArgs), whichever process says it."""
+    (blocked := tmp_path / "file").write_text("not a folder")
+    prepared = blocked / "prepared"
+    argv = [*lm_args(tiny_lm, tmp_path / "run"), "--prepared_data_dir", prepared, "--max_train_steps", "1"]
+    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", *argv], check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: {blocked} (on the path of --prepared_data_dir {prepared}): file exists; it is a file where a folder "
+        "must be: remove it or use another path"
+    ], proc.stderr[-3000:]
+
+
 def test_a_cache_under_a_file_is_named_with_its_variable(tiny_lm, tmp_path, monkeypatch):
     """HF_DATASETS_CACHE under a file: the folder the run makes first under it (the prepared blocks', as
     recipes/lm_finetune.py does), with the variable and the recipe's arguments as a run has them; the line is the one
     its process prints (runtime._how_it_ended)."""
     import datasets
 
-    from common import args as common_args
     from common import prepared
     from common.runtime import _how_it_ended
 
@@ -884,8 +926,8 @@ def test_a_cache_under_a_file_is_named_with_its_variable(tiny_lm, tmp_path, monk
     cache = tmp_path / "file" / "cache"
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)  # read when datasets is imported
-    monkeypatch.setattr(common_args, "GIVEN", {})
-    load_recipe("lm_finetune").parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "run")])
+    args = load_recipe("lm_finetune").parse_args([str(a) for a in lm_args(tiny_lm, tmp_path / "run")])
+    assert args.values_by_option["--output_dir"] == str(tmp_path / "run")  # beside the variable, not the cause
     digest = "0" * 64
     with pytest.raises(OSError) as failed, prepared.one_preparation(prepared.default_folder(digest), digest, 60):
         pass
