@@ -1,23 +1,22 @@
 """Tensor parallelism through accelerate_configs/tp.yaml: one real 2-process launch over gloo, the way users launch
-(`accelerate launch --config_file accelerate_configs/tp.yaml` with ACCELERATE_USE_CPU=true), against the one-process
-run of the same batch; the refusals in-process, as a launch under tp.yaml meets them."""
+on a host without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accelerate launch --config_file
+accelerate_configs/tp.yaml`), against the one-process run of the same batch; the refusals in-process, as a launch
+under tp.yaml meets them."""
 
 from types import SimpleNamespace
 
 import pytest
 from conftest import (
-    BIN,
     REPO,
+    card,
     chat_args,
+    cpu_env,
     eval_loss,
     results,
     run,
     samples,
     update_distance,
-    user_env,
 )
-
-LM = REPO / "recipes" / "lm_finetune.py"
 
 
 @pytest.mark.slow
@@ -30,10 +29,9 @@ def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable
     and it gives the eval loss the run reported. Measured: losses equal to 2.4e-7, weights 6.9e-6 apart relative to
     the update (AdamW divides by the root of tiny second moments, which magnifies the split sums' rounding)."""
     out = tmp_path / "tp"
-    env = user_env(ACCELERATE_USE_CPU="true")
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/tp.yaml"]
-    run([*cmd, "--main_process_port", env["MASTER_PORT"], LM, *chat_args(tiny_lm, out, 4)], env=env)
+    run([REPO / "launch.sh", "lm_finetune", "--config", "tp", *chat_args(tiny_lm, out, 4)], env=cpu_env())
     res, reference = results(out), results(chat_reference)
+    assert "./launch.sh lm_finetune --config tp --num_processes 2 " in card(out)[1]  # how to run it again
     assert res["world_size"] == 2 and res["effective_batch_size"] == reference["effective_batch_size"] == 4
     losses = [row["train_loss"] for row in res["log_history"]]
     assert losses == pytest.approx([row["train_loss"] for row in reference["log_history"]], rel=1e-6)
