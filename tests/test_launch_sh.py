@@ -223,7 +223,7 @@ def tree(tmp_path_factory):
     return root
 
 
-CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp mcpu multi_node node1 nofile typo zero2 zero3 zero3_offload"
+CONFIG_NAMES = "1gpu 2gpu 4gpu 8gpu broken cpu fsdp mcpu multi_node node1 nofile tp typo zero2 zero3 zero3_offload"
 
 PROCESSES = "--num_processes must be a positive integer (the processes on this node),"
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number of seconds,"
