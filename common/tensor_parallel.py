@@ -53,6 +53,11 @@ def refuse_what_cannot_split(args, accelerator=None) -> None:
             "a new model is built from its config; save the new model once (save_pretrained) and pass its folder "
             "as --model_name_or_path, or use fsdp.yaml"
         )
+    if getattr(args, "lora_r", 0):
+        raise RecipeError(
+            "--lora_r under tensor parallelism: peft's adapters do not fit the layers transformers splits (their "
+            "first forward fails on the split shapes); train the whole model under tp.yaml, or LoRA with fsdp.yaml"
+        )
     for flag in ("--checkpointing_steps", "--resume_from_checkpoint"):
         if getattr(args, flag[2:], None) is not None:
             raise RecipeError(f"{flag} under tensor parallelism: {NO_CHECKPOINTS}")

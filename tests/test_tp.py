@@ -87,7 +87,8 @@ def test_a_model_without_a_tp_plan_is_refused(monkeypatch):
 
 def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
     """A degree below the process count (the 2-D case), checkpoints (none can be saved), a new model from a config
-    (nothing to split as it loads), a degree that is no number."""
+    (nothing to split as it loads), a LoRA adapter (peft's layers fail on the split shapes), a degree that is no
+    number."""
     from common import tensor_parallel
     from common.runtime import RecipeError
 
@@ -102,6 +103,7 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
         (2, but(checkpointing_steps=10), "--checkpointing_steps under tensor parallelism"),
         (2, but(resume_from_checkpoint="latest"), "--resume_from_checkpoint under tensor parallelism"),
         (2, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
+        (2, but(lora_r=16), "--lora_r under tensor parallelism"),
     ]
     for processes, args, named in cases:
         with pytest.raises(RecipeError, match=named) as refused:
