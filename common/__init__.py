@@ -17,6 +17,7 @@ _WHERE = {
     "SeededTransform": "data",
     "TrainingLoop": "loop",
     "count_parameters": "metrics",
+    "data_parallel_size": "tensor_parallel",
     "decay_groups": "plan",
     "exit_codes": "runtime",
     "logger": "runtime",

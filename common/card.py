@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import mesh
+from . import mesh, tensor_parallel
 from .args import LAUNCH_SH_ENV, mask_secrets, mask_words
 from .checkpoint import model_files
 from .runtime import logger
@@ -50,6 +50,8 @@ def launch_record(accelerator, args) -> dict:
         strategy = f"HSDP on FSDP2, mesh {mesh.describe(sizes)}"
     elif kind == "FSDP":
         config, strategy = "fsdp", "FSDP2"
+    elif (tp := tensor_parallel.degree()) > 1:  # presented as MULTI_GPU, as DDP is
+        config, strategy = "tp", f"tensor parallelism, each layer split over {tp} processes"
     elif accelerator.device.type == "cpu":
         config, strategy = "cpu", "DDP over gloo on CPU" if processes > 1 else "one CPU process"
     else:

@@ -33,6 +33,7 @@ import torch
 from accelerate.utils import gather_object
 from safetensors.torch import save_file
 
+from . import tensor_parallel
 from .args import public_args
 from .runtime import RecipeError, causes, decide_on_main, library_versions, logger, one_line
 
@@ -231,6 +232,7 @@ def checkpoint_damage(path, accelerator=None) -> str | None:
 def save_checkpoint(accelerator, model, args, plan, position, log) -> Path:
     """The training state at `position` (a common.plan.Position) with what a resume on any layout needs; a run
     whose loss or weights are no longer finite is not saved."""
+    tensor_parallel.refuse_checkpoint()
     log.check_finite(position.step, model)
     state = {
         "epoch": position.epoch,
@@ -595,6 +597,7 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
     # accelerate launch --dynamo_backend compiles the model it prepares: the names it gathers start with _orig_mod.
     # (ZeRO-3 gathers the weights on the main process alone: None elsewhere)
     state_dict = {re.sub(r"^(_orig_mod[.])+", "", k): v for k, v in (accelerator.get_state_dict(model) or {}).items()}
+    state_dict = tensor_parallel.whole(state_dict)  # TP's split weights gathered: Accelerate returns them split
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def write():
@@ -604,7 +607,8 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
             tmp, ignore_errors=True
         )  # left by a save that crashed; one that failed was removed where it failed
         if hasattr(unwrapped, "save_pretrained"):
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            with tensor_parallel.saved_by_one_process(unwrapped):
+                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             if "peft" in sys.modules and isinstance(unwrapped, sys.modules["peft"].PeftModel):  # LoRA: also merged

@@ -506,7 +506,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         group["backend"] = "gloo"
     try:
         with _watching_group_formation(expected, args.ddp_timeout):
-            if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+            if _sharded_by_accelerate() and not torch.cuda.is_available():
                 fsdp_on_cpu(group["timeout"])  # forms the group itself
             accelerator = Accelerator(
                 gradient_accumulation_steps=args.gradient_accumulation_steps,  # what accelerator.backward divides by
@@ -693,6 +693,12 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
     return True
+
+
+def _sharded_by_accelerate() -> bool:
+    """FSDP, or an accelerate config's parallelism_config (tp.yaml): both need the group presented as fsdp_on_cpu
+    does (ParallelismConfig too accepts only GPU-like distributed types: its _validate_accelerator)."""
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
 def fsdp_on_cpu(timeout: datetime.timedelta) -> None:

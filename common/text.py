@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import prepared
+from . import prepared, tensor_parallel
 from .args import at_least
 from .data import make_dataloader, prepare_data_first
 from .preemption import stop_before_training
@@ -844,12 +844,14 @@ def load_causal_lm(args, **model_kwargs):
 
     source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
     flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
+    tensor_parallel.refuse_what_cannot_split(args)  # under tp.yaml: what it cannot train, before anything loads
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)  # first: the tokenizer reads it too
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)
         if args.model_name_or_path:
+            split = tensor_parallel.load_kwargs(config, source)  # under tp.yaml: split as it loads, or refused
             model = AutoModelForCausalLM.from_pretrained(
-                source, config=config, trust_remote_code=trust, **model_kwargs
+                source, config=config, trust_remote_code=trust, **model_kwargs, **split
             )
         else:
             if any(Path(source).glob("*.safetensors")):  # as run_clm: its config alone
@@ -860,6 +862,8 @@ def load_causal_lm(args, **model_kwargs):
                 config.validate()  # transformers' own check, which save_pretrained runs at the end of training
                 _check_runs(base, config)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, **model_kwargs)
+    except RecipeError:  # tensor_parallel's refusal, said as it is
+        raise
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
             raise
@@ -1061,7 +1065,9 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
             # a row at a time, as fp32 logits are large; cross_entropy skips the -100 labels
             per_block = torch.stack([F.cross_entropy(x.float(), y, reduction="sum") for x, y in zip(logits, labels)])
             # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
-            per_block, counts = accelerator.gather_for_metrics((per_block, (labels != IGNORE_INDEX).sum(-1)))
+            per_block, counts = per_block, (labels != IGNORE_INDEX).sum(-1)
+            if tensor_parallel.data_parallel_size(accelerator) > 1:  # under TP every process holds every block
+                per_block, counts = accelerator.gather_for_metrics((per_block, counts))
             loss_sum, tokens = loss_sum + per_block.sum().item(), tokens + counts.sum().item()
     model.train()
     return {"eval_loss": loss_sum / tokens, "perplexity": math.exp(min(loss_sum / tokens, 50)), "eval_tokens": tokens}

@@ -183,7 +183,7 @@ def main(argv=None):
 
     model, tokenizer = load_model_and_tokenizer(args)  # after the Accelerator: under ZeRO-3 straight into shards
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
-    plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
+    plan, position = common.plan_run(args, train_dl.dataset, common.data_parallel_size(accelerator), out.resume_from)
 
     model = build_model(args, model)
     parameters = common.count_parameters(model)

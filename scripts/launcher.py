@@ -284,11 +284,15 @@ def main(argv: list[str]) -> int:
     variables = {}  # environment variables of the command
     if use_cpu:  # without it a GPU-less launch trains N unsynchronised copies (common/runtime.py refuses it)
         variables["ACCELERATE_USE_CPU"] = "true"
-    elif gpus == 0 and kind in ("DEEPSPEED", "FSDP"):  # DeepSpeed's CPU accelerator, FSDP2 over gloo: on a laptop
-        least = 2 * sizes["tp"] * (sizes["dp_replicate"] if nodes == 1 else 1) if sizes else 2  # shards of 2
+    elif gpus == 0 and (kind in ("DEEPSPEED", "FSDP") or sizes):  # on a laptop: DeepSpeed's CPU accelerator, FSDP2
+        # or tensor parallelism (tp.yaml) over gloo; a mesh's least: 2 shards a copy under FSDP, a node's TP group
+        least = (
+            sizes["tp"] * (sizes["dp_replicate"] if nodes == 1 else 1) * (2 if kind == "FSDP" else 1) if sizes else 2
+        )
         per_node = num_processes = num_processes or least
         precision = precision or "no"  # the configs' bf16 is for GPUs, unless asked for
-        what = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}[kind], "fp32" if precision == "no" else precision
+        strategy = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}.get(kind, "tensor parallelism")
+        what = strategy, "fp32" if precision == "no" else precision
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
     elif per_node > gpus:
         fix = f"pass --num_processes {gpus} or a config for {gpus} GPU(s)" if gpus else "use --config cpu"

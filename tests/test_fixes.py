@@ -50,6 +50,7 @@ NOT_FOLLOWED_HERE = {
     "GPUs nvidia-smi lists but this torch cannot use": "needs GPUs",
     "a recipe started as N copies by `srun`": "needs srun: tests/test_slurm.py",
     "an HSDP or tensor-parallel mesh": "followed in tests/test_hsdp.py (4 processes)",
+    "under `tp.yaml`": "tensor parallelism in 2 processes: the refusals in-process in tests/test_tp.py",
     "a process count `./launch.sh --config hsdp`": "followed in tests/test_hsdp.py (launch.sh --dry_run)",
 }
 

@@ -224,7 +224,7 @@ def tree(tmp_path_factory):
 
 
 CONFIG_NAMES = (
-    "1gpu 2gpu 4gpu 8gpu broken cpu fsdp hsdp hsdp_multi_node mcpu multi_node node1 nofile typo "
+    "1gpu 2gpu 4gpu 8gpu broken cpu fsdp hsdp hsdp_multi_node mcpu multi_node node1 nofile tp typo "
     "zero2 zero3 zero3_offload"
 )
 
