@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -25,6 +27,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from launcher import free_port  # noqa: E402  (launch.sh's own)
 
+from common import mesh  # noqa: E402
 from common.args import ArgumentParser  # noqa: E402
 
 
@@ -141,8 +144,14 @@ def accelerate_config(nproc: int, config: str | None = None) -> tuple[list, dict
         "--main_process_port",
         env["MASTER_PORT"],
     ]
-    if config.startswith("zero") and not has_cuda():  # DeepSpeed on CPU: fp32 (see tests/test_zero.py)
+    if config != "cpu" and not has_cuda():  # DeepSpeed, FSDP2, a mesh on CPU: fp32, as launch.sh runs them
         args += ["--mixed_precision", "no"]
+    yaml_config = yaml.safe_load((REPO / "accelerate_configs" / f"{config}.yaml").read_text())
+    if sizes := mesh.from_config(yaml_config):  # HSDP's or TP's mesh sized to the processes, as launch.sh does
+        fit = mesh.fitted(sizes, 1, nproc)
+        if fit.problem:
+            raise SystemExit(f"{config}.yaml: {fit.problem}; pass --processes {fit.per_node}")
+        args += mesh.options(fit.mesh)
     if config == "cpu" and nproc == 1:  # no process group of one, as launch.sh does
         args += ["--cpu"]
     return args, env

@@ -130,6 +130,10 @@ def os_error_line(err: BaseException) -> str | None:
         if base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
             where = f"{name} (on the path of {origin} {value})"
             break
+        beside = os.path.dirname(path) == os.path.dirname(base.rstrip(os.sep))
+        if beside and os.path.basename(path).startswith(f".{os.path.basename(base.rstrip(os.sep))}."):
+            where = f"{name} (kept beside {origin} {value} while it is written)"  # e.g. the preparation's lock
+            break
     return _args.mask_secrets(f"{where}: {_os_reason(found)}")
 
 

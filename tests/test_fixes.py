@@ -45,7 +45,6 @@ TABLE = [
 # Rows whose fix cannot be followed in a one-process CPU run here, and where each is tested instead.
 NOT_FOLLOWED_HERE = {
     "missing data, a damaged local CIFAR copy": "CIFAR's download needs the network",
-    "a file or folder the system refuses": "permissions do not bind root, which runs the suite; tests/test_rules.py",
     "more processes than GPUs": "needs GPUs",
     "GPUs nvidia-smi lists but this torch cannot use": "needs GPUs",
     "a recipe started as N copies by `srun`": "needs srun: tests/test_slurm.py",
@@ -558,6 +557,16 @@ CASES = [
         r"--model_name_or_path \S+: BertLMHeadModel lets each position see .*; pass a decoder model \(GPT-2, Llama",
         lambda m, argv, ctx: setting("--model_name_or_path", ctx.paths["model"])(argv),  # the tiny Llama
         before=an_encoder,
+    ),
+    Case(
+        "a file or folder the system refuses",  # here a read-only filesystem where the data would be prepared
+        "lm_finetune",
+        ["--prepared_data_dir", "{read_only}/prep"],
+        r"\(kept beside (--prepared_data_dir) \S+ while it is written\): read-only file system; .*use a path on a "
+        "writable one",
+        lambda m, argv, ctx: setting(m[1], str(ctx.tmp / "writable" / "prep"))(argv),
+        before=lambda ctx: (ctx.tmp / "ro").mkdir() or ctx.paths.update(read_only=ctx.tmp / "ro"),
+        prefix=lambda ctx: read_only(ctx.tmp / "ro"),
     ),
     Case(
         "an unwritable `--output_dir`",

@@ -254,6 +254,29 @@ def test_an_os_error_names_the_option_of_the_parse_the_failing_code_ran_with(tmp
     assert later.values_by_option == {"--output_dir": str(tmp_path / "other")}  # each parse keeps its own
 
 
+def test_an_os_error_on_a_file_kept_beside_an_options_folder_names_the_option(tmp_path):
+    """The preparation's lock lives beside --prepared_data_dir (.<name>.<digest>.lock): on a read-only filesystem
+    the line names the option whose folder it belongs to, whose other value is the fix."""
+    import errno
+
+    from common.args import ArgumentParser
+    from common.runtime import os_error_line
+
+    parser = ArgumentParser()
+    parser.add_argument("--prepared_data_dir")
+    folder = tmp_path / "prep"
+
+    def prepare(args):  # as common.prepared.one_preparation takes its lock
+        lock = Path(args.prepared_data_dir).parent / f".{Path(args.prepared_data_dir).name}.0123abcd.lock"
+        raise OSError(errno.EROFS, "Read-only file system", str(lock))
+
+    with pytest.raises(OSError) as err:
+        prepare(parser.parse_args(["--prepared_data_dir", str(folder)]))
+    line = os_error_line(err.value)
+    assert line.startswith(f"{tmp_path}/.prep.0123abcd.lock (kept beside --prepared_data_dir {folder} while it is ")
+    assert "read-only file system" in line
+
+
 def test_files_a_save_did_not_write_outlive_overwrite_and_rotation(acc, tmp_path):
     """A checkpoint folder holds what its save wrote, listed in its marker: --overwrite_output_dir and
     --save_total_limit delete that, not a note a user put beside it, nor a checkpoint-<step>/ no save wrote."""
