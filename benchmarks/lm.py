@@ -1,10 +1,12 @@
 """LM: recipes/lm_finetune.py's tokens/s, MFU and peak memory per process under DDP, ZeRO-2, ZeRO-3,
-ZeRO-3 with CPU offload, FSDP2 and HSDP (2 copies, each sharded over half the processes), for the same Llama
+ZeRO-3 with CPU offload, FSDP2, HSDP (2 copies, each sharded over half the processes) and tensor parallelism (tp.yaml:
+2 processes that share each batch, each layer split over them), for the same Llama
 (built from a config in a local folder: nothing downloaded) on the same packed text. Values come from each run's
 results.json.
 
     .venv/bin/python benchmarks/lm.py                                  # CPU: 2 processes, fp32
     .venv/bin/python benchmarks/lm.py --configs ddp fsdp hsdp --processes 4   # the sharding strategies side by side
+    .venv/bin/python benchmarks/lm.py --configs ddp tp --processes 2          # tensor parallelism (a batch per 2)
     .venv/bin/python benchmarks/lm.py --hidden_size 2048 --num_layers 16 --block_size 1024 --torch_compile   # GPUs
 
 MFU is reported on A100/H100/H200 only (common/metrics.py knows their bf16 peak); on CPU it is
@@ -21,12 +23,12 @@ import benchlib
 
 NAME = "lm"
 CONFIGS = {"ddp": None, "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
-CONFIGS |= {"fsdp": "fsdp", "hsdp": "hsdp"}  # hsdp: 4 processes or more
+CONFIGS |= {"fsdp": "fsdp", "hsdp": "hsdp", "tp": "tp"}  # hsdp: 4 processes or more; tp: 2 (tp.yaml's degree)
 
 
 def build_parser():
     p = benchlib.parser(__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all but hsdp (smoke: ddp)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all but hsdp and tp (smoke: ddp)")
     p.add_argument("--processes", type="positive_int", help="default: 2 (CPU) or every GPU")
     p.add_argument("--hidden_size", type="positive_int")
     p.add_argument("--num_layers", type="positive_int")
@@ -41,7 +43,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     gpus = benchlib.machine()["gpus"]
     big = gpus and not args.smoke
-    args.configs = args.configs or (["ddp"] if args.smoke else [c for c in CONFIGS if c != "hsdp"])
+    args.configs = args.configs or (["ddp"] if args.smoke else [c for c in CONFIGS if c not in ("hsdp", "tp")])
     args.processes = args.processes or max(2, gpus)
     if "hsdp" in args.configs:  # 2 copies of at least 2 shards; the others alike, to compare
         args.processes = max(args.processes, 4)
