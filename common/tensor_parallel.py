@@ -158,7 +158,7 @@ def load_state(accelerator, model, optimizer, folder, split: bool) -> None:
 
         states = _states(model, optimizer)
         dcp.load(states, checkpoint_id=str(folder / SPLIT_STATE))  # in place, into this run's tensors
-        set_model_state_dict(model, states["model"])
+        set_model_state_dict(model, states["model"])  # and what is no tensor (Adam's settings), as torch documents
         set_optimizer_state_dict(model, _unwrapped(optimizer), states["optimizer"])
     else:
         _load_whole(model, optimizer, folder)
