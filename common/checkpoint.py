@@ -229,10 +229,9 @@ def checkpoint_damage(path, accelerator=None) -> str | None:
 # Saving -------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(accelerator, model, args, plan, position, log) -> Path:
+def save_checkpoint(accelerator, model, args, plan, position, log, optimizer=None) -> Path:
     """The training state at `position` (a common.plan.Position) with what a resume on any layout needs; a run
     whose loss or weights are no longer finite is not saved."""
-    tensor_parallel.refuse_checkpoint()
     log.check_finite(position.step, model)
     state = {
         "epoch": position.epoch,
@@ -258,14 +257,19 @@ def save_checkpoint(accelerator, model, args, plan, position, log) -> Path:
         "train_seconds": log.seconds,  # the time since the last log too
         "args": public_args(args),
     }
-    return write_checkpoint(accelerator, args.output_dir, position.step, state, args.save_total_limit, model)
+    return write_checkpoint(
+        accelerator, args.output_dir, position.step, state, args.save_total_limit, model, optimizer
+    )
 
 
-def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limit=None, model=None) -> Path:
-    """accelerator.save_state at `step` into .tmp-checkpoint-<step>, then the marker (`state`, versions, time, each
-    file's size and sha256) and a rename into place: a crash at any point leaves a complete checkpoint or a
-    temporary folder `latest` ignores. `total_limit` rotates older ones out once this one is complete. `output_dir`
-    is on a filesystem every node sees, as multi-node checkpoints must be."""
+def write_checkpoint(
+    accelerator, output_dir, step: int, state: dict, total_limit=None, model=None, optimizer=None
+) -> Path:
+    """accelerator.save_state at `step` into .tmp-checkpoint-<step> (under tensor parallelism the split model and
+    `optimizer` through torch's distributed checkpoint: tensor_parallel.save_state), then the marker (`state`,
+    versions, time, each file's size and sha256) and a rename into place: a crash at any point leaves a complete
+    checkpoint or a temporary folder `latest` ignores. `total_limit` rotates older ones out once this one is
+    complete. `output_dir` is on a filesystem every node sees, as multi-node checkpoints must be."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     if accelerator.is_main_process:
@@ -282,7 +286,10 @@ def write_checkpoint(accelerator, output_dir, step: int, state: dict, total_limi
     save_or_fail = functools.partial(
         _save_or_fail_together, accelerator, f"checkpoint {final}", output_dir, needed, tmp=tmp
     )
-    save_or_fail(lambda: accelerator.save_state(str(tmp)))
+    if _layout(accelerator) == tensor_parallel.LAYOUT:
+        save_or_fail(lambda: tensor_parallel.save_state(accelerator, model, optimizer, tmp))
+    else:
+        save_or_fail(lambda: accelerator.save_state(str(tmp)))
     (files,) = [f for f in save_or_fail(lambda: apply_umask(tmp), main_only=True) if f is not None]
     shares = save_or_fail(lambda: {name: _digest(tmp / name) for name in _share(files, accelerator)})
     digests = {k: v for share in shares for k, v in share.items()}
@@ -476,8 +483,11 @@ def model_signature(model) -> dict:
 
 
 def _layout(accelerator) -> str:
-    """How model and optimizer state are laid out in files: DDP's whole, FSDP's or a ZeRO stage's shards."""
+    """How model and optimizer state are laid out in files: DDP's whole, FSDP's or a ZeRO stage's shards, TP's split
+    layers (torch's distributed checkpoint)."""
     kind, plugin = accelerator.distributed_type.value, accelerator.state.deepspeed_plugin
+    if tensor_parallel.degree() > 1:
+        return tensor_parallel.LAYOUT
     if kind == "DEEPSPEED":
         return f"DEEPSPEED ZeRO-{plugin.zero_stage}"
     return kind if kind == "FSDP" else "DDP"
@@ -498,7 +508,8 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
             f"checkpoint {path} holds another model ({size}){differs}; resume with the model arguments that wrote it "
             f"(its {STATE_FILE} lists them under args), or {start_anew(path, args.output_dir)}"
         )
-    if state.get("layout", _layout(accelerator)) != _layout(accelerator):  # each writes its own files
+    saved = state.get("layout", _layout(accelerator))
+    if saved != _layout(accelerator) and not tensor_parallel.loads(saved, _layout(accelerator)):  # files of its own
         raise RecipeError(
             f"checkpoint {path} was written under {state['layout']}, this run is {_layout(accelerator)}, and each "
             "keeps the model and optimizer state in files of its own layout; resume with an accelerate config of the "
@@ -511,7 +522,9 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         )
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     try:
-        if _resharded(accelerator, state):
+        if tensor_parallel.LAYOUT in (saved, _layout(accelerator)):  # split or whole, into split or whole
+            tensor_parallel.load_state(accelerator, model, optimizer, Path(path), saved == tensor_parallel.LAYOUT)
+        elif _resharded(accelerator, state):
             _load_resharded_deepspeed(accelerator, model, Path(path), state)
         else:
             accelerator.load_state(str(path))

@@ -40,12 +40,13 @@ class TrainingLoop:
         self.accumulation = args.gradient_accumulation_steps
         # signals agreed on by every process; a stalled process named (the watchdog)
         self.stop = StopOnSignal(accelerator, start_watchdog(accelerator, args))
+        self.optimizer = None  # the one steps() updates
         self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from, loader_fixes(args))
 
     def steps(self, train_dl, optimizer=None, scheduler=None):
         """A Step per optimizer step. The rate of each of `optimizer`'s groups is set from the plan (times the group's
         `lr_scale`), unless `scheduler` (a DeepSpeed config's own, stepped by DeepSpeed) sets it."""
-        position, plan = self.position, self.plan
+        position, plan, self.optimizer = self.position, self.plan, optimizer  # a TP checkpoint saves it by itself
         if self._evaluation_due():  # resumed from a stop at an evaluation point
             self._evaluate()
         while position.step < plan.max_train_steps:
@@ -73,7 +74,7 @@ class TrainingLoop:
             ):  # not one --max_train_steps cut short: its checkpoint resumes it there
                 position.epoch, position.sample = position.epoch + 1, 0
             if self.checkpointing_steps == "epoch":
-                self.out.save_checkpoint(self.model, plan, position, self.log)
+                self._save_checkpoint()
 
     def _stepped(self, waited: float, lr: float | None) -> None:
         """After the recipe's update: the position, the log, the agreed stop, an evaluation, a checkpoint."""
@@ -83,14 +84,15 @@ class TrainingLoop:
         position.seen += plan.effective_batch_size
         self.log.step(position.step, position.seen, lr, waited)
         if self.stop.requested(position.step):  # on every process at the same step
-            saved = self.out.save_checkpoint(self.model, plan, position, self.log)
+            saved = self._save_checkpoint()
             raise self.stop.preempted(position.step, saved)
         if self._evaluation_due():
             self._evaluate()
         if self.checkpointing_steps not in (None, "epoch") and position.step % self.checkpointing_steps == 0:
-            self.out.save_checkpoint(
-                self.model, plan, position, self.log
-            )  # after the evaluation: it records its metrics
+            self._save_checkpoint()  # after the evaluation: it records its metrics
+
+    def _save_checkpoint(self):
+        return self.out.save_checkpoint(self.model, self.plan, self.position, self.log, self.optimizer)
 
     def _evaluation_due(self) -> bool:
         """An --eval_steps point before the run's last step (which the epoch's end evaluates) not yet evaluated: a
@@ -114,7 +116,7 @@ class TrainingLoop:
         last = self.position.step >= self.plan.max_train_steps
         metrics = self.evaluate(self.stop.progress_only if last else self.stop)
         if metrics is None:
-            saved = self.out.save_checkpoint(self.model, self.plan, self.position, self.log)
+            saved = self._save_checkpoint()
             raise self.stop.preempted(self.position.step, saved, "evaluation")
         self.metrics = metrics
         self.log.evaluated(self.position, metrics)

@@ -113,8 +113,8 @@ class OutputDir:
     def load_checkpoint(self, model, optimizer) -> dict:
         return load_checkpoint(self.accelerator, self.resume_from, model, optimizer, self.args)
 
-    def save_checkpoint(self, model, plan, position, log) -> Path:
-        return save_checkpoint(self.accelerator, model, self.args, plan, position, log)
+    def save_checkpoint(self, model, plan, position, log, optimizer=None) -> Path:
+        return save_checkpoint(self.accelerator, model, self.args, plan, position, log, optimizer)
 
     def save_model(self, model, tokenizer=None) -> Path:
         return save_model(self.accelerator, model, self.args.output_dir, tokenizer)

@@ -3,7 +3,7 @@ processes seeing the same batches. Accelerate reads the TP degree from the confi
 (`accelerate launch` passes them on as PARALLELISM_CONFIG_* variables) and transformers splits the model as it loads
 it (`from_pretrained(tp_plan="auto", device_mesh=...)`, the model's own `base_model_tp_plan`). What the recipes'
 bookkeeping needs to know is here: the degree asked, the refusals before anything loads, how many processes see
-different data, and the saved weights made whole.
+different data, the saved weights made whole, and checkpoints of the split model and its optimizer.
 
 Only pure TP runs (the degree is the number of processes): FSDP2 across TP groups, the 2-D case, fails inside
 Accelerate 1.15 (its TP preparation imports transformers' ReplicateParallel, which transformers 5.24 no longer has)."""
@@ -28,9 +28,8 @@ def degree() -> int:
 
 
 def refuse_what_cannot_split(args, accelerator=None) -> None:
-    """Before any data or model loads: TP is the whole job (see the module's note on the 2-D case), and it keeps no
-    checkpoints (Accelerate 1.15's save_state cannot save split weights: accelerate.utils.modeling's
-    id_tensor_storage fails on a DTensor)."""
+    """Before any data or model loads: TP is the whole job (see the module's note on the 2-D case), the model comes
+    from_pretrained, and it has no LoRA adapter."""
     tp = degree()
     if tp == 1:
         return
@@ -54,21 +53,6 @@ def refuse_what_cannot_split(args, accelerator=None) -> None:
             "--lora_r under tensor parallelism: peft's adapters do not fit the layers transformers splits (their "
             "first forward fails on the split shapes); train the whole model under tp.yaml, or LoRA with fsdp.yaml"
         )
-    for flag in ("--checkpointing_steps", "--resume_from_checkpoint"):
-        if getattr(args, flag[2:], None) is not None:
-            raise RecipeError(f"{flag} under tensor parallelism: {NO_CHECKPOINTS}")
-
-
-NO_CHECKPOINTS = (
-    "tensor-parallel runs save no checkpoints yet (Accelerate's save_state cannot save split weights); train "
-    "without --checkpointing_steps and --resume_from_checkpoint, or with fsdp.yaml, whose checkpoints resume"
-)
-
-
-def refuse_checkpoint() -> None:
-    """A stop on a signal saves a checkpoint: under TP there is none to save, said in one line."""
-    if degree() > 1:
-        raise RecipeError(f"a checkpoint was due (a stop on a signal): {NO_CHECKPOINTS}")
 
 
 def load_kwargs(config, source: str) -> dict:
@@ -127,3 +111,108 @@ def saved_by_one_process(model):
         yield
     finally:
         config.distributed_config = held
+
+
+# Checkpoints ---------------------------------------------------------------------------------------------------------
+# Accelerate 1.15's save_state cannot save split weights (accelerate.utils.modeling's id_tensor_storage fails on a
+# DTensor), and its optimizer.bin would hold the main process's halves alone. Under TP the model and optimizer states
+# go through torch's distributed checkpoint (DCP) instead: each process writes its halves, and a load reshards them
+# into whatever the loading run holds, split over any degree or whole in one process. The rest of the checkpoint (the
+# RNG states, then the marker common.checkpoint writes) is what Accelerate writes for every other layout.
+
+LAYOUT = "TP"  # the checkpoint's `layout` (common.checkpoint): the model and optimizer state in SPLIT_STATE
+SPLIT_STATE = "model_and_optimizer"  # DCP's folder in the checkpoint: .metadata and a __<rank>_0.distcp a process
+WHOLE = ("DDP", LAYOUT)  # layouts each loads the other's: whole tensors split as they load, split ones gathered
+
+
+def loads(saved: str, ours: str) -> bool:
+    """Whether a run of layout `ours` loads a checkpoint of layout `saved` (FSDP's or ZeRO's shards, not)."""
+    return saved == ours or (saved in WHOLE and ours in WHOLE)
+
+
+def save_state(accelerator, model, optimizer, folder) -> None:
+    """The model's and `optimizer`'s states into `folder`/SPLIT_STATE, every process its halves, then the RNG states
+    as accelerator.save_state writes them (no scheduler or sampler state: the recipes keep the position and the rate
+    in the checkpoint's marker)."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import save_accelerator_state
+
+    if optimizer is None:
+        raise ValueError("a tensor-parallel checkpoint needs the optimizer (TrainingLoop.steps(..., optimizer))")
+    dcp.save(_states(model, optimizer), checkpoint_id=str(folder / SPLIT_STATE))
+    save_accelerator_state(
+        str(folder), [], [], [], [], accelerator.process_index, accelerator.step, accelerator.scaler,
+        save_on_each_node=accelerator.project_configuration.save_on_each_node,
+    )  # fmt: skip
+
+
+def load_state(accelerator, model, optimizer, folder, split: bool) -> None:
+    """Checkpoint `folder` into the prepared model and optimizer, split or whole: a TP checkpoint's (`split`) through
+    DCP, which reshards; a DDP one's whole files (model.safetensors, optimizer.bin) each cut into this run's halves.
+    Then the RNG states and the step, as accelerator.load_state restores them."""
+    from accelerate.checkpointing import load_accelerator_state
+
+    if split:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        states = _states(model, optimizer)
+        dcp.load(states, checkpoint_id=str(folder / SPLIT_STATE))  # in place, into this run's tensors
+        set_model_state_dict(model, states["model"])  # and what is no tensor (Adam's settings), as torch documents
+        set_optimizer_state_dict(model, _unwrapped(optimizer), states["optimizer"])
+    else:
+        _load_whole(model, optimizer, folder)
+    restored = load_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.scaler)
+    if "step" in restored:
+        accelerator.step = restored["step"]
+
+
+def _states(model, optimizer) -> dict:
+    """The model's and optimizer's states by parameter name, as this run holds them (DTensors under TP)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, _unwrapped(optimizer))}
+
+
+def _unwrapped(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer holds torch's
+
+
+def _load_whole(model, optimizer, folder) -> None:
+    """A DDP checkpoint's whole states into the split model: the weights by name (without DDP's `module.` prefix),
+    the optimizer's by position (torch numbers the parameters in the order of its groups, as this run's optimizer,
+    made the same way, holds them), each tensor cut to this process's half."""
+    import re
+
+    import torch
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    weights = {
+        re.sub(r"^((module|_orig_mod)[.])+", "", k): v for k, v in load_file(folder / SAFE_WEIGHTS_NAME).items()
+    }
+    set_model_state_dict(model, weights, options=whole)
+    saved = torch.load(folder / f"{OPTIMIZER_NAME}.bin", map_location="cpu", weights_only=True)
+    names = [
+        name
+        for group in get_optimizer_state_dict(model, _unwrapped(optimizer))["param_groups"]
+        for name in group["params"]
+    ]
+    numbers = [n for group in saved["param_groups"] for n in group["params"]]
+    if len(names) != len(numbers):
+        raise ValueError(f"{OPTIMIZER_NAME}.bin holds {len(numbers)} parameters' states, this model has {len(names)}")
+    name_of = dict(zip(numbers, names))
+    by_name = {
+        "state": {name_of[n]: value for n, value in saved["state"].items()},
+        "param_groups": [
+            {**group, "params": [name_of[n] for n in group["params"]]} for group in saved["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, _unwrapped(optimizer), by_name, options=whole)

@@ -480,7 +480,7 @@ FILE_SECONDS = {
     "test_lm_finetune.py": 320, "test_hang.py": 280, "test_fixes.py": 350, "test_selftest.py": 220,
     "test_launch_sh.py": 200, "test_fault.py": 200, "test_prepared.py": 190, "test_benchmarks.py": 140,
     "test_streaming.py": 140, "test_readme.py": 130, "test_compile.py": 90, "test_multinode.py": 80,
-    "test_tp.py": 30, "test_inputs.py": 40,
+    "test_tp.py": 185, "test_inputs.py": 40,
 }  # fmt: skip
 
 

@@ -3,20 +3,28 @@ on a host without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accel
 accelerate_configs/tp.yaml`), against the one-process run of the same batch; the refusals in-process, as a launch
 under tp.yaml meets them."""
 
+import json
+import signal
 from types import SimpleNamespace
 
 import pytest
 from conftest import (
+    LM_INTERRUPTED_ARGS,
     REPO,
     card,
     chat_args,
     cpu_env,
     eval_loss,
+    interrupt,
+    lm_args,
+    preempted_at,
     results,
     run,
     samples,
     update_distance,
 )
+
+LAUNCH = REPO / "launch.sh"
 
 
 @pytest.mark.slow
@@ -42,6 +50,38 @@ def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable
     assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
     assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
     assert samples(out) == samples(chat_reference)
+
+
+@pytest.mark.slow
+def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupted_weights(
+    tiny_lm, lm_uninterrupted, tmp_path
+):
+    """SIGTERM to both processes of a TP run through launch.sh: one checkpoint (each process's halves of the model
+    and optimizer in torch's distributed checkpoint, the RNG states as every layout writes them), exit 75. Resumed
+    under TP and stopped again, resumed in one process (--config cpu: the halves made whole) and stopped again, then
+    resumed under TP from that one-process checkpoint (its whole tensors split as they load), it ends with the
+    weights of the 2-process DDP run that was never stopped. Both TP processes see one batch: per-device 16 x 2
+    accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one process's 16 x 2 is."""
+    out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
+    args = [*lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", "16"]
+    tp = [LAUNCH, "lm_finetune", "--config", "tp", *args, "--checkpointing_steps", "3"]
+    one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args, "--checkpointing_steps", "3"]
+    stops = []
+    for cmd, layout in (tp, ("TP", 2)), ([*tp, *resume], ("TP", 2)), ([*one, *resume], ("DDP", 1)):
+        after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
+        proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
+        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
+        stops.append(preempted_at(proc.stderr))
+        state = json.loads((out / f"checkpoint-{stops[-1]}" / "trainer_state.json").read_text())
+        assert (state["layout"], state["world_size"]) == layout
+    assert stops[-1] < 14
+    state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
+    assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
+    assert not {"model.safetensors", "optimizer.bin"} & set(state["files"])
+    run([*tp, *resume], env=cpu_env())
+    assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
+    assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
 
 def under_tp(monkeypatch, degree):
@@ -86,13 +126,12 @@ def test_a_model_without_a_tp_plan_is_refused(monkeypatch):
 
 
 def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
-    """A degree below the process count (the 2-D case), checkpoints (none can be saved), a new model from a config
-    (nothing to split as it loads), a LoRA adapter (peft's layers fail on the split shapes), a degree that is no
-    number."""
+    """A degree below the process count (the 2-D case), a new model from a config (nothing to split as it loads), a
+    LoRA adapter (peft's layers fail on the split shapes), a degree that is no number. Checkpoints are not refused."""
     from common import tensor_parallel
     from common.runtime import RecipeError
 
-    plain = SimpleNamespace(checkpointing_steps=None, resume_from_checkpoint=None, model_name_or_path="m")
+    plain = SimpleNamespace(checkpointing_steps=3, resume_from_checkpoint="latest", model_name_or_path="m")
     tensor_parallel.refuse_what_cannot_split(plain, SimpleNamespace(num_processes=4))  # no TP: nothing to refuse
     under_tp(monkeypatch, 2)
     assert tensor_parallel.data_parallel_size(SimpleNamespace(num_processes=2)) == 1
@@ -100,8 +139,6 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
     but = lambda **change: SimpleNamespace(**{**vars(plain), **change})  # noqa: E731
     cases = [
         (4, plain, "degree 2 in 4 processes"),
-        (2, but(checkpointing_steps=10), "--checkpointing_steps under tensor parallelism"),
-        (2, but(resume_from_checkpoint="latest"), "--resume_from_checkpoint under tensor parallelism"),
         (2, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
         (2, but(lora_r=16), "--lora_r under tensor parallelism"),
     ]
@@ -109,8 +146,35 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
         with pytest.raises(RecipeError, match=named) as refused:
             tensor_parallel.refuse_what_cannot_split(args, SimpleNamespace(num_processes=processes))
         assert "\n" not in str(refused.value)
-    with pytest.raises(RecipeError, match="a checkpoint was due"):
-        tensor_parallel.refuse_checkpoint()
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(RecipeError, match="parallelism_config sizes must be whole numbers"):
         tensor_parallel.degree()
+
+
+def test_a_checkpoint_of_sharded_files_is_named_under_tp_and_a_whole_one_is_not(monkeypatch, tmp_path):
+    """Under TP a checkpoint is recorded as layout TP; one of DDP's whole files or TP's split ones loads in either,
+    and FSDP's or ZeRO's shards are refused in one line naming both layouts, before anything loads."""
+    import torch
+
+    from common import checkpoint, tensor_parallel
+    from common.runtime import RecipeError
+
+    model = torch.nn.Linear(2, 2)
+    accelerator = SimpleNamespace(
+        distributed_type=SimpleNamespace(value="MULTI_CPU"), state=SimpleNamespace(deepspeed_plugin=None)
+    )
+    assert checkpoint._layout(accelerator) == "DDP"
+    under_tp(monkeypatch, 2)
+    assert checkpoint._layout(accelerator) == tensor_parallel.LAYOUT == "TP"
+    assert tensor_parallel.loads("DDP", "TP") and tensor_parallel.loads("TP", "DDP")
+    for layout in ("FSDP", "DEEPSPEED ZeRO-3"):
+        assert not tensor_parallel.loads(layout, "TP") and not tensor_parallel.loads("TP", layout)
+        path = tmp_path / "checkpoint-3"
+        path.mkdir(exist_ok=True)
+        state = {"step": 3, "layout": layout, "args": {}, **checkpoint.model_signature(model)}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        args = SimpleNamespace(output_dir=str(tmp_path))
+        with pytest.raises(RecipeError) as refused:
+            checkpoint.load_checkpoint(accelerator, path, model, None, args)
+        assert str(refused.value).startswith(f"checkpoint {path} was written under {layout}, this run is TP, ")
+        assert "\n" not in str(refused.value)
