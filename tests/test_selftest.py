@@ -24,8 +24,8 @@ def rows(stdout: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS)
-def test_selftest_passes_under_zero3(config):
+@pytest.mark.parametrize("config", [*CONFIGS, "tp"])  # tp: a TP group shares a batch, and checkpoints are DCP's
+def test_selftest_passes_under_zero3_and_tensor_parallelism(config):
     proc = run([REPO / "launch.sh", "selftest", "--config", config], env=cpu_env(), timeout=900)
     said = rows(proc.stdout)
     assert set(said) == {"one big batch", "exact eval", "save reloads", "exact resume"}, proc.stdout
