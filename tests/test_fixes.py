@@ -49,7 +49,7 @@ NOT_FOLLOWED_HERE = {
     "GPUs nvidia-smi lists but this torch cannot use": "needs GPUs",
     "a recipe started as N copies by `srun`": "needs srun: tests/test_slurm.py",
     "an HSDP or tensor-parallel mesh": "followed in tests/test_hsdp.py (4 processes)",
-    "under `tp.yaml`": "tensor parallelism in 2 processes: the refusals in-process in tests/test_tp.py",
+    "under `tp.yaml`": "followed in tests/test_tp.py (4 then 2 processes); the other refusals in-process there",
     "a process count `./launch.sh --config hsdp`": "followed in tests/test_hsdp.py (launch.sh --dry_run)",
 }
 

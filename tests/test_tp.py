@@ -4,6 +4,7 @@ accelerate_configs/tp.yaml`), against the one-process run of the same batch; the
 under tp.yaml meets them."""
 
 import json
+import re
 import signal
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from conftest import (
     card,
     chat_args,
     cpu_env,
+    error_lines,
     eval_loss,
     interrupt,
     lm_args,
@@ -21,6 +23,7 @@ from conftest import (
     results,
     run,
     samples,
+    snapshot,
     update_distance,
 )
 
@@ -31,13 +34,24 @@ LAUNCH = REPO / "launch.sh"
 def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable_model(
     tiny_lm, chat_reference, tmp_path
 ):
-    """Both processes hold half of each split layer and see the same batch of 4 (a TP group is one data-parallel
-    rank): every step's loss is the one process's, and so are the weights, the eval loss over the same tokens and
-    the greedy samples; the save is whole (gathered from the split weights), from_pretrained loads it in one process
-    and it gives the eval loss the run reported. Measured: losses equal to 2.4e-7, weights 6.9e-6 apart relative to
-    the update (AdamW divides by the root of tiny second moments, which magnifies the split sums' rounding)."""
-    out = tmp_path / "tp"
-    run([REPO / "launch.sh", "lm_finetune", "--config", "tp", *chat_args(tiny_lm, out, 4)], env=cpu_env())
+    """A degree the model's heads do not divide: one line, and its fix followed. Then both processes hold half of each
+    split layer and see the same batch of 4 (a TP group is one data-parallel rank): every step's loss is the one
+    process's, and so are the weights, the eval loss over the same tokens and the greedy samples; the save is whole
+    (gathered from the split weights), from_pretrained loads it in one process and it gives the eval loss the run
+    reported. Measured: losses equal to 2.4e-7, weights 6.9e-6 apart relative to the update (AdamW divides by the
+    root of tiny second moments, which magnifies the split sums' rounding)."""
+    out, config = tmp_path / "tp", tmp_path / "my_tp.yaml"
+    # A copy of tp.yaml at degree 4, which the tiny model's 2 key-value heads cannot split: one line, nothing written,
+    # and its fix followed literally (the degree and the processes it names) is the run compared below.
+    text = (REPO / "accelerate_configs" / "tp.yaml").read_text()
+    config.write_text(text.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 4"))
+    cmd = [REPO / "launch.sh", "lm_finetune", "--config", config, *chat_args(tiny_lm, out, 4)]
+    refused = run(cmd, env=cpu_env(), check=False)
+    (line,) = error_lines(refused.stderr)
+    fix = re.search(r"; set (parallelism_config_tp_size) and (--num_processes) to (\d+)", line)
+    assert refused.returncode == 2 and fix and snapshot(out) == {}, refused.stderr[-3000:]
+    config.write_text(text.replace("parallelism_config_tp_size: 2", f"{fix[1]}: {fix[3]}"))
+    run([*cmd[:4], fix[2], fix[3], *cmd[4:]], env=cpu_env())
     res, reference = results(out), results(chat_reference)
     assert "./launch.sh lm_finetune --config tp --num_processes 2 " in card(out)[1]  # how to run it again
     assert res["world_size"] == 2 and res["effective_batch_size"] == reference["effective_batch_size"] == 4
