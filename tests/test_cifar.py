@@ -112,7 +112,7 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
 
 @pytest.mark.slow
 def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(
-    digits, tmp_path
+    digits, tmp_path, capsys
 ):
     """By default the digits (small images that fit) train from memory, cropped and flipped there, as
     --data_on_device does, which one info line says: the weights it saves reproduce its accuracy through the
@@ -162,10 +162,12 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     }  # fmt: skip
     assert list(out.glob("checkpoint-*/model.safetensors")) and (out / ".model-files.json").is_file()
 
-    # scripts/predict.py labels the held-out images as the run's own evaluation did, image for image
+    # scripts/predict.py labels the held-out images as the run's own evaluation did, image for image (its main here,
+    # what it prints read back; its command line, exit code and error line: launched just below)
     images = sorted(digits["val"].glob("*/*.png"))
-    proc = run([BIN / "python", REPO / "scripts" / "predict.py", out, "--json", "--top_k", "2", *images])
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    capsys.readouterr()
+    predict.main([str(a) for a in (out, "--json", "--top_k", "2", *images)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["image"] for line in lines] == [str(p) for p in images]
     predicted = [[0] * 10 for _ in classes]
     for line, path in zip(lines, images):
@@ -473,7 +475,9 @@ def test_a_model_with_dropout_resumed_on_its_layout_ends_with_the_uninterrupted_
 @pytest.mark.slow
 def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_originals_checkpoint(digits, tmp_path):
     """The README's copy flow: train.py and common/ in a project of their own. A checkpoint names the
-    recipe by its RECIPE constant, not its file name, so the copy continues a run of recipes/cifar.py."""
+    recipe by its RECIPE constant, not its file name, so the copy continues a run of recipes/cifar.py: launch.sh runs
+    the copy from its folder, with the copy's common/ (a line of its own marks it), in 2 processes x 16, and it
+    resumes the original's 1 x 32 checkpoint."""
     original, out = tmp_path / "original", tmp_path / "run"
     run(
         [
@@ -486,26 +490,14 @@ def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_ori
     project.mkdir()
     shutil.copy(RECIPE, project / "train.py")
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    cmd = ["--max_train_steps", "3", "--resume_from_checkpoint", original / "checkpoint-2"]
-    proc = run(
-        [
-            BIN / "accelerate",
-            "launch",
-            "--num_processes",
-            "1",
-            "train.py",
-            *digits_args(digits, out, *FAST_MODEL, *cmd),
-        ],
-        cwd=project,
-    )
-    assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
-    assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
-    # launch.sh runs the copy, with the copy's common/ (a line of its own marks it), in 2 processes
     with open(project / "common" / "__init__.py", "a") as f:
         f.write("\nimport sys\n\nprint('the copy of common', file=sys.stderr)\n")
-    args = digits_args(digits, tmp_path / "by_launch_sh", *FAST_MODEL, "--max_train_steps", "2")
+    cmd = ["--max_train_steps", "3", "--resume_from_checkpoint", original / "checkpoint-2"]
+    args = digits_args(digits, out, *FAST_MODEL, *cmd, "--per_device_train_batch_size", "16")
     proc = run([REPO / "launch.sh", "./train.py", "--num_processes", "2", *args], cwd=project)
-    assert "the copy of common" in proc.stderr and results(tmp_path / "by_launch_sh")["world_size"] == 2
+    assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
+    assert "the copy of common" in proc.stderr and results(out)["world_size"] == 2
+    assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -296,7 +296,7 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
     """Through launch.sh, 2 processes. A signal while a mid-run evaluation runs: every process leaves
     the evaluation at the same batch, the state of the step just trained is saved, exit 75 (a long
     evaluation must not turn a clean preemption into a job killed after the launcher's grace
-    period). The resumed run ends the job. During the final evaluation the run completes its
+    period). The resumed run ends the job. A signal during its final evaluation: the run completes its
     outputs instead, and launch.sh exits 0."""
     lm = short_epochs(tmp_path, tiny_lm)
     out = tmp_path / "run"
@@ -319,28 +319,14 @@ def test_a_stop_during_evaluation_saves_the_last_step_at_once_and_a_stop_during_
     assert "epoch 0:" not in proc.stderr and not (out / "results.json").exists()  # the evaluation did not finish
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["world_size"]) == (0, 2, 2) and state["samples_in_epoch"] > 0
-    resumed = run([*launch, *args, "--resume_from_checkpoint", "latest"])
-    assert "epoch 0: step 2," in resumed.stderr  # the evaluation the stop cut short, done first
-    assert results(out)["steps"] == 4
 
-    final = tmp_path / "final"
-    args = lm_args(
-        lm,
-        final,
-        "--per_device_train_batch_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "1",
-        "--num_train_epochs",
-        "1",
-        "--checkpointing_steps",
-        "2",
-    )
-    proc, _ = interrupt([*launch, *args], user_env(), final, after_step=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "epoch 0:" in proc.stderr and "preempted" not in proc.stderr
-    assert results(final)["steps"] == 2 and results(final)["eval_tokens"] > 10_000
-    assert (final / "model.safetensors").is_file()
+    # The resumed run, stopped once its last step's checkpoint is saved: during the final evaluation
+    resumed, _ = interrupt([*launch, *args, "--resume_from_checkpoint", "latest"], user_env(), out, after_step=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epoch 0: step 2," in resumed.stderr  # the evaluation the stop cut short, done first
+    assert "epoch 1: step 4," in resumed.stderr and "preempted" not in resumed.stderr
+    assert results(out)["steps"] == 4 and results(out)["eval_tokens"] > 10_000
+    assert (out / "model.safetensors").is_file()
 
 
 def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_checkpoint_of_it(tiny_lm, tmp_path):

@@ -387,14 +387,14 @@ def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_ep
     (16 a step) under --lr_scaling linear: one line says what changed; the run trains the samples
     --max_train_steps meant (in twice the steps), the learning rate is halved, and the schedule
     continues from the samples already seen: at every sample count both runs log, the resumed
-    run's learning rate is half the uninterrupted run's (no warmup or decay replayed)."""
+    run's learning rate is half the uninterrupted run's (no warmup or decay replayed). The uninterrupted run
+    is one process x 16 x 2: its rates are those of any layout of 32 a step (the schedule counts samples)."""
     args, straight, resumed = (
         (*LM_INTERRUPTED_ARGS, "--lr_scaling", "linear"),
         tmp_path / "straight",
         tmp_path / "resumed",
     )
-    cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, straight, *args))
-    run(cmd, env=env)
+    run([BIN / "python", RECIPE, *lm_args(tiny_lm, straight, *args, "--per_device_train_batch_size", "16")])
     cmd, env = accelerate_cpu(2, RECIPE, *lm_args(tiny_lm, resumed, *args, "--checkpointing_steps", "4"))
     proc, _ = interrupt(cmd, env, resumed, after_step=4)
     stop = max(int(p.name.split("-")[1]) for p in resumed.glob("checkpoint-*"))
@@ -405,6 +405,7 @@ def test_a_resume_with_another_effective_batch_continues_the_schedule_and_the_ep
     assert "2 x 8 x 2 -> 1 x 8 x 2, effective batch 32 -> 16" in line
     assert f"learning rate {a['learning_rate']:.4g} -> {a['learning_rate'] / 2:.4g} (linear)" in line
     assert b["learning_rate"] == pytest.approx(a["learning_rate"] / 2) and b["effective_batch_size"] == 16
+    assert a["effective_batch_size"] == 32 and a["world_size"] == 1
     assert b["samples_seen"] == a["samples_seen"] and b["steps"] == stop + 2 * (14 - stop)
     lr_at = {h["samples_seen"]: h["lr"] for h in a["log_history"]}
     shared = [h for h in b["log_history"] if h["samples_seen"] in lr_at and h["step"] > stop]  # after the resume

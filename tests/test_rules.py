@@ -793,16 +793,26 @@ NUMBERS = "zero one two three four five six seven eight nine".split()
 CORPUS_ROWS = 300_000  # tokenized and packed in about 10 s on 2 quiet cores (twice --ddp_timeout 5), 30 s loaded
 
 
-def counting_corpus(path: Path, rows: int = CORPUS_ROWS, last: str = "") -> Path:
-    """`rows` jsonl rows of the tiny model's counting text, about 310 bytes each (then the line `last`)."""
+def counting_corpus(path: Path, rows: int = CORPUS_ROWS) -> Path:
+    """`rows` jsonl rows of the tiny model's counting text, about 310 bytes each."""
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(rows):
             start = rng.randrange(10)
             text = " ".join(NUMBERS[(start + i) % 10] for i in range(rng.randrange(57, 64)))
             f.write(json.dumps({"text": text}) + "\n")
-        f.write(last)
     return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """counting_corpus's rows, written once for the tests here that tokenize it (writing them takes 4 to 14 s, as
+    long as the run that reads them); each run reads it with a datasets cache of its own, so none reuses another's
+    blocks, and none writes into it (checked after the last of them)."""
+    path = counting_corpus(tmp_path_factory.mktemp("corpus") / "big.jsonl")
+    written = path.stat().st_size, path.stat().st_mtime_ns
+    yield path
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == written, "a run wrote into its training data"
 
 
 def tokenized_for(text: str) -> int:
@@ -825,25 +835,27 @@ def preparing(tiny_lm, tmp_path, corpus, *extra):
 
 
 @pytest.mark.slow
-def test_data_that_takes_longer_to_prepare_than_the_collective_timeout_trains(tiny_lm, tmp_path):
+def test_data_that_takes_longer_to_prepare_than_the_collective_timeout_trains(tiny_lm, corpus, tmp_path):
     """The main process tokenizes for longer than --ddp_timeout while the other waits for it: the wait lasts as long
     as the work (before: exit 124 after --ddp_timeout, blaming a stalled collective, the tokenizer part way)."""
-    cmd, env = preparing(tiny_lm, tmp_path, counting_corpus(tmp_path / "big.jsonl"), "--max_train_steps", "2")
+    cmd, env = preparing(tiny_lm, tmp_path, corpus, "--max_train_steps", "2")
     proc = run(cmd, env=env, check=False)
     assert proc.returncode == 0 and results(tmp_path / "run")["steps"] == 2, proc.stderr[-3000:]
     assert tokenized_for(proc.stderr) > 5, "tokenized within --ddp_timeout: this tries nothing (raise CORPUS_ROWS)"
 
 
 @pytest.mark.slow
-def test_bad_data_met_after_the_collective_timeout_is_still_one_line_and_exit_2(tiny_lm, tmp_path):
+def test_bad_data_met_after_the_collective_timeout_is_still_one_line_and_exit_2(tiny_lm, corpus, tmp_path):
     """A row without text at the end of a corpus that takes longer than --ddp_timeout to tokenize: the main process's
     error reaches the other, which waited for it all along; one line, exit 2, nothing written."""
-    corpus = counting_corpus(tmp_path / "big.jsonl", last='{"text": null}\n')
-    cmd, env = preparing(tiny_lm, tmp_path, corpus)
+    bad = Path(shutil.copy(corpus, tmp_path / "big.jsonl"))
+    with open(bad, "a") as f:
+        f.write('{"text": null}\n')
+    cmd, env = preparing(tiny_lm, tmp_path, bad)
     proc = run(cmd, env=env, check=False)
     said = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "stopped:", "preempted:"))]
     assert proc.returncode == 2 and said == [
-        f"error: --train_file {corpus}: a row's text is None (NoneType), not text; remove or fill such rows, or pass "
+        f"error: --train_file {bad}: a row's text is None (NoneType), not text; remove or fill such rows, or pass "
         "the --text_column that holds the text"
     ], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
@@ -852,12 +864,12 @@ def test_bad_data_met_after_the_collective_timeout_is_still_one_line_and_exit_2(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "suspended"])
-def test_a_main_process_lost_while_it_prepares_the_data_is_named_by_the_one_waiting(tiny_lm, tmp_path, how):
+def test_a_main_process_lost_while_it_prepares_the_data_is_named_by_the_one_waiting(tiny_lm, corpus, tmp_path, how):
     """SIGKILL (the OOM killer) or SIGSTOP (`scontrol suspend`) to the main process while it tokenizes: the other
     process stops waiting in bounded time with a line naming it: one killed at once (before torch's agent stops the
     other: that stop is not the cause), and launch.sh names the signal; one suspended within --ddp_timeout, exit 124
     (before: "a process stalled" or "another process ended", naming none)."""
-    cmd, env = preparing(tiny_lm, tmp_path, counting_corpus(tmp_path / "big.jsonl"), "--max_train_steps", "1000")
+    cmd, env = preparing(tiny_lm, tmp_path, corpus, "--max_train_steps", "1000")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         rank0 = None

@@ -211,37 +211,36 @@ def test_a_bad_row_deep_in_a_stream_and_a_stream_shorter_than_a_step_are_one_lin
     ]
 
 
-def test_a_stream_resumed_where_it_ended_starts_its_next_pass(tiny_lm, tmp_path):
-    """4 steps of 48 leave 4 of the stream's 196 blocks: a checkpoint there does not know the stream has ended.
-    Resumed for 2 more steps, the run finds the end and trains the next pass's first steps, as a run of 6 steps that
-    never stopped does (a constant rate: the schedule's length is not what is tested)."""
-    args = [*RUN, "--per_device_train_batch_size", "24", "--lr_scheduler_type", "constant"]
-    straight, out = tmp_path / "straight", tmp_path / "run"
-    run([BIN / "python", RECIPE, *lm_args(tiny_lm, straight, *args, "--max_train_steps", "6")])
-    cmd = [BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args)]
-    run([*cmd, "--max_train_steps", "4"])
+def test_a_stream_resumed_where_it_ended_starts_its_next_pass(one_process, tiny_lm, tmp_path):
+    """4 steps of 48 leave 4 of the stream's 196 blocks: a checkpoint there (the uninterrupted run's checkpoint-4)
+    does not know the stream has ended. Resumed, the run finds the end and trains the next passes, as the run of 10
+    steps that never stopped did: its loss at every step and its weights."""
+    args = [*RUN, "--per_device_train_batch_size", "24"]  # one_process's
+    out = tmp_path / "run"
+    shutil.copytree(one_process / "checkpoint-4", out / "checkpoint-4")
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert (state["epoch"], state["samples_in_epoch"]) == (0, 192)
-    run([*cmd, "--max_train_steps", "6", "--resume_from_checkpoint", out / "checkpoint-4"])
-    expected, history = results(straight)["log_history"], results(out)["log_history"]
+    cmd = [BIN / "python", RECIPE, *lm_args(tiny_lm, out, *args)]
+    run([*cmd, "--resume_from_checkpoint", out / "checkpoint-4"])
+    expected, history = results(one_process)["log_history"], results(out)["log_history"]
     assert (
-        [e["samples_seen"] for e in history] == [e["samples_seen"] for e in expected] == [48 * i for i in range(1, 7)]
+        [e["samples_seen"] for e in history] == [e["samples_seen"] for e in expected] == [48 * i for i in range(1, 11)]
     )
     for got, want in zip(history, expected, strict=True):
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
-    assert update_distance(out, straight, tiny_lm["model"]) < 1e-5
+    assert update_distance(out, one_process, tiny_lm["model"]) < 1e-5
     # Finished: trained further by a larger --max_train_steps alone (--num_train_epochs does nothing on a stream)
-    proc = run([*cmd, "--max_train_steps", "6", "--resume_from_checkpoint", "latest"])
+    proc = run([*cmd, "--resume_from_checkpoint", "latest"])
     (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
-    assert f"pass --resume_from_checkpoint {out / 'checkpoint-6'} with a larger --max_train_steps; " in done, done
+    assert f"pass --resume_from_checkpoint {out / 'checkpoint-10'} with a larger --max_train_steps; " in done, done
     other = tmp_path / "other.jsonl"
     other.write_text(tiny_lm["train"].read_text().replace("one", "two", 1))
-    changed = [*cmd, "--max_train_steps", "8", "--resume_from_checkpoint", out / "checkpoint-6"]
+    changed = [*cmd, "--max_train_steps", "12", "--resume_from_checkpoint", out / "checkpoint-10"]
     changed[changed.index("--train_file") + 1] = other
     proc = run(changed, check=False)
     (line,) = error_lines(proc.stderr)
     assert proc.returncode == 2 and line.startswith(
-        f"error: checkpoint {out / 'checkpoint-6'} was written for other training data (another stream); this run "
+        f"error: checkpoint {out / 'checkpoint-10'} was written for other training data (another stream); this run "
         f"differs in --train_file {tiny_lm['train']} -> {other}; "
     ), line
 
