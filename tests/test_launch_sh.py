@@ -447,7 +447,8 @@ def read(file) -> str:
 
 
 def processes_of(output_dir) -> list:
-    """The launcher and the training processes (and their loader workers) of the run writing `output_dir`."""
+    """The launcher and the training processes (and their loader workers) of the run writing `output_dir`. Callers
+    read p.info["cmdline"], the command line as listed: p.cmdline() raises once the process has ended (a zombie)."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
@@ -497,7 +498,7 @@ def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_p
     try:
         training(proc, out)
         ours = processes_of(out)
-        (launcher,) = [p for p in ours if "scripts/launcher.py" in " ".join(p.cmdline())]
+        (launcher,) = [p for p in ours if "scripts/launcher.py" in " ".join(p.info["cmdline"])]
         assert len([p for p in launcher.children() if "recipes/lm_finetune.py" in " ".join(p.cmdline())]) == nproc
         if target == "process group":
             os.killpg(proc.pid, signal.SIGKILL)
@@ -585,7 +586,7 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     proc, _, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
     try:
         training(proc, out)
-        (launcher,) = [p for p in processes_of(out) if "scripts/launcher.py" in " ".join(p.cmdline())]
+        (launcher,) = [p for p in processes_of(out) if "scripts/launcher.py" in " ".join(p.info["cmdline"])]
         os.kill(proc.pid, signal.SIGINT)
         time.sleep(0.05)  # handled apart from the first (two pending ones would be one); the stop takes longer
         os.kill(proc.pid, signal.SIGINT)
@@ -695,7 +696,8 @@ def test_a_stop_sent_to_the_training_processes_as_they_start_is_a_stop(tiny_lm, 
     try:
 
         def training_processes():
-            return [p for p in processes_of(out) if "recipes/lm_finetune.py" in " ".join(p.cmdline()[1:3])]
+            # the command line read as they were listed: one that ended since is a zombie, whose cmdline() raises
+            return [p for p in processes_of(out) if "recipes/lm_finetune.py" in " ".join(p.info["cmdline"][1:3])]
 
         wait_until(lambda: len(training_processes()) == 2 or proc.poll() is not None, 120, "no training processes")
         for p in training_processes():
