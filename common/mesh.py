@@ -10,6 +10,7 @@ import os
 from typing import NamedTuple
 
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp")  # accelerate's ParallelismConfig sizes, outermost first
+TESTED_ACCELERATE = (1, 15)  # HSDP and TP on parallelism_config: 1.10's FSDP2 cannot load weights on a 2-D mesh
 LAUNCH_OPTION = "--parallelism_config_{}_size"  # accelerate launch's option for a dimension (it overrides the YAML's)
 ENV = "PARALLELISM_CONFIG_{}_SIZE"  # how accelerate launch passes each size on to the processes
 
@@ -92,3 +93,18 @@ def mismatch(mesh: dict, processes: int) -> str | None:
         f"has {processes}{also}: pass {' '.join(change)} to accelerate launch, or start it with ./launch.sh, which "
         "sizes the mesh to the job"
     )
+
+
+def untested_accelerate(mesh: dict, installed: str) -> str | None:
+    """What is wrong when the installed accelerate is older than the one HSDP and tensor parallelism were tested with
+    (accelerate 1.10's FSDP2 fails on a 2-D mesh, in a traceback, after the model has loaded)."""
+    from packaging.version import Version
+
+    if (mesh["dp_replicate"] > 1 or mesh["tp"] > 1) and Version(installed).release < TESTED_ACCELERATE:
+        tested = ".".join(map(str, TESTED_ACCELERATE))
+        return (
+            f"accelerate {installed} is installed, and the config's mesh of {describe(mesh)} is tested with "
+            f"accelerate {tested} and later (1.10's FSDP2 fails on a 2-D mesh); pip install 'accelerate>={tested}', "
+            "or use --config fsdp"
+        )
+    return None

@@ -493,8 +493,10 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )
     launch = _started_by_accelerate_launch(expected)
-    if (sizes := mesh.from_environment()) and (problem := mesh.mismatch(sizes, expected)):
-        raise RecipeError(problem)  # accelerate would refuse it only after the group formed, naming no option
+    if sizes := mesh.from_environment():  # accelerate would refuse these only after the group formed, or fail
+        installed = importlib.metadata.version("accelerate")
+        if problem := mesh.mismatch(sizes, expected) or mesh.untested_accelerate(sizes, installed):
+            raise RecipeError(problem)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     # ACCELERATE_USE_CPU: the config's use_cpu, as accelerate launch passes it; else later 'invalid device ordinal'
     if not parse_flag_from_env("ACCELERATE_USE_CPU") and torch.cuda.is_available() and local > gpus:

@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import re
 import reprlib
 import shutil
@@ -962,6 +963,11 @@ def is_causal(model) -> bool:
     """Whether the first position's output ignores the second token, on the loaded model (True where it cannot run
     here: weights sharded by ZeRO-3, a forward that needs more)."""
     if any(p.numel() == 0 or p.device.type == "meta" for p in model.parameters()):
+        return True
+    # fsdp_cpu_ram_efficient_loading: only a node's first process holds the weights until FSDP sends them; elsewhere
+    # they are a placeholder (uninitialized memory under transformers 5.4), whose outputs say nothing
+    efficient = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in ("1", "true")
+    if efficient and os.environ.get("LOCAL_RANK", "0") != "0":
         return True
     training = model.training
     try:

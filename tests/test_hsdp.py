@@ -209,3 +209,15 @@ def test_hsdp_across_two_nodes_keeps_a_copy_a_node_and_trains_one_big_batch(tiny
     assert res["world_size"] == 4 and res["launch"]["nodes"] == 2
     assert res["launch"]["command"].startswith("./launch.sh lm_finetune --config hsdp_multi_node --num_processes 2 ")
     assert update_distance(out, chat_reference, tiny_lm["model"]) < 1e-5
+
+
+def test_an_accelerate_older_than_the_tested_one_is_refused_for_a_mesh_in_one_line():
+    """HSDP and tensor parallelism need the accelerate they were tested with (1.10's FSDP2 fails on a 2-D mesh after
+    the model has loaded, in a traceback): an older one is one line naming the pip command; FSDP2 alone is not."""
+    hsdp, tp = dict(MESHES[6], dp_shard=2), {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "cp": 1}
+    assert hsdp["dp_replicate"] == 2
+    line = mesh.untested_accelerate(hsdp, "1.10.0")
+    assert line.endswith("pip install 'accelerate>=1.15', or use --config fsdp") and "\n" not in line
+    assert mesh.untested_accelerate(tp, "1.14.2") is not None
+    assert mesh.untested_accelerate(hsdp, "1.15.0") is None and mesh.untested_accelerate(hsdp, "2.0.0") is None
+    assert mesh.untested_accelerate({"dp_replicate": 1, "dp_shard": 4, "tp": 1, "cp": 1}, "1.10.0") is None
