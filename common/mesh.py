@@ -27,7 +27,13 @@ def from_environment(environ=os.environ) -> dict | None:
     """The sizes accelerate launch passed on to this process, or None when the config has no parallelism_config."""
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() not in ("1", "true", "yes"):
         return None
-    return {dim: int(environ.get(ENV.format(dim.upper()), "1") or 1) for dim in DIMENSIONS}
+    sizes = {dim: environ.get(ENV.format(dim.upper()), "1") or "1" for dim in DIMENSIONS}
+    if bad := [dim for dim, size in sizes.items() if not size.isdigit() or int(size) < 1]:
+        raise ValueError(
+            f"the accelerate config's parallelism_config_{bad[0]}_size is {sizes[bad[0]]!r}: its sizes must be whole "
+            "numbers of processes, as accelerate_configs/tp.yaml sets them"
+        )
+    return {dim: int(size) for dim, size in sizes.items()}
 
 
 def describe(mesh: dict) -> str:

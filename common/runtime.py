@@ -493,7 +493,11 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
         )
     launch = _started_by_accelerate_launch(expected)
-    if sizes := mesh.from_environment():  # accelerate would refuse these only after the group formed, or fail
+    try:
+        sizes = mesh.from_environment()
+    except ValueError as err:  # a size that is not a number: accelerate's own int() would be a traceback
+        raise RecipeError(str(err)) from None
+    if sizes:  # accelerate would refuse these only after the group formed, or fail
         installed = importlib.metadata.version("accelerate")
         if problem := mesh.mismatch(sizes, expected) or mesh.untested_accelerate(sizes, installed):
             raise RecipeError(problem)

@@ -20,11 +20,8 @@ def degree() -> int:
     """The tensor-parallel degree the accelerate config asks for (1: none)."""
     try:
         return (mesh.from_environment() or {}).get("tp", 1)
-    except ValueError:
-        raise RecipeError(
-            "the accelerate config's parallelism_config sizes must be whole numbers of processes, as "
-            "accelerate_configs/tp.yaml sets them"
-        ) from None
+    except ValueError as err:  # make_accelerator meets it first in a run; this for a call before one
+        raise RecipeError(str(err)) from None
 
 
 def refuse_what_cannot_split(args, accelerator=None) -> None:

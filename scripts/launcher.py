@@ -123,7 +123,12 @@ def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
         die(f"{path}: deepspeed_config_file {deepspeed_file}: no such file")
     machines, processes = config.get("num_machines", 1), config.get("num_processes", 1)
     kind, use_cpu = config.get("distributed_type", "NO"), config.get("use_cpu", False)
-    for key, value in (("num_machines", machines), ("num_processes", processes)):
+    sizes = config.get("parallelism_config") or {}  # HSDP's or TP's mesh (common.mesh reads it)
+    if not isinstance(sizes, dict):
+        die(f"{path}: parallelism_config must be a mapping of sizes such as parallelism_config_tp_size: 2")
+    numbers = [("num_machines", machines), ("num_processes", processes)]
+    numbers += [(f"parallelism_config: {key}", value) for key, value in sizes.items() if key.endswith("_size")]
+    for key, value in numbers:
         if type(value) is not int or value < 1:
             die(f"{path}: {key} must be a whole number from 1, got {value!r}")
     if not isinstance(use_cpu, bool):

@@ -78,7 +78,7 @@ def test_the_mesh_launch_sh_picks_covers_every_job_and_every_refusal_names_a_job
         assert mesh.mismatch(fixed, count) is None, line
 
 
-def test_launch_sh_sizes_the_hsdp_mesh_to_the_job_and_refuses_a_count_that_does_not_split():
+def test_launch_sh_sizes_the_hsdp_mesh_to_the_job_and_refuses_a_count_that_does_not_split(tmp_path):
     """--dry_run prints the accelerate launch command: 2 x 2 on CPU by default, 2 x 3 with 6 processes, one copy a
     node across 2 nodes; 3 or 2 processes: one line, exit 2, naming the count that splits, which then launches."""
     env = cpu_env()
@@ -105,6 +105,15 @@ def test_launch_sh_sizes_the_hsdp_mesh_to_the_job_and_refuses_a_count_that_does_
         ), proc.stderr
         followed = dry("--num_processes", line.rsplit(" ", 1)[1])  # the fix, followed
         assert followed.returncode == 0 and math.prod(sizes(followed.stderr).values()) == 4
+
+    # A size in a config of the user's that is no number: one line naming it, not launch.sh's traceback
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(HSDP.read_text().replace("dp_shard_size: 4", "dp_shard_size: x"))
+    proc = run([LAUNCH, "lm_finetune", "--config", bad, "--dry_run"], env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"launch.sh: error: {bad}: parallelism_config: parallelism_config_dp_shard_size must be a whole number "
+        "from 1, got 'x'"
+    ], proc.stderr
 
 
 def hsdp(nproc, *args, options=(), check=True):

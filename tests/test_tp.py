@@ -161,7 +161,7 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
             tensor_parallel.refuse_what_cannot_split(args, SimpleNamespace(num_processes=processes))
         assert "\n" not in str(refused.value)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
-    with pytest.raises(RecipeError, match="parallelism_config sizes must be whole numbers"):
+    with pytest.raises(RecipeError, match="parallelism_config_tp_size is 'two': its sizes must be whole numbers"):
         tensor_parallel.degree()
 
 
