@@ -110,7 +110,7 @@ def number(name: str, value: str | None, low: int, what: str, high: int = 999999
 
 def read_config(path: Path) -> tuple[int, int, str, bool, dict]:
     """num_machines, num_processes, distributed_type and use_cpu of an accelerate YAML, and the YAML; a bad value of
-    those launch.sh reads would surface as a traceback (what accelerate launch refuses itself, `ending` says)."""
+    those launch.sh reads would surface as a traceback (accelerate launch refuses the rest: see job_exit_code)."""
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
@@ -410,10 +410,10 @@ def run(launch_args: list[str]) -> int:
             killed.add(process)
         if not alive and (late or not present):  # none to stop: a rendezvous waiting for nodes that will not come
             break
-    return ending(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
+    return job_exit_code(launch.exception() if launch.done() else None, stops[0] if stops else None, args)
 
 
-def ending(err: BaseException | None, stop: str | None, args) -> int:
+def job_exit_code(err: BaseException | None, stop: str | None, args) -> int:
     """launch.sh's exit code, and the one line that says why where the processes could not."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError

@@ -204,7 +204,7 @@ def test_a_launch_ends_with_what_its_processes_said(tmp_path, monkeypatch, capfd
         (tmp_path / "status.said-0").write_text(f"{said}\n")
     failures = {0: ProcessFailure(0, 100, 124, "<N/A>"), 1: ProcessFailure(1, 101, -9, "<N/A>")}  # stamped earlier?
     err = ChildFailedError("x", failures) if status == "error" else None
-    assert launcher.ending(err, stop, SimpleNamespace()) == code
+    assert launcher.job_exit_code(err, stop, SimpleNamespace()) == code
     said = capfd.readouterr().err.splitlines()
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(f"launch.sh: {line}"), said
 
