@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from . import args as _args
 from . import mesh, preemption
+from .errors import RecipeError
 from .preemption import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
 logger = get_logger("recipes")
@@ -45,22 +46,6 @@ NO_COMPILER = (
     "torch.compile (--torch_compile, --dynamo_backend inductor) needs a C++ compiler for inductor's CPU code, and it "
     "found none (or not $CXX); install g++ (apt install g++, conda install gxx), or train without compiling"
 )
-
-
-class RecipeError(Exception):
-    """A mistake the user can fix: one `error:` line, exit code 2, said by rank 0 alone unless one rank may meet it
-    alone (`same_on_every_rank=False`); under launch.sh by the first process of a node to end (first_to_say)."""
-
-    def __init__(self, message: str, same_on_every_rank: bool = True):
-        super().__init__(message)  # the flag travels in __dict__ (pickled by decide_on_main's broadcast)
-        self.same_on_every_rank = same_on_every_rank
-
-
-class DataError(RecipeError):
-    """Bad data met by one process, often in a DataLoader worker (`one_line` recovers its message)."""
-
-    def __init__(self, message: str, same_on_every_rank: bool = False):
-        super().__init__(message, same_on_every_rank)
 
 
 class RunFinished(Exception):
@@ -172,7 +157,7 @@ def check_path(flag: str, path, folder: bool = False) -> None:
     try:
         os.scandir(os.path.expanduser(path)).close() if folder else open(os.path.expanduser(path), "rb").close()
     except OSError as err:
-        raise RecipeError(f"{flag} {path}: {_os_reason(err)}") from err
+        raise RecipeError(f"{flag} {path}: {_os_reason(err)}", subject=flag) from err
 
 
 def decide_on_main(accelerator, fn):

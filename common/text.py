@@ -90,29 +90,34 @@ def add_lm_args(parser):
 
 def _check_lm_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
-        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them",
+                     subject="--model_name_or_path")  # fmt: skip
     if args.dataset_name and (args.train_file or args.validation_file):
-        parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
+        parser.error(
+            "pass --dataset_name or --train_file (with --validation_file), not both", subject="--dataset_name"
+        )
     if not args.dataset_name and not args.train_file:
-        parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)")
+        parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)",
+                     subject="--train_file")  # fmt: skip
     if args.streaming and not args.max_train_steps:
         parser.error("--streaming reads the data as it trains, so no epoch length is known to plan by: pass "
-                     "--max_train_steps (the stream starts again when it ends)")  # fmt: skip
+                     "--max_train_steps (the stream starts again when it ends)", subject="--streaming")  # fmt: skip
     if args.streaming and args.train_file and not args.validation_file:
         parser.error("--streaming cannot hold a share of a stream out for validation: pass --validation_file "
-                     "(held-out rows in the format of --train_file), or drop --streaming")  # fmt: skip
+                     "(held-out rows in the format of --train_file), or drop --streaming",
+                     subject="--streaming")  # fmt: skip
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
-            parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
+            parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}",
+                         subject=flag)  # fmt: skip
         if path and local_format(path) is None:
             parser.error(
-                f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)} (also "
-                f"compressed: {', '.join(COMPRESSED)})"
+                f"{flag} {path}: unknown format {Path(path).suffix!r}",
+                f"use one of {', '.join(LOCAL_FORMATS)} (also compressed: {', '.join(COMPRESSED)})",
+                subject=flag,
             )
-        try:  # here, not when the data loads: a mistyped path costs a second, not the loading of a model's weights
-            path and check_path(flag, path)
-        except RecipeError as err:
-            parser.error(str(err))
+        # here, not when the data loads: a mistyped path costs a second, not the loading of a model's weights
+        path and check_path(flag, path)
 
 
 def local_format(path) -> str | None:

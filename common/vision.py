@@ -21,9 +21,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .checkpoint import read_state
 from .data import default_num_workers, prepare_data_first
+from .errors import DataError
 from .metrics import count_parameters
 from .plan import decay_groups
-from .runtime import DataError, RecipeError, check_path, decide_on_main, logger, one_line
+from .runtime import RecipeError, check_path, decide_on_main, logger, one_line
 
 CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -304,35 +305,37 @@ def _check_model_args(parser, args) -> None:
     name, size, batch = args.model, args.image_size, args.per_device_train_batch_size
     tuned = args.pretrained or args.pretrained_path
     memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
-    for wrong, message in (
-        (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
-         "file), not both"),
-        ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned, "--freeze_backbone and --head_lr_scale "
-         "fine-tune loaded weights: add --pretrained or --pretrained_path"),
-        (args.freeze_backbone and args.head_lr_scale != 1, "--freeze_backbone trains the head alone, at "
-         "--learning_rate: drop --head_lr_scale"),
-        (args.pretrained and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers of the "
-         "published weights; fine-tune them with --norm_layer batch or sync_batch"),
-        (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
-         "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
-         "--pretrained_path"),
-        (nbytes > memory, f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as "
-         f"float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size "
-         "the model should see (the images are resized to it), such as 224"),  # a typo of a size
+    for wrong, subject, problem, fix in (
+        (args.pretrained and args.pretrained_path, "--pretrained", "pass --pretrained (published weights) or "
+         "--pretrained_path (a file), not both", None),
+        ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned, "--freeze_backbone" if
+         args.freeze_backbone else "--head_lr_scale", "--freeze_backbone and --head_lr_scale fine-tune loaded "
+         "weights: add --pretrained or --pretrained_path", None),
+        (args.freeze_backbone and args.head_lr_scale != 1, "--head_lr_scale", "--freeze_backbone trains the head "
+         "alone, at --learning_rate: drop --head_lr_scale", None),
+        (args.pretrained and args.norm_layer == "group", "--norm_layer", "--norm_layer group replaces the BatchNorm "
+         "layers of the published weights", "fine-tune them with --norm_layer batch or sync_batch"),
+        (name == "resnet18_cifar" and args.pretrained, "--model", "--model resnet18_cifar has no published weights "
+         "(its stem is not resnet18's)", "pass --model resnet18 (or another torchvision or timm/ model) with "
+         "--pretrained, or --pretrained_path"),
+        (nbytes > memory, "--image_size", f"--image_size {size}: one batch of {batch} such images is "
+         f"{nbytes / 1e9:,.0f} GB as float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB "
+         "of memory", "pass the size the model should see (the images are resized to it), such as 224"),  # a typo
     ):  # fmt: skip
         if wrong:
-            parser.error(message)
+            parser.error(problem, fix, subject=subject)
     if name.startswith("timm/"):
         try:
             timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
         except RecipeError as err:
-            parser.error(str(err))
+            parser.error(err)
     elif name not in (models := ["resnet18_cifar", *torchvision.models.list_models(module=torchvision.models)]):
         close = difflib.get_close_matches(name, models, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         parser.error(
-            f"--model {name}: not a torchvision classification model{hint}; pass resnet18_cifar or a name from "
-            "torchvision.models.list_models(module=torchvision.models)"
+            f"--model {name}: not a torchvision classification model{hint}",
+            "pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)",
+            subject="--model",
         )
     try:
         with torch.device("meta"):
@@ -361,14 +364,15 @@ def _check_model_args(parser, args) -> None:
         cifar = args.dataset != "imagefolder"
         data, fix = (f"{args.dataset}'s ", " with --dataset imagefolder") if cifar else ("", "")
         parser.error(
-            f"--model {name} cannot take {data}{size}x{size} images ({problem}); pass --image_size {fits}{fix}, or "
-            "another --model"
+            f"--model {name} cannot take {data}{size}x{size} images ({problem})",
+            f"pass --image_size {fits}{fix}, or another --model",
+            subject="--model",
         )
     if batch == 1 and not problem and fails(size, batch=1):
         parser.error(
             f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
-            "--per_device_train_batch_size 1; pass 2 or more"
-        )
+            "--per_device_train_batch_size 1", "pass 2 or more", subject="--per_device_train_batch_size",
+        )  # fmt: skip
 
 
 # Models -------------------------------------------------------------------------------------------
@@ -380,20 +384,25 @@ def timm_weights(name, pretrained=False):
         import timm
     except ImportError as err:
         raise RecipeError(
-            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
+            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'", subject="--model"
         ) from err
     if not timm.is_model(name[5:]):
         close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
         hint = f" (did you mean timm/{' or timm/'.join(close)}?)" if close else ""
-        raise RecipeError(f"--model {name}: not a timm model{hint}; pass timm/ and a name from timm.list_models()")
+        raise RecipeError(
+            f"--model {name}: not a timm model{hint}",
+            "pass timm/ and a name from timm.list_models()",
+            subject="--model",
+        )
     with contextlib.suppress(RuntimeError):  # an unknown tag
         cfg = timm.models.get_pretrained_cfg(name[5:])
         if cfg and (cfg.hf_hub_id or cfg.url):
             return cfg
     if "." in name or pretrained:
         raise RecipeError(
-            f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
-            f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+            f"--model {name}: timm has no pretrained weights of that name",
+            f"pass timm/ and a name from timm.list_pretrained('{name[5:].split('.')[0]}*')",
+            subject="--model",
         )
     return None
 

@@ -91,17 +91,18 @@ def parse_args(argv=None):
     if args.torch_dtype == "auto" and args.config_name:
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
-            "a bf16 accelerate config for mixed precision), bfloat16 or float16"
-        )
+            "a bf16 accelerate config for mixed precision), bfloat16 or float16", subject="--torch_dtype",
+        )  # fmt: skip
     if args.lora_r and args.config_name:
         p.error(
             "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
-            "--model_name_or_path, or drop --lora_r"
-        )
+            "--model_name_or_path, or drop --lora_r", subject="--lora_r",
+        )  # fmt: skip
     if args.lora_r and args.resize_token_embeddings:
         p.error(
             "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
-            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings"
+            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings",
+            subject="--resize_token_embeddings",
         )
     return args
 
