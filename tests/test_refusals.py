@@ -8,19 +8,22 @@ import contextlib
 import hashlib
 import io
 import json
+import pickle
 import re
 from pathlib import Path
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, load_recipe
+from conftest import REPO, error_lines, load_recipe
 
 import common
-from common import outputs
+from common import outputs, vision
 from common.args import public_args
 from common.checkpoint import HASH, STATE_FILE, resolve_checkpoint, write_json
+from common.errors import DataError
 from common.plan import plan_run
 from common.runtime import RecipeError, exit_codes
+from common.text import load_raw_datasets
 
 RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
 BASE = {  # the least each recipe's parser needs; of paths, parsing reads only that the data files are there
@@ -303,7 +306,32 @@ def planned(*argv, samples=1400):
     return lambda: plan_run(parse(*argv), [0] * samples, 1)
 
 
+def image_folders(folder: Path, train=("a", "b"), val=("a", "b")):
+    """vision.load_images of folder/train and folder/val, with one image file in each class folder of each."""
+    for split, classes in (("train", train), ("val", val)):
+        for name in classes:
+            (folder / split / name).mkdir(parents=True)
+            (folder / split / name / "1.png").write_bytes(b"not read until a batch is")
+    args = RECIPES["cifar"].parse_args([*FOLDER[:2], "--train_dir", str(folder / "train"), "--val_dir",
+                                        str(folder / "val"), "--output_dir", str(folder / "run")])  # fmt: skip
+    return lambda: vision.load_images(args)
+
+
+def text_file(folder: Path, *argv):
+    """load_raw_datasets of folder/t.jsonl, as lm_finetune parses `argv` for it."""
+    (folder / "t.jsonl").write_text('{"body": "one two"}\n')
+    args = RECIPES["lm_finetune"].parse_args(["--model_name_or_path", "m", "--train_file", str(folder / "t.jsonl"),
+                                              *argv])  # fmt: skip
+    return lambda: load_raw_datasets(train_file=args.train_file, data_format=args.data_format,
+                                     text_column=args.text_column)  # fmt: skip
+
+
 SETUPS = {  # name: (setup(folder) -> the refused call, its subject)
+    "an image folder of one class": (lambda f: image_folders(f, train=("a",), val=("a",)), "--train_dir"),
+    "validation classes the training set lacks": (lambda f: image_folders(f, val=("a", "c")), "--val_dir"),
+    "an unreadable image": (lambda f: ((f / "x.png").write_bytes(b"GIF8"), lambda: vision.load_image(f / "x.png"))[1],
+                            "{folder}/x.png"),
+    "a text column the data lacks": (lambda f: text_file(f), "--text_column"),
     "more accumulation than batches": (lambda f: planned("--gradient_accumulation_steps", "30"),
                                        "--gradient_accumulation_steps"),
     "inverse_sqrt without warmup": (lambda f: planned("--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"),
@@ -367,8 +395,8 @@ def setup_refusal(folder: Path, case: str, capsys) -> tuple[RecipeError, str]:
     stderr = capsys.readouterr().err
     outputs._RunLock.release_all()
     assert exit_.value.code == 2, stderr
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    lines = error_lines(stderr)  # beside datasets' progress bars, if it read files
+    assert len(lines) == 1 and stderr.rstrip().endswith(lines[0]), stderr
     assert contents(folder) == before
     return caught, lines[0]
 
@@ -379,7 +407,7 @@ def test_a_refusal_after_parsing_is_one_line_naming_its_option_or_path(tmp_path,
     err, line = setup_refusal(tmp_path, case, capsys)
     subject = SETUPS[case][1].replace("{folder}", str(tmp_path))
     paths = {str(p) for p in tmp_path.rglob("*")}
-    assert_names(err, line, subject, SHARED_OPTIONS | paths)
+    assert_names(err, line, subject, SHARED_OPTIONS | OPTIONS["cifar"] | OPTIONS["lm_finetune"] | paths)
 
 
 GOLDEN = REPO / "tests" / "golden_errors.json"
@@ -404,3 +432,14 @@ def test_the_lines_users_meet_most_keep_their_wording(tmp_path, capsys, monkeypa
                 (folder / name).write_bytes(content)
             line = parse_refusal(capsys, recipe, argv)[1]
         assert line == expected.replace("{folder}", str(folder)), case
+
+
+def test_a_refusal_crosses_processes_whole():
+    """decide_on_main broadcasts a refusal pickled, and a DataLoader worker's comes back through its message: the
+    fields and the line arrive as they left."""
+    sent = RecipeError("--x 0: too small", "pass 1 or more", subject="--x", same_on_every_rank=False)
+    got = pickle.loads(pickle.dumps(sent))
+    assert (str(got), got.problem, got.fix, got.subject, got.same_on_every_rank) == (
+        "--x 0: too small; pass 1 or more", "--x 0: too small", "pass 1 or more", "--x", False,
+    )  # fmt: skip
+    assert str(DataError(str(sent))) == str(sent)  # how torch re-raises a worker's: the class and its message
