@@ -56,24 +56,22 @@ def parse_error(capsys, recipe, argv) -> str:
     return lines[0]
 
 
+def refused_subject(recipe, argv) -> str:
+    """The subject of the refusal a recipe's parse_args exits 2 on for the whole of `argv` (BASE not added)."""
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES[recipe].parse_args(argv)
+    assert exit_.value.code == 2
+    return exit_.value.__cause__.subject
+
+
 # Each argument's refusal (its option named, one line, exit 2, nothing written): tests/test_refusals.py's tables.
 
 
-def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
+def test_lm_finetune_from_a_config_takes_what_a_new_model_can():
     config = ["--config_name", "m", "--train_file", "t.jsonl"]
-    for argv, message in (
-        (
-            ["--lora_r", "8"],
-            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model",
-        ),
-        (["--torch_dtype", "auto"], "--torch_dtype auto is the dtype of pretrained weights"),
-    ):
-        with pytest.raises(SystemExit):
-            RECIPES["lm_finetune"].parse_args([*config, *argv])
-        assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        RECIPES["lm_finetune"].parse_args(["--train_file", "t.jsonl"])
-    assert "error: pass --model_name_or_path (pretrained) or --config_name (from scratch)" in capsys.readouterr().err
+    for argv in (["--lora_r", "8"], ["--torch_dtype", "auto"]):
+        assert refused_subject("lm_finetune", [*config, *argv]) == argv[0]
+    assert refused_subject("lm_finetune", ["--train_file", "t.jsonl"]) == "--model_name_or_path"
     args = RECIPES["lm_finetune"].parse_args(
         [
             *config,
@@ -130,20 +128,14 @@ def test_every_option_an_error_or_a_docstring_names_exists(capsys):
             assert not missing, f"{path} names {sorted(missing)}, which recipes/{recipe}.py does not take"
 
 
-def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
-    with pytest.raises(SystemExit):
-        RECIPES["lm_finetune"].parse_args(["--model_name_or_path", "m"])
-    assert "error: no data: pass --train_file" in capsys.readouterr().err
-    line = parse_error(capsys, "zero", ["--config_name", "", "--model_name_or_path", "m"])
-    assert "--config_name: must not be empty" in line
-    with pytest.raises(SystemExit):
-        RECIPES["zero"].parse_args(
-            ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
-        )
-    assert "--config_overrides would do nothing without --config_name" in capsys.readouterr().err
+def test_lm_recipes_need_data_and_zero_overrides_need_a_config():
+    assert refused_subject("lm_finetune", ["--model_name_or_path", "m"]) == "--train_file"
+    assert refused_subject("zero", ["--config_name", "", "--model_name_or_path", "m"]) == "--config_name"
+    argv = ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
+    assert refused_subject("zero", argv) == "--config_overrides"
 
 
-def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch, tmp_path):
+def test_a_schedule_a_deepspeed_config_overrides_is_refused(monkeypatch, tmp_path):
     """A DeepSpeed config's scheduler sets every step's rate: --lr_scheduler_type would do nothing."""
     argv = ["--lr_scheduler_type", "linear"]
     config = tmp_path / "ds.json"
@@ -151,9 +143,7 @@ def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch,
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
     assert RECIPES["zero"].parse_args([*BASE["zero"], *argv]).lr_scheduler_type == "linear"
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {}}}))
-    line = parse_error(capsys, "zero", argv)
-    assert "--lr_scheduler_type would do nothing with a DeepSpeed config that defines its scheduler" in line
-    assert line.endswith("drop it, or delete the config's scheduler")
+    assert refused_subject("zero", [*BASE["zero"], *argv]) == "--lr_scheduler_type"
     assert RECIPES["zero"].parse_args(BASE["zero"]).lr_scheduler_type == "cosine"  # the default asks for nothing
 
 
@@ -496,15 +486,17 @@ def test_chat_data_needs_a_tokenizer_with_a_chat_template_that_accepts_it(tmp_pa
     plain = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     plain.chat_template = None
     raw = load_raw_datasets(train_file=path, validation_file=path)
-    with pytest.raises(RecipeError, match="has no chat template, which --data_format chat renders"):
+    with pytest.raises(RecipeError) as refused:
         tokenize_and_pack(raw, plain, data_format="chat", text_column="text", block_size=8)
+    assert refused.value.subject == "--data_format"
     strict = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     with pytest.raises(RecipeError, match="the chat template rejects the conversation .Conversation roles must"):
         chat_example(strict, CHAT["messages"])
-    with pytest.raises(RecipeError, match="--data_format chat needs a column named messages"):
-        text = load_raw_datasets(train_file=write(tmp_path / "t.jsonl", jsonl(COUNTS)), validation_split_percentage=50)
+    text = load_raw_datasets(train_file=write(tmp_path / "t.jsonl", jsonl(COUNTS)), validation_split_percentage=50)
+    with pytest.raises(RecipeError) as refused:
         tokenize_and_pack(text, tokenizer, data_format="chat", text_column="text", block_size=8)
+    assert "--data_format chat needs a column named messages" in refused.value.problem  # no option names the data
 
 
 # --- model files --------------------------------------------------------------------------------
@@ -623,10 +615,11 @@ def test_a_model_without_sdpa_loads_with_the_attention_it_has_unless_sdpa_is_ask
     model, _ = RECIPES["lm_finetune"].load_model_and_tokenizer(RECIPES["lm_finetune"].parse_args(base))
     assert model.config._attn_implementation == "eager"
     RECIPES["zero"].build_model(RECIPES["zero"].parse_args(base))
-    with pytest.raises(RecipeError, match="--attn_implementation sdpa cannot be used here .*leave the option out"):
+    with pytest.raises(RecipeError) as refused:
         RECIPES["lm_finetune"].load_model_and_tokenizer(
             RECIPES["lm_finetune"].parse_args([*base, "--attn_implementation", "sdpa"])
         )
+    assert refused.value.subject == "--attn_implementation"
 
 
 def test_a_block_size_above_the_tokenizers_limit_but_within_the_models_positions_is_said_not_refused(
@@ -798,8 +791,9 @@ def test_an_image_too_large_to_decode(tmp_path, side):
 def test_32_bit_images_are_refused(tmp_path):
     path = tmp_path / "deep.tif"
     Image.fromarray(np.arange(64, dtype=np.int32).reshape(8, 8) * 1000).save(path)
-    with pytest.raises(RecipeError, match=r"32-bit pixels \(PIL mode I\) have no single 8-bit scale"):
+    with pytest.raises(RecipeError) as refused:
         vision.load_image(path)
+    assert refused.value.subject == str(path) and "(PIL mode I)" in refused.value.problem
 
 
 def image_folder(root, classes, images=2):
@@ -866,8 +860,9 @@ def test_a_validation_folder_is_labelled_by_the_training_classes(tmp_path, caplo
         (val / "d" / name).unlink()
     (val / "cafe\u0301" / "0.png").rename(val / "cafe\u0301" / "0.heic-not")
     (val / "cafe\u0301" / "1.png").unlink()
-    with pytest.raises(RecipeError, match=r"--val_dir .*: its class folders hold no image; put validation images"):
+    with pytest.raises(RecipeError) as refused:
         vision.load_images(RECIPES["cifar"].parse_args(argv))
+    assert refused.value.subject == "--val_dir"
     (train / "a" / "0.png").rename(train / "a" / "0.svg")
     (train / "a" / "1.png").unlink()
     with pytest.raises(RecipeError) as err:
