@@ -94,11 +94,17 @@ def causes(err: BaseException) -> list:
 def os_error_line(err: BaseException) -> str | None:
     """One line for an OS error about a path in `err` or its causes: the path, the option or environment variable
     it comes from, what the system said, and the fix; or None."""
+    return None if (refusal := os_error_refusal(err)) is None else str(refusal)
+
+
+def os_error_refusal(err: BaseException) -> RecipeError | None:
+    """An OS error about a path in `err` or its causes as a refusal (os_error_line's), its subject the option or
+    environment variable the path comes from, else the path; or None."""
     found = next((e for e in causes(err) if isinstance(e, OSError) and e.errno in OS_FIXES and e.filename), None)
     if found is None:
         return None
     name = os.fsdecode(found.filename)
-    path, where = os.path.abspath(name), name
+    path, where, subject = os.path.abspath(name), name, name
     parsed = _arguments_of_failing_code(err)
     options = parsed.values_by_option.items() if parsed else ()
     origins = [*options, *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
@@ -111,15 +117,17 @@ def os_error_line(err: BaseException) -> str | None:
             found, path, name, inside = OSError(code, os.strerror(code), base), base, base, False
         if path == base or inside:
             where = f"{origin} {value}" if path == base else f"{name} (in {origin} {value})"
-            break
-        if base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
+        elif base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
             where = f"{name} (on the path of {origin} {value})"
-            break
-        beside = os.path.dirname(path) == os.path.dirname(base.rstrip(os.sep))
-        if beside and os.path.basename(path).startswith(f".{os.path.basename(base.rstrip(os.sep))}."):
+        elif os.path.dirname(path) == os.path.dirname(base.rstrip(os.sep)) and os.path.basename(path).startswith(
+            f".{os.path.basename(base.rstrip(os.sep))}."
+        ):
             where = f"{name} (kept beside {origin} {value} while it is written)"  # e.g. the preparation's lock
-            break
-    return _args.mask_secrets(f"{where}: {_os_reason(found)}")
+        else:
+            continue
+        subject = origin
+        break
+    return RecipeError(_args.mask_secrets(f"{where}: {_os_reason(found)}"), subject=_args.mask_secrets(subject))
 
 
 def _arguments_of_failing_code(err: BaseException) -> _args.ParsedArgs | None:
@@ -185,7 +193,7 @@ def _as_told_to_all(err: BaseException, who: str) -> BaseException:
         err.same_on_every_rank = True  # every process raises it: one line says it
     if isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt)):
         return err
-    return RecipeError(os_error_line(err) or f"{who} failed: {one_line(err)}")  # whichever process says it
+    return os_error_refusal(err) or RecipeError(f"{who} failed: {one_line(err)}")  # whichever process says it
 
 
 class LostWhileWaiting(Exception):

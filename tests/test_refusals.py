@@ -22,7 +22,7 @@ from common.args import public_args
 from common.checkpoint import HASH, STATE_FILE, resolve_checkpoint, write_json
 from common.errors import DataError
 from common.plan import plan_run
-from common.runtime import RecipeError, exit_codes
+from common.runtime import RecipeError, exit_codes, os_error_refusal
 from common.text import load_raw_datasets
 
 RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
@@ -326,12 +326,19 @@ def text_file(folder: Path, *argv):
                                      text_column=args.text_column)  # fmt: skip
 
 
+def made_in(args):
+    """A save into --output_dir, as a recipe's code holding its arguments makes its folder."""
+    return lambda: Path(args.output_dir, "checkpoint-1").mkdir(parents=True)
+
+
 SETUPS = {  # name: (setup(folder) -> the refused call, its subject)
     "an image folder of one class": (lambda f: image_folders(f, train=("a",), val=("a",)), "--train_dir"),
     "validation classes the training set lacks": (lambda f: image_folders(f, val=("a", "c")), "--val_dir"),
     "an unreadable image": (lambda f: ((f / "x.png").write_bytes(b"GIF8"), lambda: vision.load_image(f / "x.png"))[1],
                             "{folder}/x.png"),
     "a text column the data lacks": (lambda f: text_file(f), "--text_column"),
+    "a folder where a file is": (lambda f: ((f / "file").write_text(""), made_in(parse("--output_dir", str(f / "file" /
+                                 "run"))))[1], "--output_dir"),  # the system's refusal, named by the option
     "more accumulation than batches": (lambda f: planned("--gradient_accumulation_steps", "30"),
                                        "--gradient_accumulation_steps"),
     "inverse_sqrt without warmup": (lambda f: planned("--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"),
@@ -389,8 +396,8 @@ def setup_refusal(folder: Path, case: str, capsys) -> tuple[RecipeError, str]:
         with exit_codes():
             try:
                 refused()
-            except RecipeError as err:
-                caught = err
+            except Exception as err:  # a RecipeError, or an OS error about a path, translated as exit_codes does
+                caught = err if isinstance(err, RecipeError) else os_error_refusal(err)
                 raise
     stderr = capsys.readouterr().err
     outputs._RunLock.release_all()
