@@ -119,7 +119,7 @@ def build_model(args, model):
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as err:
-            raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'") from err
+            raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'", subject="--lora_r") from err
         targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
         from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
 
@@ -151,7 +151,8 @@ def build_model(args, model):
             raise RecipeError(
                 f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
                 f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
-                "all-linear"
+                "all-linear",
+                subject="--lora_target_modules",
             ) from err
         from peft.tuners.lora import LoraLayer
 
@@ -160,7 +161,8 @@ def build_model(args, model):
         if args.lora_r > rank:  # a rank above the layer's own adds weights and nothing else
             raise RecipeError(
                 f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
-                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)"
+                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)",
+                subject="--lora_r",
             )
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
