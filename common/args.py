@@ -14,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .errors import RecipeError
+
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 # transformers' schedules that run from a warmup and a length alone (not reduce_lr_on_plateau, which needs a
 # metric, nor cosine_with_min_lr or warmup_stable_decay, which need more arguments)
@@ -97,7 +99,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """The one parser of every entry point (the recipes, launch.sh's doctor and selftest, the benchmarks and the
     scripts that make test data): errors are one `error:` line (no usage block), exit 2, printed by the first process
     only, credentials masked; unknown and empty arguments refused; a number's option takes one of TYPES (a bare int
-    or float let nan, 0 and -1 through, to fail later inside a collective); then each `check(parser, args)`."""
+    or float let nan, 0 and -1 through, to fail later inside a collective); then each `check(parser, args)`, which
+    refuses with `parser.error(problem, fix, subject=...)` (RecipeError's fields) or by raising a RecipeError."""
 
     checks = ()  # training_parser's, then each recipe's: check(parser, args)
     unless = ()  # (options, applies(args), why, fix): options given that would do nothing (does_nothing_unless)
@@ -125,13 +128,13 @@ class ArgumentParser(argparse.ArgumentParser):
             known = [option for action in self._actions for option in action.option_strings]
             near = dict.fromkeys(g for word in extras for g in difflib.get_close_matches(word, known, 2, 0.75))
             hint = f" (did you mean {' or '.join(near)}?)" if near else f"; {self.prog} --help lists every option"
-            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}")
+            self.error(f"unrecognized arguments: {' '.join(mask_words(extras))}{hint}", subject=extras[0])
         values_by_option = {}
         for action in self._actions:  # no option means anything by an empty value ('' would be the current folder)
             value = getattr(namespace, action.dest, None)
             values = value if isinstance(value, list) else [value]  # nargs="+"
             if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
-                self.error(f"argument {action.option_strings[0]}: must not be empty")
+                self.error(f"argument {action.option_strings[0]}: must not be empty", subject=action.option_strings[0])
             if action.option_strings and isinstance(value, str):
                 if value.startswith("~"):  # a shell expands ~ only at a word's start, not in --option=~/path
                     setattr(namespace, action.dest, value := os.path.expanduser(value))
@@ -142,7 +145,10 @@ class ArgumentParser(argparse.ArgumentParser):
             namespace, {self._option_string_actions[o].dest for o in given & self._option_string_actions.keys()}
         )
         for check in self.checks:
-            check(self, namespace)
+            try:
+                check(self, namespace)
+            except RecipeError as err:  # met by what a check calls (a file read, a model probed): the same line
+                self.error(err)
         unused = set()
         for options, applies, why, fix in self.unless:
             if applies(namespace):
@@ -150,7 +156,8 @@ class ArgumentParser(argparse.ArgumentParser):
             unused.update(self._option_string_actions[o].dest for o in options)
             if named := [o for o in options if o in given]:
                 self.error(
-                    f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}"
+                    f"{' and '.join(named)} would do nothing {why}: drop {'it' if len(named) == 1 else 'them'}{fix}",
+                    subject=named[0],
                 )
         namespace.unused_arguments = frozenset(unused)
         return namespace
@@ -195,11 +202,21 @@ class ArgumentParser(argparse.ArgumentParser):
 
     _checking_defaults = False
 
-    def error(self, message):
+    def error(self, message, fix: str | None = None, *, subject: str | None = None):
+        """Refuse the arguments: `message` and `fix` are a RecipeError's problem and fix, `subject` the option (or a
+        RecipeError whole, its fields kept). argparse's own errors ("argument --x: ...") name theirs. The SystemExit
+        raised carries the refusal as its __cause__: whoever catches it (a test) reads the fields."""
+        if isinstance(message, RecipeError):
+            refusal = message
+        else:
+            named = re.match(r"argument ([^/:\s]+)|the following arguments are required: ([^,\s]+)", message)
+            refusal = RecipeError(message, fix, subject=subject or (named and (named[1] or named[2])))
+        line = str(refusal)
         if self._checking_defaults:
-            message += "; it is the recipe's default: correct it in HYPERPARAMETERS, or pass the option"
-        # every process parses the same line: said once
-        self.exit(2, f"error: {mask_secrets(message)}\n" if first_to_say(2) else None)
+            line += "; it is the recipe's default: correct it in HYPERPARAMETERS, or pass the option"
+        if first_to_say(2):  # every process parses the same line: said once
+            self._print_message(f"error: {mask_secrets(line)}\n", sys.stderr)
+        raise SystemExit(2) from refusal
 
 
 # Credentials: the value of an option named like one, by whole words of its name (hub_token and api_key, not
@@ -315,8 +332,9 @@ def _check_timeouts(parser, args) -> None:
     elif args.hang_timeout and args.hang_timeout >= args.ddp_timeout:
         parser.error(
             f"--hang_timeout {args.hang_timeout} is not below --ddp_timeout {args.ddp_timeout}: a stuck collective "
-            "would fail first, unnamed; pass a smaller --hang_timeout or a larger --ddp_timeout"
-        )
+            "would fail first, unnamed", "pass a smaller --hang_timeout or a larger --ddp_timeout",
+            subject="--hang_timeout",
+        )  # fmt: skip
 
 
 def training_parser(recipe: str, doc: str | None) -> ArgumentParser:

@@ -131,10 +131,13 @@ def _save_or_fail_together(accelerator, what: str, output_dir: Path, needed, fn,
         have = f", {_human(free)} free" if free is not None else ""
         raise RecipeError(
             f"no space left on the filesystem of {output_dir} to save the {what}: it needs about {_human(needed())}"
-            f"{have}; free space there or pass another --output_dir (the checkpoints already saved are intact)"
+            f"{have}",
+            "free space there or pass another --output_dir (the checkpoints already saved are intact)",
+            subject="--output_dir",
         )
     where = f" on process {rank}" if accelerator.num_processes > 1 else ""
-    raise RecipeError(f"could not save the {what}{where}: {text}; the checkpoints already saved are intact")
+    # what the system said is the problem, and no option of the user's is at fault: no subject
+    raise RecipeError(f"could not save the {what}{where}: {text}", "the checkpoints already saved are intact")
 
 
 def _write_failure(err: BaseException) -> tuple | None:
@@ -430,7 +433,9 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
         path = Path(spec)
         if damage := checkpoint_damage(path, accelerator):
             raise RecipeError(
-                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}; {instead_of(path, output_dir)}"
+                f"--resume_from_checkpoint {spec}: the checkpoint is damaged: {damage}",
+                instead_of(path, output_dir),
+                subject="--resume_from_checkpoint",
             )
         return path
 
@@ -458,8 +463,9 @@ def resolve_checkpoint(output_dir, spec: str | None, accelerator=None) -> Path |
         logger.warning(f"ignoring damaged checkpoint {path}: {damage}")
     if newest:  # starting over would replace them: a copy still in progress, a disk's fault, is for a person
         raise RecipeError(
-            f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged (the newest, {newest}); "
-            "restore them from a copy, or pass --overwrite_output_dir instead to start over"
+            f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged (the newest, {newest})",
+            "restore them from a copy, or pass --overwrite_output_dir instead to start over",
+            subject="--resume_from_checkpoint",
         )
     logger.warning(f"--resume_from_checkpoint latest: no checkpoint yet in {output_dir}, starting at step 0")
     return None
@@ -505,15 +511,19 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
         theirs, ours = state.get("model_parameters", 0), identity["model_parameters"]
         size = f"{theirs:,} parameters, this run's has {ours:,}" if theirs != ours else "other layers, as many weights"
         raise RecipeError(
-            f"checkpoint {path} holds another model ({size}){differs}; resume with the model arguments that wrote it "
-            f"(its {STATE_FILE} lists them under args), or {start_anew(path, args.output_dir)}"
+            f"checkpoint {path} holds another model ({size}){differs}",
+            f"resume with the model arguments that wrote it (its {STATE_FILE} lists them under args), or "
+            f"{start_anew(path, args.output_dir)}",
+            subject=str(path),
         )
     saved = state.get("layout", _layout(accelerator))
     if saved != _layout(accelerator) and not tensor_parallel.loads(saved, _layout(accelerator)):  # files of its own
         raise RecipeError(
             f"checkpoint {path} was written under {state['layout']}, this run is {_layout(accelerator)}, and each "
-            "keeps the model and optimizer state in files of its own layout; resume with an accelerate config of the "
-            f"checkpoint's kind ({state['layout']}), or {start_anew(path, args.output_dir)}"
+            "keeps the model and optimizer state in files of its own layout",
+            f"resume with an accelerate config of the checkpoint's kind ({state['layout']}), or "
+            f"{start_anew(path, args.output_dir)}",
+            subject=str(path),
         )
     if state.get("mixed_precision", accelerator.mixed_precision) != accelerator.mixed_precision:
         logger.warning(
@@ -535,7 +545,7 @@ def load_checkpoint(accelerator, path: Path, model, optimizer, args) -> dict:
             else instead_of(path, args.output_dir)
         )
         raise RecipeError(
-            f"could not load checkpoint {path}: {one_line(err)}; {fix}", same_on_every_rank=False
+            f"could not load checkpoint {path}: {one_line(err)}", fix, subject=str(path), same_on_every_rank=False
         ) from err
     for group, settings in zip(optimizer.param_groups, fresh):  # this run's, not the checkpoint's (plan_run lists)
         group.update(settings)
@@ -635,7 +645,9 @@ def save_model(accelerator, model, output_dir, tokenizer=None) -> Path:
         names = sorted(f.name for f in tmp.iterdir())
         if appeared := [n for n in names if (output_dir / n).exists() and n not in earlier]:  # since OutputDir looked
             raise RecipeError(
-                f"{output_dir / appeared[0]} is not this run's, and the model would write over it; move it"
+                f"{output_dir / appeared[0]} is not this run's, and the model would write over it",
+                "move it",
+                subject=str(output_dir / appeared[0]),
             )
         write_json(output_dir / MODEL_FILES, {"files": sorted({*earlier, *names})})  # a save cut short: all recorded
         for name in names:

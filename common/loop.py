@@ -58,7 +58,8 @@ class TrainingLoop:
                     if position.sample == 0:  # a stream (a dataset's size was checked by the plan)
                         raise RecipeError(
                             f"the training data holds fewer samples than one step trains ({plan.effective_batch_size}"
-                            "); add data, or lower --per_device_train_batch_size or --gradient_accumulation_steps"
+                            "); add data, or lower --per_device_train_batch_size or --gradient_accumulation_steps",
+                            subject="--per_device_train_batch_size",
                         )
                     break
                 if scheduler is None:

@@ -212,7 +212,8 @@ class TrainLog:
 def _diverged(step: int, what: str) -> RecipeError:
     return RecipeError(
         f"{what} by step {step}; nothing was saved after it: lower --learning_rate, raise --warmup_steps, set "
-        "--max_grad_norm, or check the data for bad values"
+        "--max_grad_norm, or check the data for bad values",
+        subject="--learning_rate",
     )
 
 

@@ -84,14 +84,16 @@ class OutputDir:
             if path.is_dir() and out.is_relative_to(path):
                 raise RecipeError(
                     f"--output_dir {output_dir} {'is' if out == path else 'lies inside'} --{name} {value}, which the "
-                    "run reads: what it writes there would become part of its input, or replace it; pass an "
-                    "--output_dir outside it"
+                    "run reads: what it writes there would become part of its input, or replace it",
+                    "pass an --output_dir outside it",
+                    subject="--output_dir",
                 )
             if path.exists() and path.is_relative_to(out):  # an earlier run's model, say
                 raise RecipeError(
                     f"--{name} {value} lies inside --output_dir {output_dir}, where the run saves, and which "
-                    "--overwrite_output_dir empties of runs' files: it could replace or delete what it reads; pass an "
-                    "--output_dir apart from the run's inputs"
+                    "--overwrite_output_dir empties of runs' files: it could replace or delete what it reads",
+                    "pass an --output_dir apart from the run's inputs",
+                    subject=f"--{name}",
                 )
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         # else as the first attempt began; decided on the main process alone (NFS shows files late)
@@ -103,8 +105,9 @@ class OutputDir:
         self.resume_from = resolve_checkpoint(output_dir, spec, accelerator=accelerator)
         if self.resume_from and (theirs := read_state(self.resume_from).get("recipe", args.recipe)) != args.recipe:
             raise RecipeError(  # first: what another recipe wrote differs in data, model and settings too
-                f"checkpoint {self.resume_from} was written by recipes/{theirs}.py, this is recipes/{args.recipe}.py; "
-                f"resume it with that recipe, or {start_anew(self.resume_from, output_dir)}"
+                f"checkpoint {self.resume_from} was written by recipes/{theirs}.py, this is recipes/{args.recipe}.py",
+                f"resume it with that recipe, or {start_anew(self.resume_from, output_dir)}",
+                subject=str(self.resume_from),
             )
         decide_on_main(accelerator, lambda: _begin(output_dir, overwrite))
         accelerator.init_trackers(args.recipe, config=tracker_config(args))
@@ -157,7 +160,10 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
     path = None if spec in (None, "latest") else Path(spec)
     if path is not None and not path.exists():
         hint = " (did you mean latest?)" if spec.strip().lower() == "latest" else ""
-        raise RecipeError(f"--resume_from_checkpoint {spec}: no such file or directory{hint}; check the path")
+        raise RecipeError(
+            f"--resume_from_checkpoint {spec}: no such file or directory{hint}", "check the path",
+            subject="--resume_from_checkpoint",
+        )  # fmt: skip
     if path is not None and path.is_file():  # a file of a checkpoint, or of a run's folder, or neither
         folder = path.parent if (path.parent / STATE_FILE).is_file() else None
         fix = (
@@ -165,25 +171,32 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
             if folder
             else _a_checkpoint_in(path.parent, "the newest checkpoint beside it")
         )
-        raise RecipeError(f"--resume_from_checkpoint {spec} is a file, not a checkpoint folder: pass {fix}")
+        raise RecipeError(
+            f"--resume_from_checkpoint {spec} is a file, not a checkpoint folder: pass {fix}",
+            subject="--resume_from_checkpoint",
+        )
     if path is not None and not (path / STATE_FILE).is_file():  # the run's folder itself, say
         latest = "" if not complete_checkpoints(path) else ", or `latest`"
         if latest and path.resolve() != output_dir.resolve():  # latest means --output_dir's newest, not this one's
             latest += f" with --output_dir {path} to continue that run in its folder"
         raise RecipeError(
-            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE}); pass "
-            f"{_a_checkpoint_in(path, 'its newest')}{latest}"
+            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_FILE})",
+            f"pass {_a_checkpoint_in(path, 'its newest')}{latest}",
+            subject="--resume_from_checkpoint",
         )
     if CHECKPOINT_RE.fullmatch(output_dir.name) and (output_dir / STATE_FILE).is_file():  # a run's, not a run
         raise RecipeError(
-            f"--output_dir {output_dir} is a checkpoint of the run in {output_dir.parent}; pass --output_dir "
-            f"{output_dir.parent} (with --resume_from_checkpoint latest to continue it), or another folder"
+            f"--output_dir {output_dir} is a checkpoint of the run in {output_dir.parent}",
+            f"pass --output_dir {output_dir.parent} (with --resume_from_checkpoint latest to continue it), or another "
+            "folder",
+            subject="--output_dir",
         )
     continuing = spec == "latest" or (path is not None and path.resolve().parent == output_dir.resolve())
     if overwrite and continuing:
         raise RecipeError(
             f"--overwrite_output_dir starts over and --resume_from_checkpoint {spec} continues the run in "
-            f"{output_dir}: pass one of them"
+            f"{output_dir}: pass one of them",
+            subject="--overwrite_output_dir",
         )
     lock = _RunLock.held.get(output_dir.resolve()) or _RunLock(output_dir)
     try:
@@ -194,26 +207,32 @@ def _claim(output_dir: Path, spec: str | None, overwrite: bool) -> None:
         if foreign:  # a pretrained model's own folder, say: --overwrite_output_dir deletes only what runs wrote
             raise RecipeError(
                 f"--output_dir {output_dir} holds files that no run of these recipes wrote ({', '.join(foreign[:4])}),"
-                " which a run would write over or delete; move them out of it, or pass another --output_dir"
+                " which a run would write over or delete",
+                "move them out of it, or pass another --output_dir",
+                subject="--output_dir",
             )
         if spec == "latest" and (finished := _finished(output_dir)):
             raise RunFinished(finished)
         if previous and not (continuing or overwrite):
             if spec:
-                advice = (
-                    f" and --resume_from_checkpoint {spec} is another folder's checkpoint; pass --overwrite_output_dir"
-                    " to start over there from it, or another --output_dir"
-                )
+                why = f" and --resume_from_checkpoint {spec} is another folder's checkpoint"
+                fix = "pass --overwrite_output_dir to start over there from it, or another --output_dir"
             elif _finished(output_dir):  # latest would end at once: nothing is left to continue
                 further = f"{further} to train it further, " if (further := _train_further(output_dir)) else "pass "
-                advice = f", which finished; {further}--overwrite_output_dir to start over, or another --output_dir"
+                why, fix = (
+                    ", which finished",
+                    f"{further}--overwrite_output_dir to start over, or another --output_dir",
+                )
             else:
-                advice = (
-                    "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
+                why = ""
+                fix = (
+                    "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to start over, or "
                     "another --output_dir"
                 )
             names = ", ".join(p.name for p in previous[:4])
-            raise RecipeError(f"--output_dir {output_dir} already holds a run ({names}){advice}")
+            raise RecipeError(
+                f"--output_dir {output_dir} already holds a run ({names}){why}", fix, subject="--output_dir"
+            )
     except BaseException:
         lock.release()
         raise
@@ -311,8 +330,9 @@ def _check_writable(output_dir: Path) -> None:
         problem = f"{base} is a file" if base.is_file() else one_line(err)
     if problems := [p for p in gather_object([problem]) if p]:
         raise RecipeError(
-            f"cannot write to --output_dir {output_dir} ({problem or f'another process: {problems[0]}'}); pass a "
-            "folder this job can write to, on a filesystem every node sees"
+            f"cannot write to --output_dir {output_dir} ({problem or f'another process: {problems[0]}'})",
+            "pass a folder this job can write to, on a filesystem every node sees",
+            subject="--output_dir",
         )
 
 
@@ -353,8 +373,9 @@ class _RunLock:
                 if err.errno in (errno.EACCES, errno.EAGAIN):
                     holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "it has not said who"
                     raise RecipeError(
-                        f"--output_dir {self.path.parent} is in use by another run ({holder}); wait for it to end, or "
-                        "pass another --output_dir"
+                        f"--output_dir {self.path.parent} is in use by another run ({holder})",
+                        "wait for it to end, or pass another --output_dir",
+                        subject="--output_dir",
                     ) from err
                 if err.errno != errno.ESTALE:  # not NFS's "removed on another node": no locks on this filesystem
                     logger.warning(
@@ -367,7 +388,10 @@ class _RunLock:
             finally:
                 if self.fd != fd:
                     os.close(fd)
-        raise RecipeError(f"could not lock --output_dir {self.path.parent}: its lock file kept being replaced")
+        raise RecipeError(
+            f"could not lock --output_dir {self.path.parent}: its lock file kept being replaced",
+            subject="--output_dir",
+        )
 
     def proceed(self) -> None:
         """The run goes on: the file now says who holds it (another node reads it over NFS: fsync)."""

@@ -127,7 +127,9 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         raise RecipeError(
             f"the training set holds {num_samples} samples: {rounds} batch(es) of {batch} for each of the "
             f"{num_processes} process(es) an epoch, fewer than --gradient_accumulation_steps {k}, so no optimizer "
-            f"step would see the effective batch the learning rate is scaled for; {fix}use more data"
+            "step would see the effective batch the learning rate is scaled for",
+            f"{fix}use more data",
+            subject="--gradient_accumulation_steps",
         )
     lr = scale_lr(args.learning_rate, batch * num_processes * k, args.reference_batch_size, args.lr_scaling)
     plan = TrainingPlan(num_samples, batch, num_processes, k, lr, 0, 0, 0, 0, args.lr_scheduler_type)
@@ -137,8 +139,9 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         warmup_steps = math.ceil(args.warmup_ratio * max_train_steps)
     if args.lr_scheduler_type == "inverse_sqrt" and not warmup_steps:  # transformers' 10,000 of its steps: ours?
         raise RecipeError(
-            "--lr_scheduler_type inverse_sqrt decays over its warmup's length, and there is no warmup; pass "
-            "--warmup_steps or --warmup_ratio above 0"
+            "--lr_scheduler_type inverse_sqrt decays over its warmup's length, and there is no warmup",
+            "pass --warmup_steps or --warmup_ratio above 0",
+            subject="--lr_scheduler_type",
         )
     if args.lr_scheduler_type == "constant":  # transformers' constant has none (constant_with_warmup has)
         warmup_steps = 0
@@ -153,8 +156,9 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         plan.lr_at(0)
     except ValueError as err:
         raise RecipeError(
-            f"--lr_scheduler_type {args.lr_scheduler_type}: {one_line(err)}; pass another --learning_rate or "
-            "--lr_scheduler_type"
+            f"--lr_scheduler_type {args.lr_scheduler_type}: {one_line(err)}",
+            "pass another --learning_rate or --lr_scheduler_type",
+            subject="--lr_scheduler_type",
         ) from err
     return plan
 
@@ -170,12 +174,15 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
     # resumed, the warmup it keeps (in samples; a ratio's of the checkpoint's length): all of a --warmup_ratio 1 run
     if plan.warmup_samples > plan.total_samples or args.warmup_steps and plan.warmup_samples >= plan.total_samples:
         length = "--max_train_steps" if args.max_train_steps else f"--num_train_epochs {args.num_train_epochs}"
-        flag, fix = f"--warmup_steps {args.warmup_steps}", "fewer warmup steps"
+        option, flag, fix = "--warmup_steps", f"--warmup_steps {args.warmup_steps}", "fewer warmup steps"
         if not args.warmup_steps:
+            option = "--warmup_ratio"
             flag = f"--warmup_ratio {args.warmup_ratio} (its {plan.warmup_samples:,} samples, of the checkpoint's run)"
             fix = "--warmup_steps, or another --warmup_ratio, for this length"
         raise RecipeError(
-            f"{flag} leaves no step after the warmup of the {plan.max_train_steps} steps of {length}; pass {fix}"
+            f"{flag} leaves no step after the warmup of the {plan.max_train_steps} steps of {length}",
+            f"pass {fix}",
+            subject=option,
         )
     logger.info(
         f"{num_processes} process(es) x {plan.per_device_batch_size} per device x {plan.gradient_accumulation_steps} "
@@ -201,13 +208,16 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
     saved_args = state.get("args", {})
     if "data_fingerprint" not in state:  # earlier versions counted batches of their own layout
         raise RecipeError(
-            f"checkpoint {resume} was written by an earlier version of the recipes; resume it with that version, or "
-            "start a new --output_dir"
+            f"checkpoint {resume} was written by an earlier version of the recipes",
+            "resume it with that version, or start a new --output_dir",
+            subject=str(resume),
         )
     if saved_args.get("seed", args.seed) != args.seed:
         raise RecipeError(
             f"the checkpoint was written with --seed {saved_args['seed']}, which fixes the order of the data it has "
-            f"not trained yet; resume with --seed {saved_args['seed']}"
+            "not trained yet",
+            f"resume with --seed {saved_args['seed']}",
+            subject="--seed",
         )
     changed = changed_settings(saved_args, args)
     if state["data_fingerprint"] != plan.data_fingerprint:
@@ -218,8 +228,10 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
         if state["num_samples"] is None and plan.num_samples is None:
             sizes = "another stream"
         raise RecipeError(
-            f"checkpoint {resume} was written for other training data ({sizes}){differs}; resume with the data and "
-            "preprocessing that wrote it (its trainer_state.json lists the arguments), or start a new --output_dir"
+            f"checkpoint {resume} was written for other training data ({sizes}){differs}",
+            "resume with the data and preprocessing that wrote it (its trainer_state.json lists the arguments), or "
+            "start a new --output_dir",
+            subject=str(resume),
         )
     if changed:
         logger.warning(f"resuming {resume} with settings that differ from the checkpoint's: {', '.join(changed)}")
@@ -237,8 +249,9 @@ def _resumed(args, plan: TrainingPlan, state: dict, resume) -> tuple[TrainingPla
         trained = f"{start.epoch} epoch(s){f' and {start.sample:,} samples' if start.sample else ''} trained"
         raise RecipeError(
             f"checkpoint {resume} is at step {start.step} ({trained}), past {flag} {limit}: there is nothing to "
-            f"train, and the run's model would become this checkpoint's; pass {flag} {enough} or more, or an earlier "
-            "checkpoint"
+            "train, and the run's model would become this checkpoint's",
+            f"pass {flag} {enough} or more, or an earlier checkpoint",
+            subject=flag,
         )
     if args.max_train_steps is None:
         steps, samples = plan.steps_and_samples_from(start, epochs=args.num_train_epochs)

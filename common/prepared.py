@@ -187,7 +187,7 @@ def find_prepared(folder: Path, inputs: dict, named: bool) -> dict | None:
     if not folder.exists():
         return None
     if not folder.is_dir():
-        raise RecipeError(f"{flag} is a file, not a folder; {fix}")
+        raise RecipeError(f"{flag} is a file, not a folder; {fix}", subject="--prepared_data_dir")
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         assert isinstance(manifest["inputs"], dict) and isinstance(manifest["splits"], dict)
@@ -197,18 +197,24 @@ def find_prepared(folder: Path, inputs: dict, named: bool) -> dict | None:
             return None
         damage = f"it has no {MANIFEST}"
         if named:
-            raise RecipeError(f"{flag} holds files that are not prepared data ({damage}); {fix}") from None
+            raise RecipeError(
+                f"{flag} holds files that are not prepared data ({damage}); {fix}", subject="--prepared_data_dir"
+            ) from None
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
         damage = f"its {MANIFEST} does not parse ({type(err).__name__})"
     if damage is None and manifest["inputs"] != inputs:
         if named:
-            raise RecipeError(f"{flag} was prepared from {difference(manifest['inputs'], inputs)}; {fix}")
+            raise RecipeError(
+                f"{flag} was prepared from {difference(manifest['inputs'], inputs)}; {fix}",
+                subject="--prepared_data_dir",
+            )
         damage = "it was prepared from other inputs"
     if damage is None:
         return manifest
     if named:
         raise RecipeError(
-            f"{flag} is damaged ({damage}); delete it to prepare it again, or pass another --prepared_data_dir"
+            f"{flag} is damaged ({damage}); delete it to prepare it again, or pass another --prepared_data_dir",
+            subject="--prepared_data_dir",
         )
     logger.warning(f"prepared data in {folder} is damaged ({damage}): preparing it again")
     return None
@@ -259,7 +265,8 @@ def one_preparation(folder: Path, digest: str, stalled_after: int):
                 raise RecipeError(
                     f"another run has prepared the same data into {folder} and written nothing for {stalled_after} s "
                     f"(--ddp_timeout; it holds {lock.lock_file}): a process stopped or stalled; end it, or pass "
-                    "another --prepared_data_dir"
+                    "another --prepared_data_dir",
+                    subject="--prepared_data_dir",
                 ) from None
     try:
         yield

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from . import args as _args
 from . import mesh, preemption
+from .errors import RecipeError
 from .preemption import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
 logger = get_logger("recipes")
@@ -45,22 +46,6 @@ NO_COMPILER = (
     "torch.compile (--torch_compile, --dynamo_backend inductor) needs a C++ compiler for inductor's CPU code, and it "
     "found none (or not $CXX); install g++ (apt install g++, conda install gxx), or train without compiling"
 )
-
-
-class RecipeError(Exception):
-    """A mistake the user can fix: one `error:` line, exit code 2, said by rank 0 alone unless one rank may meet it
-    alone (`same_on_every_rank=False`); under launch.sh by the first process of a node to end (first_to_say)."""
-
-    def __init__(self, message: str, same_on_every_rank: bool = True):
-        super().__init__(message)  # the flag travels in __dict__ (pickled by decide_on_main's broadcast)
-        self.same_on_every_rank = same_on_every_rank
-
-
-class DataError(RecipeError):
-    """Bad data met by one process, often in a DataLoader worker (`one_line` recovers its message)."""
-
-    def __init__(self, message: str, same_on_every_rank: bool = False):
-        super().__init__(message, same_on_every_rank)
 
 
 class RunFinished(Exception):
@@ -109,11 +94,17 @@ def causes(err: BaseException) -> list:
 def os_error_line(err: BaseException) -> str | None:
     """One line for an OS error about a path in `err` or its causes: the path, the option or environment variable
     it comes from, what the system said, and the fix; or None."""
+    return None if (refusal := os_error_refusal(err)) is None else str(refusal)
+
+
+def os_error_refusal(err: BaseException) -> RecipeError | None:
+    """An OS error about a path in `err` or its causes as a refusal (os_error_line's), its subject the option or
+    environment variable the path comes from, else the path; or None."""
     found = next((e for e in causes(err) if isinstance(e, OSError) and e.errno in OS_FIXES and e.filename), None)
     if found is None:
         return None
     name = os.fsdecode(found.filename)
-    path, where = os.path.abspath(name), name
+    path, where, subject = os.path.abspath(name), name, name
     parsed = _arguments_of_failing_code(err)
     options = parsed.values_by_option.items() if parsed else ()
     origins = [*options, *((f"${n}", os.environ[n]) for n in PATH_VARIABLES if os.environ.get(n))]
@@ -126,15 +117,17 @@ def os_error_line(err: BaseException) -> str | None:
             found, path, name, inside = OSError(code, os.strerror(code), base), base, base, False
         if path == base or inside:
             where = f"{origin} {value}" if path == base else f"{name} (in {origin} {value})"
-            break
-        if base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
+        elif base.startswith(path.rstrip(os.sep) + os.sep):  # a folder on its way
             where = f"{name} (on the path of {origin} {value})"
-            break
-        beside = os.path.dirname(path) == os.path.dirname(base.rstrip(os.sep))
-        if beside and os.path.basename(path).startswith(f".{os.path.basename(base.rstrip(os.sep))}."):
+        elif os.path.dirname(path) == os.path.dirname(base.rstrip(os.sep)) and os.path.basename(path).startswith(
+            f".{os.path.basename(base.rstrip(os.sep))}."
+        ):
             where = f"{name} (kept beside {origin} {value} while it is written)"  # e.g. the preparation's lock
-            break
-    return _args.mask_secrets(f"{where}: {_os_reason(found)}")
+        else:
+            continue
+        subject = origin
+        break
+    return RecipeError(_args.mask_secrets(f"{where}: {_os_reason(found)}"), subject=_args.mask_secrets(subject))
 
 
 def _arguments_of_failing_code(err: BaseException) -> _args.ParsedArgs | None:
@@ -172,7 +165,7 @@ def check_path(flag: str, path, folder: bool = False) -> None:
     try:
         os.scandir(os.path.expanduser(path)).close() if folder else open(os.path.expanduser(path), "rb").close()
     except OSError as err:
-        raise RecipeError(f"{flag} {path}: {_os_reason(err)}") from err
+        raise RecipeError(f"{flag} {path}: {_os_reason(err)}", subject=flag) from err
 
 
 def decide_on_main(accelerator, fn):
@@ -200,7 +193,7 @@ def _as_told_to_all(err: BaseException, who: str) -> BaseException:
         err.same_on_every_rank = True  # every process raises it: one line says it
     if isinstance(err, (RecipeError, RunFinished, Preempted, KeyboardInterrupt)):
         return err
-    return RecipeError(os_error_line(err) or f"{who} failed: {one_line(err)}")  # whichever process says it
+    return os_error_refusal(err) or RecipeError(f"{who} failed: {one_line(err)}")  # whichever process says it
 
 
 class LostWhileWaiting(Exception):

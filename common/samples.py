@@ -44,10 +44,7 @@ def add_sample_args(parser) -> None:
 
 def _check_sample_args(parser, args) -> None:
     if args.sample_prompts and args.max_new_tokens:
-        try:
-            read_prompts(args.sample_prompts, args.data_format)
-        except RecipeError as err:
-            parser.error(str(err))
+        read_prompts(args.sample_prompts, args.data_format)  # its RecipeError is the parse's error
 
 
 def read_prompts(path, data_format: str) -> list:
@@ -59,12 +56,14 @@ def read_prompts(path, data_format: str) -> list:
     check_path("--sample_prompts", path)
     allowed = (".jsonl",) if data_format == "chat" else (".txt", ".jsonl")
     if Path(path).suffix.lower() not in allowed:
-        raise RecipeError(f"{flag}: not a {' or '.join(allowed)} file; {fix}")
+        raise RecipeError(f"{flag}: not a {' or '.join(allowed)} file", fix, subject="--sample_prompts")
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
         raise RecipeError(
-            f"{flag}: not UTF-8 text ({one_line(err)}); convert the file, e.g. iconv -f latin1 -t utf-8"
+            f"{flag}: not UTF-8 text ({one_line(err)})",
+            "convert the file, e.g. iconv -f latin1 -t utf-8",
+            subject="--sample_prompts",
         ) from None
     prompts = []
     for number, line in ((n, line) for n, line in enumerate(lines, 1) if line.strip()):
@@ -74,22 +73,26 @@ def read_prompts(path, data_format: str) -> list:
         try:
             row = json.loads(line)
         except ValueError as err:
-            raise RecipeError(f"{flag}: line {number} is not JSON ({one_line(err)}); {fix}") from None
+            raise RecipeError(
+                f"{flag}: line {number} is not JSON ({one_line(err)})", fix, subject="--sample_prompts"
+            ) from None
         value = row.get("prompt" if data_format == "text" else "messages") if isinstance(row, dict) else None
         if data_format == "text":
             if not isinstance(value, str) or not value.strip():
-                raise RecipeError(f'{flag}: line {number} has no text under "prompt"; {fix}')
+                raise RecipeError(f'{flag}: line {number} has no text under "prompt"', fix, subject="--sample_prompts")
             prompts.append(value)
             continue
         try:
             check_conversation(value, needs_reply=False)
         except RecipeError as err:
-            raise RecipeError(f"{flag}: line {number}: {err}; {fix}") from None
+            raise RecipeError(f"{flag}: line {number}: {err}", fix, subject="--sample_prompts") from None
         if not (conversation := before_last_reply(value)):
-            raise RecipeError(f"{flag}: line {number} is a reply alone, with nothing to reply to; {fix}")
+            raise RecipeError(
+                f"{flag}: line {number} is a reply alone, with nothing to reply to", fix, subject="--sample_prompts"
+            )
         prompts.append(conversation)
     if not prompts:
-        raise RecipeError(f"{flag}: holds no prompts; {fix}")
+        raise RecipeError(f"{flag}: holds no prompts", fix, subject="--sample_prompts")
     return prompts
 
 
@@ -155,7 +158,9 @@ def prompts_for(args, tokenizer, config) -> list:
     if room < 1:
         raise RecipeError(
             f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in the {positions} positions the "
-            f"model takes; pass --max_new_tokens {max(positions // 2, 1)} or less"
+            "model takes",
+            f"pass --max_new_tokens {max(positions // 2, 1)} or less",
+            subject="--max_new_tokens",
         )
     if not args.sample_prompts:
         prompts = held_out_prompts(args, tokenizer, config, HELD_OUT_PROMPTS, room)
@@ -167,16 +172,18 @@ def prompts_for(args, tokenizer, config) -> list:
         if args.data_format == "chat":
             if (made := chat_prompt(tokenizer, prompt)) is None:
                 raise RecipeError(
-                    f"--sample_prompts {args.sample_prompts}: the chat template rejects conversation {number}; "
-                    "give it the roles and order the template takes"
+                    f"--sample_prompts {args.sample_prompts}: the chat template rejects conversation {number}",
+                    "give it the roles and order the template takes",
+                    subject="--sample_prompts",
                 )
         else:
             made = (prompt, tokenizer(prompt)["input_ids"])
         if len(made[1]) > room:
             raise RecipeError(
                 f"--sample_prompts {args.sample_prompts}: prompt {number} is {len(made[1])} tokens, and with "
-                f"--max_new_tokens {args.max_new_tokens} it passes the {positions} positions the model takes; "
-                "shorten it, or lower --max_new_tokens"
+                f"--max_new_tokens {args.max_new_tokens} it passes the {positions} positions the model takes",
+                "shorten it, or lower --max_new_tokens",
+                subject="--sample_prompts",
             )
         prompts.append(made)
     return prompts

@@ -90,29 +90,34 @@ def add_lm_args(parser):
 
 def _check_lm_args(parser, args) -> None:
     if bool(args.model_name_or_path) == bool(args.config_name):
-        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them")
+        parser.error("pass --model_name_or_path (pretrained) or --config_name (from scratch), one of them",
+                     subject="--model_name_or_path")  # fmt: skip
     if args.dataset_name and (args.train_file or args.validation_file):
-        parser.error("pass --dataset_name or --train_file (with --validation_file), not both")
+        parser.error(
+            "pass --dataset_name or --train_file (with --validation_file), not both", subject="--dataset_name"
+        )
     if not args.dataset_name and not args.train_file:
-        parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)")
+        parser.error("no data: pass --train_file (txt, json, jsonl, csv, parquet) or --dataset_name (hub or folder)",
+                     subject="--train_file")  # fmt: skip
     if args.streaming and not args.max_train_steps:
         parser.error("--streaming reads the data as it trains, so no epoch length is known to plan by: pass "
-                     "--max_train_steps (the stream starts again when it ends)")  # fmt: skip
+                     "--max_train_steps (the stream starts again when it ends)", subject="--streaming")  # fmt: skip
     if args.streaming and args.train_file and not args.validation_file:
         parser.error("--streaming cannot hold a share of a stream out for validation: pass --validation_file "
-                     "(held-out rows in the format of --train_file), or drop --streaming")  # fmt: skip
+                     "(held-out rows in the format of --train_file), or drop --streaming",
+                     subject="--streaming")  # fmt: skip
     for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
         if path and Path(path).is_dir():  # of data files, or saved by save_to_disk
-            parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}")
+            parser.error(f"{flag} {path} is a folder: pass a file in it, or the folder as --dataset_name {path}",
+                         subject=flag)  # fmt: skip
         if path and local_format(path) is None:
             parser.error(
-                f"{flag} {path}: unknown format {Path(path).suffix!r}; use one of {', '.join(LOCAL_FORMATS)} (also "
-                f"compressed: {', '.join(COMPRESSED)})"
+                f"{flag} {path}: unknown format {Path(path).suffix!r}",
+                f"use one of {', '.join(LOCAL_FORMATS)} (also compressed: {', '.join(COMPRESSED)})",
+                subject=flag,
             )
-        try:  # here, not when the data loads: a mistyped path costs a second, not the loading of a model's weights
-            path and check_path(flag, path)
-        except RecipeError as err:
-            parser.error(str(err))
+        # here, not when the data loads: a mistyped path costs a second, not the loading of a model's weights
+        path and check_path(flag, path)
 
 
 def local_format(path) -> str | None:
@@ -202,7 +207,7 @@ def _data_error(err: BaseException, source: str, builder: str, path) -> RecipeEr
         why = f"{what}; its data files must share one format and the same columns: move the others out of it"
     else:
         why = f"{what}; pass a hub dataset id (with network, or cached) or a folder of data files, or --train_file"
-    return RecipeError(f"{source}: {why}")
+    return RecipeError(f"{source}: {why}", subject=option_of(source))
 
 
 def data_sources(dataset_name=None, train_file=None, validation_file=None) -> dict:
@@ -214,6 +219,12 @@ def data_sources(dataset_name=None, train_file=None, validation_file=None) -> di
         "train": f"--train_file {train_file}",
         "validation": f"--validation_file {validation_file}" if validation_file else held_out,
     }
+
+
+def option_of(source: str) -> str | None:
+    """The option a data source's name says it came from ("--train_file t.jsonl" -> "--train_file"): a refusal's
+    subject."""
+    return named[0] if (named := re.search(r"--\w+", source)) else None
 
 
 def load_raw_datasets(*, dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
@@ -242,7 +253,10 @@ def read_sources(*, dataset_name=None, dataset_config_name=None, train_file=None
             check_path("--dataset_name", dataset_name, folder=True)
         raw = _load(flag, dataset_name, dataset_config_name, streaming=streaming)
         if "train" not in raw:
-            raise RecipeError(f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead")
+            raise RecipeError(
+                f"{flag}: no train split (it has {', '.join(raw) or 'none'}); pass --train_file instead",
+                subject="--dataset_name",
+            )
         builders = dict.fromkeys(raw, dataset_name)
     else:
         raw, builders = DatasetDict(), {}
@@ -260,7 +274,10 @@ def read_sources(*, dataset_name=None, dataset_config_name=None, train_file=None
         for split in [split for split in ("train", "validation") if split in raw]:
             checked[split] = _first_rows(sources[split], builders[split], raw[split], paths.get(split))
             if checked[split] is None:
-                raise RecipeError(f"{sources[split]}: holds no rows; add data or pass another file")
+                raise RecipeError(
+                    f"{sources[split]}: holds no rows; add data or pass another file",
+                    subject=option_of(sources[split]),
+                )
     if data_format:
         check_columns(checked, data_format, text_column, sources)
     return raw
@@ -279,7 +296,8 @@ def hold_out(raw, validation_split_percentage, seed, sources):
         other = ", or another --validation_split_percentage" if rows > 1 else ""  # one row: no share mends it
         raise RecipeError(
             f"{sources['train']}: {rows} row(s) are too few to hold out {validation_split_percentage}% for "
-            f"validation; add rows, or pass --validation_file{other}"
+            f"validation; add rows, or pass --validation_file{other}",
+            subject="--validation_split_percentage",
         ) from err
     return DatasetDict(train=split["train"], validation=split["test"])
 
@@ -326,7 +344,8 @@ def chat_example(tokenizer, messages) -> dict:
                 if not (text.startswith(before) and text.startswith(through)):
                     raise RecipeError(
                         "the tokenizer's chat template does not render conversations incrementally, so prompt "
-                        "tokens cannot be masked; use --data_format text"
+                        "tokens cannot be masked; use --data_format text",
+                        subject="--data_format",
                     )
                 spans.append((len(before), len(through)))
     except TemplateError as err:  # the template's own checks: roles that must alternate, a system message first
@@ -386,13 +405,15 @@ def check_columns(raw, data_format, text_column, sources) -> None:
         if other := [name for name in raw if name not in without]:  # what mends one split would break the other
             raise RecipeError(
                 f"{sources[split]} has no {column} column (columns: {', '.join(columns)}), which "
-                f"{sources[other[0]]} has: pass data of one format for both"
+                f"{sources[other[0]]} has: pass data of one format for both",
+                subject=option_of(sources[split]),
             )
         missing = f"not in the data (columns: {', '.join(columns)})"
         if len(raw[split]) == 1 and (nested := [k for k, v in raw[split][0].items() if isinstance(v, list)]):
             raise RecipeError(  # a .json file of one object whose rows are a list in it
                 f"{sources[split]}: no {column} column (columns: {', '.join(columns)}): its one row holds a list "
-                f"under {nested[0]}; write one JSON object per line (.jsonl) instead"
+                f"under {nested[0]}; write one JSON object per line (.jsonl) instead",
+                subject=option_of(sources[split]),
             )
         if data_format == "chat":
             fix = (
@@ -400,13 +421,16 @@ def check_columns(raw, data_format, text_column, sources) -> None:
                 if "conversations" in columns
                 else "pass --data_format text for plain text"
             )
-            raise RecipeError(f"{sources[split]}: --data_format chat needs a column named messages: {missing}; {fix}")
+            raise RecipeError(
+                f"{sources[split]}: --data_format chat needs a column named messages: {missing}; {fix}",
+                subject=option_of(sources[split]),
+            )
         texts = [c for c in columns if getattr(raw[split].features[c], "dtype", None) in ("string", "large_string")]
         closest = texts if len(texts) == 1 else difflib.get_close_matches(column, texts, n=1)  # of the text columns
         hint = f"; pass --text_column {closest[0]}" if closest else ""
         if "messages" in columns:
             hint = "; it looks like chat data: pass --data_format chat"
-        raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}")
+        raise RecipeError(f"{sources[split]}: --text_column {column}: {missing}{hint}", subject="--text_column")
 
 
 def _check_tokenizer(tokenizer, data_format) -> None:
@@ -415,7 +439,8 @@ def _check_tokenizer(tokenizer, data_format) -> None:
     if data_format == "chat" and not tokenizer.chat_template:
         raise RecipeError(
             f"the tokenizer {tokenizer.name_or_path} has no chat template, which --data_format chat renders "
-            "conversations with; use a tokenizer that has one, or --data_format text"
+            "conversations with; use a tokenizer that has one, or --data_format text",
+            subject="--data_format",
         )
 
 
@@ -450,12 +475,13 @@ def _tokenizer_for(tokenizer, data_format, column):
             try:
                 rows = [chat_example(tokenizer, messages) for messages in batch[column]]
             except RecipeError as err:
-                raise RecipeError(f"{source}: {err}; fix or remove that row") from None
+                raise RecipeError(f"{source}: {err}; fix or remove that row", subject=option_of(source)) from None
             return {key: [row[key] for row in rows] for key in ("input_ids", "labels")}
         if bad := [text for text in batch[column] if not isinstance(text, str)]:
             raise RecipeError(
                 f"{source}: a row's {column} is {_excerpt(bad[0])} ({type(bad[0]).__name__}), not text; remove or "
-                "fill such rows, or pass the --text_column that holds the text"
+                "fill such rows, or pass the --text_column that holds the text",
+                subject="--text_column",
             )
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]  # marks document ends
         texts = [text for text in batch[column] if text.strip()]  # a blank row is no document: no end to mark
@@ -476,7 +502,7 @@ def _blocks_of(data, tokenize, source, block_size, num_proc=None, cache=None):
             num_proc=num_proc if num_proc and num_proc > 1 else None, desc="tokenizing", **files("tokens.arrow"),
         )  # fmt: skip
     except UnicodeDecodeError as err:  # the json loader keeps such bytes; reading the rows back fails
-        raise RecipeError(f"{source}: {_not_utf8(err)}") from None
+        raise RecipeError(f"{source}: {_not_utf8(err)}", subject=option_of(source)) from None
     if len(tokenized) == 0:
         from datasets import Dataset
 
@@ -500,10 +526,13 @@ def _check_split(source, documents, blocks, trained, block_size, train_rows=2) -
     """A split's blocks are enough to train or evaluate on: text, at least one block, most with a target token.
     `train_rows`: the rows left to train on (a larger held-out share needs more than one)."""
     if documents == 0:  # whatever the file's size: no row holds text
-        raise RecipeError(f"{source}: holds no text (no row has any); pass data that does")
+        raise RecipeError(f"{source}: holds no text (no row has any); pass data that does", subject=option_of(source))
     if blocks == 0:
         more = " (a larger --validation_split_percentage)" if "held out" in source and train_rows > 1 else ""
-        raise RecipeError(f"{source} holds fewer than {block_size} tokens; add data{more} or lower --block_size")
+        raise RecipeError(
+            f"{source} holds fewer than {block_size} tokens; add data{more} or lower --block_size",
+            subject=option_of(source),
+        )
     if trained * 2 < blocks:  # none: a mean over nothing (NaN, 1/0); few: steps that learn nothing
         what = f"{'no' if not trained else f'only {trained} of {blocks}'} block(s) of {block_size}"
         why = (  # a larger block holds more replies only where the model takes one: not a fix at its limit
@@ -511,7 +540,7 @@ def _check_split(source, documents, blocks, trained, block_size, train_rows=2) -
             "whose replies are more of each conversation, or a larger --block_size if the model accepts one"
         )
         if not trained:
-            raise RecipeError(why)
+            raise RecipeError(why, subject=option_of(source))
         logger.warning(why)
 
 
@@ -716,7 +745,8 @@ def block_size_for(args, tokenizer, config) -> int:
     if block_size > positions:
         raise RecipeError(
             f"--block_size {block_size} is larger than the model accepts ({positions}, its config's "
-            f"max_position_embeddings); pass --block_size {positions} or less"
+            f"max_position_embeddings); pass --block_size {positions} or less",
+            subject="--block_size",
         )
     if block_size > advised:  # as run_clm, the model's positions decide
         logger.warning(f"--block_size {block_size} is above the tokenizer's model_max_length ({advised})")
@@ -776,7 +806,8 @@ def read_streams(args) -> tuple[dict, dict]:
         raise RecipeError(
             f"{sources['validation'].rsplit(' (', 1)[0]} has no validation split, and --streaming cannot hold a share "
             "of a stream out; drop --streaming (5% is held out), or pass its files as --train_file and "
-            "--validation_file"
+            "--validation_file",
+            subject="--streaming",
         )
     return streams, sources
 
@@ -875,7 +906,8 @@ def load_causal_lm(args, **model_kwargs):
         if attn not in (None, "eager") and attn_failed:
             raise RecipeError(
                 f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or leave "
-                "the option out (transformers picks sdpa where the model has it, else eager)"
+                "the option out (transformers picks sdpa where the model has it, else eager)",
+                subject="--attn_implementation",
             ) from err
         if tokenizer is not None and args.config_overrides:  # config and tokenizer loaded: the overrides failed
             raise _overrides_error(config, args, err) from err
@@ -896,14 +928,16 @@ def load_causal_lm(args, **model_kwargs):
             )
             raise RecipeError(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} "
-                f"(config.vocab_size): {fix}"
+                f"(config.vocab_size): {fix}",
+                subject="--tokenizer_name",
             )
         logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
         model.resize_token_embeddings(len(tokenizer))
     if not is_causal(model):
         raise RecipeError(
             f"{flag} {source}: {type(model).__name__} lets each position see the ones after it (an encoder such as "
-            "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)"
+            "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)",
+            subject=flag,
         )
     return model, tokenizer
 
@@ -1021,7 +1055,7 @@ def _load_error(flag: str, name: str, err: BaseException, part: str) -> RecipeEr
         why = f"{text}; pass a causal language model"
     else:
         why = f"{type(err).__name__}: {text}; {fix}"
-    return RecipeError(f"{flag} {name}: {why}")
+    return RecipeError(f"{flag} {name}: {why}", subject=flag)
 
 
 def _overrides_error(config, args, err: BaseException) -> RecipeError:
@@ -1039,7 +1073,7 @@ def _overrides_error(config, args, err: BaseException) -> RecipeError:
             f"the model {args.config_name} builds from them does not run ({what}); give each key a value of its "
             "type in config.json, agreeing with the others and with the rest of the config"
         )
-    return RecipeError(f"--config_overrides {overrides}: {why}")
+    return RecipeError(f"--config_overrides {overrides}: {why}", subject="--config_overrides")
 
 
 # Training and evaluation --------------------------------------------------------------------------

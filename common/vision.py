@@ -21,9 +21,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .checkpoint import read_state
 from .data import default_num_workers, prepare_data_first
+from .errors import DataError
 from .metrics import count_parameters
 from .plan import decay_groups
-from .runtime import DataError, RecipeError, check_path, decide_on_main, logger, one_line
+from .runtime import RecipeError, check_path, decide_on_main, logger, one_line
 
 CIFAR = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -47,17 +48,19 @@ def load_image(path):
                 if image.mode in ("I", "F"):  # 32-bit integers or floats: no one scale maps them to 8 bits
                     raise DataError(
                         f"{path}: 32-bit pixels (PIL mode {image.mode}) have no single 8-bit scale; convert the "
-                        "images to 8 or 16 bits per channel"
+                        "images to 8 or 16 bits per channel",
+                        subject=str(path),
                     )
                 if image.mode.startswith("I;16"):
                     return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), "L").convert("RGB")
                 return image.convert("RGB")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise DataError(
-            f"{path}: too large to decode ({err}); shrink it first: every image is resized to --image_size anyway"
+            f"{path}: too large to decode ({err}); shrink it first: every image is resized to --image_size anyway",
+            subject=str(path),
         ) from err
     except (OSError, SyntaxError, ValueError) as err:  # not an image, truncated, an unsupported variant
-        raise DataError(f"{path}: unreadable image ({err}); remove or replace the file") from err
+        raise DataError(f"{path}: unreadable image ({err}); remove or replace the file", subject=str(path)) from err
 
 
 def load_images(args):
@@ -93,23 +96,29 @@ def _image_sets(args):
             hint = f" (the folder holding {folder.name})" if Path(args.data_dir).name == folder.name else ""
             raise RecipeError(
                 f"{args.dataset} {where} and could not be downloaded ({err}); download it where there is network and "
-                f"pass --data_dir{hint}, or use --dataset imagefolder"
+                f"pass --data_dir{hint}, or use --dataset imagefolder",
+                subject="--data_dir",
             ) from err
     train = _image_folder("--train_dir", args.train_dir)
     if len(train.classes) < 2:
         raise RecipeError(
             f"--train_dir {args.train_dir} has {len(train.classes)} class folder; a classifier needs two or more "
-            "(one sub-folder of images per class)"
+            "(one sub-folder of images per class)",
+            subject="--train_dir",
         )
     evals = _image_folder("--val_dir", args.val_dir, train.classes)
     if evals.unknown:  # a label the model has no output for
         raise RecipeError(
             f"--val_dir {args.val_dir} has class folders that --train_dir {args.train_dir} lacks "
             f"({', '.join(map(repr, evals.unknown))}); give both the same class sub-folders, so that a label means "
-            "the same class in each"
+            "the same class in each",
+            subject="--val_dir",
         )
     if not evals.samples:
-        raise RecipeError(f"--val_dir {args.val_dir}: its class folders hold no image; put validation images in them")
+        raise RecipeError(
+            f"--val_dir {args.val_dir}: its class folders hold no image; put validation images in them",
+            subject="--val_dir",
+        )
     if lacking := sorted(set(train.classes) - {train.classes[i] for i in set(evals.targets)}):
         logger.warning(f"--val_dir {args.val_dir} has no image of {len(lacking)} class(es) ({', '.join(lacking)})")
     return train, evals
@@ -124,7 +133,8 @@ def _image_folder(flag, folder, classes=None):
     except OSError as err:  # torchvision's: no class folders, no images in them
         raise RecipeError(
             f"{flag} {folder}: {one_line(err)}{f' (skipped: {_tally(skipped)})' if skipped else ''}; --dataset "
-            f"imagefolder needs a folder with one sub-folder of images ({images_are}) per class"
+            f"imagefolder needs a folder with one sub-folder of images ({images_are}) per class",
+            subject=flag,
         ) from err
     if skipped:
         logger.warning(f"{flag} {folder}: skipped {_tally(skipped)}, not images ({images_are})")
@@ -137,7 +147,8 @@ def _image_folder(flag, folder, classes=None):
         if (real := os.path.realpath(where)) in seen:
             raise RecipeError(
                 f"{flag} {folder}: {where} is {seen[real]} again, through a symbolic link, so its images would be "
-                "trained more than once, under another class; remove the link"
+                "trained more than once, under another class; remove the link",
+                subject=flag,
             )
         seen[real] = where
     return images
@@ -206,7 +217,8 @@ def held_on_device(args, images, accelerator, resume_from=None) -> bool:
         asked = flag[args.data_on_device]
         raise RecipeError(
             f"checkpoint {resume_from} was trained with {flag[saved]}, whose crops and flips {asked} would draw "
-            f"otherwise; resume without {asked} (or with {flag[saved]})"
+            f"otherwise; resume without {asked} (or with {flag[saved]})",
+            subject=asked,
         )
     train, evals, size = images[:3]
     count = len(train) + len(evals)
@@ -304,35 +316,37 @@ def _check_model_args(parser, args) -> None:
     name, size, batch = args.model, args.image_size, args.per_device_train_batch_size
     tuned = args.pretrained or args.pretrained_path
     memory, nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), batch * 3 * size * size * 4
-    for wrong, message in (
-        (args.pretrained and args.pretrained_path, "pass --pretrained (published weights) or --pretrained_path (a "
-         "file), not both"),
-        ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned, "--freeze_backbone and --head_lr_scale "
-         "fine-tune loaded weights: add --pretrained or --pretrained_path"),
-        (args.freeze_backbone and args.head_lr_scale != 1, "--freeze_backbone trains the head alone, at "
-         "--learning_rate: drop --head_lr_scale"),
-        (args.pretrained and args.norm_layer == "group", "--norm_layer group replaces the BatchNorm layers of the "
-         "published weights; fine-tune them with --norm_layer batch or sync_batch"),
-        (name == "resnet18_cifar" and args.pretrained, "--model resnet18_cifar has no published weights (its stem "
-         "is not resnet18's); pass --model resnet18 (or another torchvision or timm/ model) with --pretrained, or "
-         "--pretrained_path"),
-        (nbytes > memory, f"--image_size {size}: one batch of {batch} such images is {nbytes / 1e9:,.0f} GB as "
-         f"float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB of memory; pass the size "
-         "the model should see (the images are resized to it), such as 224"),  # a typo of a size
+    for wrong, subject, problem, fix in (
+        (args.pretrained and args.pretrained_path, "--pretrained", "pass --pretrained (published weights) or "
+         "--pretrained_path (a file), not both", None),
+        ((args.freeze_backbone or args.head_lr_scale != 1) and not tuned, "--freeze_backbone" if
+         args.freeze_backbone else "--head_lr_scale", "--freeze_backbone and --head_lr_scale fine-tune loaded "
+         "weights: add --pretrained or --pretrained_path", None),
+        (args.freeze_backbone and args.head_lr_scale != 1, "--head_lr_scale", "--freeze_backbone trains the head "
+         "alone, at --learning_rate: drop --head_lr_scale", None),
+        (args.pretrained and args.norm_layer == "group", "--norm_layer", "--norm_layer group replaces the BatchNorm "
+         "layers of the published weights", "fine-tune them with --norm_layer batch or sync_batch"),
+        (name == "resnet18_cifar" and args.pretrained, "--model", "--model resnet18_cifar has no published weights "
+         "(its stem is not resnet18's)", "pass --model resnet18 (or another torchvision or timm/ model) with "
+         "--pretrained, or --pretrained_path"),
+        (nbytes > memory, "--image_size", f"--image_size {size}: one batch of {batch} such images is "
+         f"{nbytes / 1e9:,.0f} GB as float32 before the model sees it, more than this machine's {memory / 1e9:.0f} GB "
+         "of memory", "pass the size the model should see (the images are resized to it), such as 224"),  # a typo
     ):  # fmt: skip
         if wrong:
-            parser.error(message)
+            parser.error(problem, fix, subject=subject)
     if name.startswith("timm/"):
         try:
             timm_weights(name, args.pretrained)  # timm is installed, the name is a model's, its weights published
         except RecipeError as err:
-            parser.error(str(err))
+            parser.error(err)
     elif name not in (models := ["resnet18_cifar", *torchvision.models.list_models(module=torchvision.models)]):
         close = difflib.get_close_matches(name, models, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         parser.error(
-            f"--model {name}: not a torchvision classification model{hint}; pass resnet18_cifar or a name from "
-            "torchvision.models.list_models(module=torchvision.models)"
+            f"--model {name}: not a torchvision classification model{hint}",
+            "pass resnet18_cifar or a name from torchvision.models.list_models(module=torchvision.models)",
+            subject="--model",
         )
     try:
         with torch.device("meta"):
@@ -361,14 +375,15 @@ def _check_model_args(parser, args) -> None:
         cifar = args.dataset != "imagefolder"
         data, fix = (f"{args.dataset}'s ", " with --dataset imagefolder") if cifar else ("", "")
         parser.error(
-            f"--model {name} cannot take {data}{size}x{size} images ({problem}); pass --image_size {fits}{fix}, or "
-            "another --model"
+            f"--model {name} cannot take {data}{size}x{size} images ({problem})",
+            f"pass --image_size {fits}{fix}, or another --model",
+            subject="--model",
         )
     if batch == 1 and not problem and fails(size, batch=1):
         parser.error(
             f"--model {name} on {size}x{size} images leaves batch norm one value per channel with "
-            "--per_device_train_batch_size 1; pass 2 or more"
-        )
+            "--per_device_train_batch_size 1", "pass 2 or more", subject="--per_device_train_batch_size",
+        )  # fmt: skip
 
 
 # Models -------------------------------------------------------------------------------------------
@@ -380,20 +395,25 @@ def timm_weights(name, pretrained=False):
         import timm
     except ImportError as err:
         raise RecipeError(
-            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'"
+            f"--model {name} is a timm model, and timm is not installed: pip install -e '.[timm]'", subject="--model"
         ) from err
     if not timm.is_model(name[5:]):
         close = difflib.get_close_matches(name[5:], timm.list_models(), n=3)
         hint = f" (did you mean timm/{' or timm/'.join(close)}?)" if close else ""
-        raise RecipeError(f"--model {name}: not a timm model{hint}; pass timm/ and a name from timm.list_models()")
+        raise RecipeError(
+            f"--model {name}: not a timm model{hint}",
+            "pass timm/ and a name from timm.list_models()",
+            subject="--model",
+        )
     with contextlib.suppress(RuntimeError):  # an unknown tag
         cfg = timm.models.get_pretrained_cfg(name[5:])
         if cfg and (cfg.hf_hub_id or cfg.url):
             return cfg
     if "." in name or pretrained:
         raise RecipeError(
-            f"--model {name}: timm has no pretrained weights of that name; pass timm/ and a name from "
-            f"timm.list_pretrained('{name[5:].split('.')[0]}*')"
+            f"--model {name}: timm has no pretrained weights of that name",
+            f"pass timm/ and a name from timm.list_pretrained('{name[5:].split('.')[0]}*')",
+            subject="--model",
         )
     return None
 
@@ -428,7 +448,8 @@ def new_model(name, num_classes, pretrained=False):
             raise RecipeError(
                 f"--pretrained: timm's weights for --model {name} could not be loaded ({one_line(err)}); where there "
                 f"is network, fetch {cfg.hf_hub_id or cfg.url} into the Hugging Face cache (hf download; HF_HOME sets "
-                "the folder), or pass --pretrained_path"
+                "the folder), or pass --pretrained_path",
+                subject="--pretrained",
             ) from err
     if name == "resnet18_cifar":  # 32x32 inputs: a 7x7/2 stem and max-pool would discard 3/4 of them
         model = torchvision.models.resnet18(num_classes=num_classes)
@@ -453,7 +474,8 @@ def new_model(name, num_classes, pretrained=False):
         raise RecipeError(
             f"--pretrained: torchvision's weights for --model {name} ({weights}) {state} ({why}); download "
             f"{weights.url} where there is network and put it at {path} (TORCH_HOME sets the folder), or pass "
-            "--pretrained_path"
+            "--pretrained_path",
+            subject="--pretrained",
         ) from err
     new = (*(f"{head}." for head in head_names(model)), *AUX_HEADS)  # a new head, no auxiliary ones
     missing = model.load_state_dict({k: v for k, v in state.items() if not k.startswith(new)}, strict=False)
@@ -487,7 +509,8 @@ def load_weights(model, path, name):
         why = "not plain tensors" if isinstance(err, (AttributeError, pickle.UnpicklingError)) else one_line(err)
         raise RecipeError(
             f"--pretrained_path {path}: not a file of weights ({why}); pass a .safetensors file or a state dict saved "
-            "with torch.save"
+            "with torch.save",
+            subject="--pretrained_path",
         ) from err
     own = model.state_dict()
     head = {f"{n}.{k}" for n in head_names(model) for k in model.get_submodule(n).state_dict()}
@@ -510,11 +533,14 @@ def load_weights(model, path, name):
                 fix = (
                     f"its norm layers are {'BatchNorm' if norm == 'batch' else 'GroupNorm'}: pass --norm_layer {norm}"
                 )
-        raise RecipeError(f"--pretrained_path {path}: does not fit --model {name} ({found}); {fix}")
+        raise RecipeError(
+            f"--pretrained_path {path}: does not fit --model {name} ({found}); {fix}", subject="--pretrained_path"
+        )
     if bad := _not_finite(fits):
         raise RecipeError(
             f"--pretrained_path {path}: {len(bad)} tensor(s) hold NaN or inf, such as {bad[0]}; pass weights of a run "
-            "that did not diverge"
+            "that did not diverge",
+            subject="--pretrained_path",
         )
     model.load_state_dict(fits, strict=False)
     new = sorted(head - fits.keys())
@@ -545,7 +571,10 @@ def set_norm_layer(model, kind: str, on_gpu: bool):
     as 1 x Nb: sync_batch all-reduces them (GPUs only in torch); group (GroupNorm) needs no batch statistics."""
     if kind == "sync_batch":
         if not on_gpu:
-            raise RecipeError("--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU")
+            raise RecipeError(
+                "--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU",
+                subject="--norm_layer",
+            )
         if hasattr(model, "get_classifier"):  # timm's converter keeps the activation of its BatchNormAct2d
             import timm
 

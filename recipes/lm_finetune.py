@@ -91,17 +91,18 @@ def parse_args(argv=None):
     if args.torch_dtype == "auto" and args.config_name:
         p.error(
             "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
-            "a bf16 accelerate config for mixed precision), bfloat16 or float16"
-        )
+            "a bf16 accelerate config for mixed precision), bfloat16 or float16", subject="--torch_dtype",
+        )  # fmt: skip
     if args.lora_r and args.config_name:
         p.error(
             "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
-            "--model_name_or_path, or drop --lora_r"
-        )
+            "--model_name_or_path, or drop --lora_r", subject="--lora_r",
+        )  # fmt: skip
     if args.lora_r and args.resize_token_embeddings:
         p.error(
             "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
-            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings"
+            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings",
+            subject="--resize_token_embeddings",
         )
     return args
 
@@ -118,7 +119,7 @@ def build_model(args, model):
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as err:
-            raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'") from err
+            raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'", subject="--lora_r") from err
         targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
         from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
 
@@ -150,7 +151,8 @@ def build_model(args, model):
             raise RecipeError(
                 f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
                 f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
-                "all-linear"
+                "all-linear",
+                subject="--lora_target_modules",
             ) from err
         from peft.tuners.lora import LoraLayer
 
@@ -159,7 +161,8 @@ def build_model(args, model):
         if args.lora_r > rank:  # a rank above the layer's own adds weights and nothing else
             raise RecipeError(
                 f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
-                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)"
+                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)",
+                subject="--lora_r",
             )
         if args.gradient_checkpointing:
             model.enable_input_require_grads()

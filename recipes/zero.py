@@ -73,7 +73,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     if args.save_fp32 and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # set by accelerate launch
         p.error(
-            "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)"
+            "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)",
+            subject="--save_fp32",
         )
     return args
 

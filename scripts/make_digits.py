@@ -41,7 +41,10 @@ def build_parser() -> ArgumentParser:
 
 def _check_val_size(parser, args) -> None:
     if args.val_size >= DIGITS:
-        parser.error(f"--val_size {args.val_size} leaves no training image of the {DIGITS}: pass at most {DIGITS - 1}")
+        parser.error(
+            f"--val_size {args.val_size} leaves no training image of the {DIGITS}: pass at most {DIGITS - 1}",
+            subject="--val_size",
+        )
 
 
 if __name__ == "__main__":

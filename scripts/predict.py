@@ -36,18 +36,22 @@ def load_run(run_dir: Path):
 
     fix = "pass the --output_dir of a finished recipes/cifar.py run"
     if not run_dir.is_dir():
-        raise RecipeError(f"{run_dir}: no such folder; {fix}")
+        raise RecipeError(f"{run_dir}: no such folder; {fix}", subject=str(run_dir))
     try:
         record = json.loads((run_dir / "results.json").read_text())
         saved, classes = record["args"], record["class_names"]
     except (OSError, ValueError, KeyError, TypeError) as err:  # not a run, one still training, an older one's record
         why = "no results.json" if isinstance(err, OSError) else f"its results.json lacks {err}"
-        raise RecipeError(f"{run_dir}: not a finished image-recipe run ({why}); {fix}") from err
+        raise RecipeError(f"{run_dir}: not a finished image-recipe run ({why}); {fix}", subject=str(run_dir)) from err
     if saved.get("recipe") != "cifar":
-        raise RecipeError(f"{run_dir}: a run of recipes/{saved.get('recipe')}.py, not the image recipe; {fix}")
+        raise RecipeError(
+            f"{run_dir}: a run of recipes/{saved.get('recipe')}.py, not the image recipe; {fix}", subject=str(run_dir)
+        )
     weights = run_dir / "model.safetensors"
     if not weights.is_file():
-        raise RecipeError(f"{weights}: no such file, and the run's results.json says it finished; {fix} whole")
+        raise RecipeError(
+            f"{weights}: no such file, and the run's results.json says it finished; {fix} whole", subject=str(weights)
+        )
     size, mean, std = image_size_and_stats(Namespace(**saved))
     # the run's model, its weights from the file: none downloaded or read from --pretrained_path
     model = build_model(Namespace(**{**saved, "pretrained": False, "pretrained_path": None}), len(classes), False)
@@ -56,7 +60,8 @@ def load_run(run_dir: Path):
     except Exception as err:  # cut short, damaged, or another model's (safetensors' and torch's own errors)
         raise RecipeError(
             f"{weights} does not load into the model its results.json describes ({one_line(err)}); it is damaged or "
-            f"another run's: {fix} whole"
+            f"another run's: {fix} whole",
+            subject=str(weights),
         ) from err
     return model.eval(), eval_transform(size, mean, std), classes
 
@@ -75,7 +80,10 @@ def main(argv=None):
         what = (
             "a folder, not an image file: pass the images in it" if Path(missing[0]).is_dir() else "no such image file"
         )
-        raise RecipeError(f"{missing[0]}: {what}; check the path" if "no such" in what else f"{missing[0]}: {what}")
+        raise RecipeError(
+            f"{missing[0]}: {what}; check the path" if "no such" in what else f"{missing[0]}: {what}",
+            subject=str(missing[0]),
+        )
     images = [transform(load_image(path)) for path in args.images]  # a file that does not decode: one line, exit 2
     with torch.no_grad():
         probabilities = torch.cat([model(torch.stack(b)).softmax(-1) for b in _batches(images, args.batch_size)])

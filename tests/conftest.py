@@ -480,7 +480,7 @@ FILE_SECONDS = {
     "test_rules.py": 340, "test_hang.py": 300, "test_lm_finetune.py": 270, "test_launch_sh.py": 200,
     "test_fault.py": 185, "test_benchmarks.py": 165, "test_hsdp.py": 160, "test_prepared.py": 155,
     "test_readme.py": 150, "test_tp.py": 120, "test_compile.py": 95, "test_multinode.py": 90,
-    "test_streaming.py": 80, "test_inputs.py": 50,
+    "test_streaming.py": 80, "test_inputs.py": 50, "test_refusals.py": 30,
 }  # fmt: skip
 
 

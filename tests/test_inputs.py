@@ -56,267 +56,22 @@ def parse_error(capsys, recipe, argv) -> str:
     return lines[0]
 
 
-SHARED = [  # arguments of common.training_parser: every recipe checks them the same way
-    (["--learning_rate", "nan"], "--learning_rate: nan is not a finite number; pass a number greater than 0"),
-    (["--learning_rate", "inf"], "pass a number greater than 0"),
-    (["--learning_rate", "0"], "pass a number greater than 0"),
-    (["--learning_rate", "-0.1"], "pass a number greater than 0"),
-    (["--warmup_ratio", "1.5"], "--warmup_ratio: 1.5 is out of range: pass a number at least 0 and at most 1"),
-    (["--warmup_ratio", "-0.1"], "at least 0 and at most 1"),
-    (["--warmup_ratio", "nan"], "at least 0 and at most 1"),
-    (["--weight_decay", "-1"], "--weight_decay: -1 is out of range: pass a number at least 0"),
-    (["--max_grad_norm", "-1"], "--max_grad_norm: -1 is out of range"),
-    (["--max_grad_norm", "nan"], "--max_grad_norm: nan is not a finite number"),
-    (
-        ["--per_device_train_batch_size", "0"],
-        "--per_device_train_batch_size: 0 is out of range: pass a whole number at least 1",
-    ),
-    (["--per_device_train_batch_size", "2.5"], "'2.5' is not a whole number; pass a whole number at least 1"),
-    (["--per_device_eval_batch_size", "-1"], "--per_device_eval_batch_size: -1 is out of range"),
-    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps: 0 is out of range"),
-    (["--num_train_epochs", "0"], "--num_train_epochs: 0 is out of range: pass a whole number at least 1"),
-    (["--max_train_steps", "0"], "--max_train_steps: 0 is out of range: pass a whole number at least 1"),
-    (["--logging_steps", "0"], "--logging_steps: 0 is out of range"),
-    (["--save_total_limit", "0"], "--save_total_limit: 0 is out of range"),
-    (["--reference_batch_size", "0"], "--reference_batch_size: 0 is out of range"),
-    (["--ddp_timeout", "0"], "--ddp_timeout: 0 is out of range"),
-    (
-        ["--dataloader_num_workers", "-1"],
-        "--dataloader_num_workers: -1 is out of range: pass a whole number at least 0",
-    ),
-    (["--warmup_steps", "-1"], "--warmup_steps: -1 is out of range"),
-    (
-        ["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"],
-        "--warmup_ratio would do nothing with --lr_scheduler_type constant (it has no warmup): drop it, or pass "
-        "--lr_scheduler_type constant_with_warmup",
-    ),
-    (["--hang_timeout", "-1"], "--hang_timeout: -1 is out of range: pass a whole number at least 0"),
-    (["--hang_timeout", "600"], "--hang_timeout 600 is not below --ddp_timeout 600: a stuck collective would fail"),
-    (["--seed", "-1"], "--seed: -1 is out of range: pass a whole number at least 0 and below 4294967296"),
-    (["--seed", str(2**32)], "below 4294967296"),
-    (["--seed", "abc"], "'abc' is not a whole number"),
-    (
-        ["--checkpointing_steps", "0"],
-        "--checkpointing_steps: '0' is neither a number of steps (1 or more) nor 'epoch'; to save no checkpoints, "
-        "omit the option",
-    ),
-    (["--checkpointing_steps", "often"], "'often' is neither a number of steps (1 or more) nor 'epoch'"),
-    (
-        ["--lr_scheduler_type", "reduce_lr_on_plateau"],
-        "--lr_scheduler_type: invalid choice: 'reduce_lr_on_plateau' (choose from 'linear', 'cosine', ",
-    ),
-    (["--lr_scheduler_type", "cosine_with_min_lr"], "--lr_scheduler_type: invalid choice: 'cosine_with_min_lr'"),
-    (["--lr_scheduler_type", "warmup_stable_decay"], "--lr_scheduler_type: invalid choice"),
-    (["--lr_scaling", "cubic"], "--lr_scaling: invalid choice: 'cubic'"),
-    (["--report_to", "neptune"], "'neptune' is not a tracker accelerate knows; choose from none, all, "),
-    (["--output_dir", ""], "--output_dir: must not be empty"),
-    (
-        ["--per_device_batch_size", "8"],
-        "unrecognized arguments: --per_device_batch_size 8 (did you mean --per_device_eval_batch_size or "
-        "--per_device_train_batch_size?)",
-    ),
-]
-
-RECIPE_ONLY = [
-    ("cifar", ["--momentum", "1"], "--momentum: 1 is out of range: pass a number at least 0 and below 1"),
-    ("cifar", ["--momentum", "-0.5"], "--momentum: -0.5 is out of range"),
-    ("cifar", ["--label_smoothing", "1"], "--label_smoothing: 1 is out of range"),
-    ("cifar", ["--label_smoothing", "nan"], "--label_smoothing: nan is not a finite number"),
-    ("cifar", ["--momentum", "0"], "--nesterov needs --momentum above 0; pass --no-nesterov"),
-    ("cifar", ["--dataset", "cifar1000"], "--dataset: invalid choice: 'cifar1000'"),
-    (
-        "cifar",
-        ["--dataset", "imagefolder", "--train_dir", "t"],
-        "--dataset imagefolder needs --train_dir and --val_dir",
-    ),
-    (
-        "cifar",
-        ["--train_dir", "t", "--val_dir", "v"],
-        "--train_dir and --val_dir would do nothing without --dataset imagefolder (CIFAR comes from --data_dir): "
-        "drop them, or add --dataset imagefolder",
-    ),
-    # options given that would do nothing with the others: refused, named, whatever their value
-    (
-        "cifar",
-        ["--optimizer", "adamw", "--momentum", "0.5"],
-        "--momentum would do nothing with --optimizer adamw (they are SGD's): drop it, or pass --optimizer sgd",
-    ),
-    ("cifar", ["--optimizer", "adamw", "--no-nesterov"], "--no-nesterov would do nothing with --optimizer adamw"),
-    ("cifar", [*FOLDER, "--data_dir", "d"], "--data_dir would do nothing with --dataset imagefolder (it is CIFAR's"),
-    (
-        "cifar",
-        ["--lr_scaling", "none", "--reference_batch_size=7"],
-        "--reference_batch_size would do nothing with --lr_scaling none (no rate is scaled from it): drop it, or pass "
-        "--lr_scaling linear or sqrt",
-    ),
-    (
-        "lm_finetune",
-        ["--lora_alpha", "16", "--lora_dropout", "0.1"],
-        "--lora_alpha and --lora_dropout would do nothing without --lora_r (the whole model trains): drop them, or "
-        "pass --lora_r 16",
-    ),
-    (
-        "zero",
-        ["--data_format", "chat", "--text_column", "body"],
-        "--text_column would do nothing with --data_format chat",
-    ),
-    (
-        "lm_finetune",
-        ["--validation_file", "v.jsonl", "--validation_split_percentage", "50"],
-        "--validation_split_percentage would do nothing with --validation_file (nothing is held out of --train_file)",
-    ),
-    ("cifar", ["--image_size", "64"], "--image_size applies to --dataset imagefolder; cifar10 images are 32 px"),
-    ("cifar", [*FOLDER, "--image_size", "0"], "--image_size: 0 is out of range"),
-    ("cifar", [*FOLDER, "--image_size", "100000"], "one batch of 128 such images is 15,360 GB as float32"),
-    (
-        "cifar",
-        [*FOLDER, "--image_size", "128", "--data_on_device"],
-        "for images of 64 px or less, not --image_size 128",
-    ),
-    (
-        "cifar",
-        ["--model", "resnt18"],
-        "--model resnt18: not a torchvision classification model (did you mean resnet18",
-    ),
-    ("cifar", ["--model", "fasterrcnn_resnet50_fpn"], "not a torchvision classification model"),
-    ("cifar", ["--model", "vit_b_16"], "--model vit_b_16 cannot take cifar10's 32x32 images"),
-    ("cifar", [*FOLDER, "--model", "vit_b_16", "--image_size", "64"], "pass --image_size 224"),
-    (
-        "cifar",
-        [*FOLDER, "--model", "resnet18", "--image_size", "8"],
-        "--model resnet18 cannot take 8x8 images (a Conv2d strides over a single pixel); pass --image_size 32",
-    ),
-    ("cifar", [*FOLDER, "--model", "resnet18_cifar", "--image_size", "4"], "pass --image_size 8"),
-    (
-        "cifar",
-        [*FOLDER, "--model", "resnet18", "--per_device_train_batch_size", "1"],
-        "leaves batch norm one value per channel with --per_device_train_batch_size 1; pass 2 or more",
-    ),
-    ("cifar", ["--hflip", "1.5"], "--hflip: 1.5 is out of range: pass a number at least 0 and at most 1"),
-    ("cifar", ["--hflip", "-0.5"], "--hflip: -0.5 is out of range"),
-    ("cifar", ["--hflip", "nan"], "--hflip: nan is not a finite number"),
-    ("cifar", ["--hflip", "yes"], "--hflip: 'yes' is not a number"),
-    ("cifar", ["--random_crop", "0"], "unrecognized arguments: 0"),
-    ("cifar", ["--head_lr_scale", "0"], "--head_lr_scale: 0 is out of range: pass a number greater than 0"),
-    ("cifar", ["--head_lr_scale", "inf"], "--head_lr_scale: inf is not a finite number"),
-    ("cifar", ["--pretrained_path", ""], "--pretrained_path: must not be empty"),
-    (
-        "cifar",
-        ["--model", "resnet18", "--pretrained", "--pretrained_path", "w.safetensors"],
-        "pass --pretrained (published weights) or --pretrained_path (a file), not both",
-    ),
-    (
-        "cifar",
-        ["--model", "resnet18", "--freeze_backbone"],
-        "--freeze_backbone and --head_lr_scale fine-tune loaded weights: add --pretrained or --pretrained_path",
-    ),
-    ("cifar", ["--model", "resnet18", "--head_lr_scale", "10"], "add --pretrained or --pretrained_path"),
-    (
-        "cifar",
-        ["--model", "resnet18", "--pretrained", "--freeze_backbone", "--head_lr_scale", "10"],
-        "--freeze_backbone trains the head alone, at --learning_rate: drop --head_lr_scale",
-    ),
-    (
-        "cifar",
-        ["--model", "resnet18", "--pretrained", "--norm_layer", "group"],
-        "--norm_layer group replaces the BatchNorm layers of the published weights; fine-tune them with --norm_layer",
-    ),
-    (
-        "cifar",
-        ["--pretrained"],
-        "--model resnet18_cifar has no published weights (its stem is not resnet18's); pass --model resnet18",
-    ),
-    ("cifar", ["--model", "timm/resnt18"], "--model timm/resnt18: not a timm model (did you mean timm/resnet18"),
-    (
-        "cifar",
-        ["--model", "timm/resnet18.no_such_tag"],
-        "--model timm/resnet18.no_such_tag: timm has no pretrained "
-        "weights of that name; pass timm/ and a name from timm.list_pretrained('resnet18*')",
-    ),
-    (
-        "cifar",
-        ["--model", "timm/botnet50ts_256", "--pretrained", *FOLDER, "--image_size", "256"],
-        "--model timm/botnet50ts_256: timm has no pretrained weights of that name",
-    ),
-    (
-        "lm_finetune",
-        ["--validation_split_percentage", "0"],
-        "--validation_split_percentage: 0 is out of range: pass a number greater than 0 and below 100",
-    ),
-    ("lm_finetune", ["--validation_split_percentage", "100"], "greater than 0 and below 100"),
-    ("lm_finetune", ["--block_size", "1"], "--block_size: 1 is out of range: pass a whole number at least 2"),
-    ("lm_finetune", ["--lora_r", "-1"], "--lora_r: -1 is out of range"),
-    ("lm_finetune", ["--lora_alpha", "0"], "--lora_alpha: 0 is out of range"),
-    (
-        "lm_finetune",
-        ["--lora_dropout", "1"],
-        "--lora_dropout: 1 is out of range: pass a number at least 0 and below 1",
-    ),
-    ("lm_finetune", ["--preprocessing_num_workers", "0"], "--preprocessing_num_workers: 0 is out of range"),
-    ("lm_finetune", ["--torch_dtype", "float8"], "--torch_dtype: invalid choice"),
-    ("lm_finetune", ["--text_column", " "], "--text_column: must not be empty"),
-    (
-        "lm_finetune",
-        ["--dataset_name", "wikitext"],
-        "pass --dataset_name or --train_file (with --validation_file), not both",
-    ),
-    ("lm_finetune", ["--dataset_config_name", "raw"], "--dataset_config_name would do nothing without --dataset_name"),
-    ("lm_finetune", ["--validation_file", "v.xlsx"], "--validation_file v.xlsx: unknown format '.xlsx'"),
-    (
-        "lm_finetune",
-        ["--train_file", "data"],
-        "--train_file data is a folder: pass a file in it, or the folder as --dataset_name data",
-    ),  # fmt: skip
-    ("lm_finetune", ["--train_file", "tain.jsonl"], "--train_file tain.jsonl: no such file or directory; check the"),
-    ("zero", ["--validation_file", "v.jsonl.gz"], "--validation_file v.jsonl.gz: no such file or directory"),
-    ("zero", ["--save_fp32"], "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config"),
-    ("lm_finetune", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
-    ("lm_finetune", ["--config_name", "c"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
-    (
-        "lm_finetune",
-        ["--config_overrides", "hidden_size=64"],
-        "--config_overrides would do nothing without --config_name (they change its config, not pretrained weights)",
-    ),
-    (
-        "lm_finetune",
-        ["--lora_r", "8", "--resize_token_embeddings"],
-        "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves",
-    ),
-    ("lm_finetune", ["--resize_token_embeddings", "yes"], "unrecognized arguments: yes"),
-    ("zero", ["--tokenizer_name", ""], "--tokenizer_name: must not be empty"),
-    ("zero", ["--model_name_or_path", "m"], "pass --model_name_or_path (pretrained) or --config_name (from scratch)"),
-    ("zero", ["--config_overrides", "hidden_size"], "'hidden_size' is not key=value pairs separated by commas"),
-    ("zero", ["--config_overrides", "hidden_size=64,"], "is not key=value pairs"),
-    ("zero", ["--block_size", "0"], "--block_size: 0 is out of range"),
-]
+def refused_subject(recipe, argv) -> str:
+    """The subject of the refusal a recipe's parse_args exits 2 on for the whole of `argv` (BASE not added)."""
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES[recipe].parse_args(argv)
+    assert exit_.value.code == 2
+    return exit_.value.__cause__.subject
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("argv, message", SHARED, ids=[" ".join(a) for a, _ in SHARED])
-def test_shared_argument_out_of_range_is_one_error_line(capsys, recipe, argv, message):
-    assert message in parse_error(capsys, recipe, argv)
+# Each argument's refusal (its option named, one line, exit 2, nothing written): tests/test_refusals.py's tables.
 
 
-@pytest.mark.parametrize("recipe, argv, message", RECIPE_ONLY, ids=[f"{r} {' '.join(a)}" for r, a, _ in RECIPE_ONLY])
-def test_recipe_argument_out_of_range_is_one_error_line(capsys, recipe, argv, message):
-    assert message in parse_error(capsys, recipe, argv)
-
-
-def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
+def test_lm_finetune_from_a_config_takes_what_a_new_model_can():
     config = ["--config_name", "m", "--train_file", "t.jsonl"]
-    for argv, message in (
-        (
-            ["--lora_r", "8"],
-            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model",
-        ),
-        (["--torch_dtype", "auto"], "--torch_dtype auto is the dtype of pretrained weights"),
-    ):
-        with pytest.raises(SystemExit):
-            RECIPES["lm_finetune"].parse_args([*config, *argv])
-        assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        RECIPES["lm_finetune"].parse_args(["--train_file", "t.jsonl"])
-    assert "error: pass --model_name_or_path (pretrained) or --config_name (from scratch)" in capsys.readouterr().err
+    for argv in (["--lora_r", "8"], ["--torch_dtype", "auto"]):
+        assert refused_subject("lm_finetune", [*config, *argv]) == argv[0]
+    assert refused_subject("lm_finetune", ["--train_file", "t.jsonl"]) == "--model_name_or_path"
     args = RECIPES["lm_finetune"].parse_args(
         [
             *config,
@@ -333,40 +88,6 @@ def test_lm_finetune_from_a_config_takes_what_a_new_model_can(capsys):
 
 
 FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]"
-
-
-CHAT_ARGS = ["--data_format", "chat"]
-SAMPLE_PROMPTS = [  # (file, its bytes or None for no file, more arguments, the error's text)
-    ("p.txt", None, [], "--sample_prompts p.txt: no such file"),
-    (
-        "p.csv",
-        b"a,b\n",
-        [],
-        "--sample_prompts p.csv: not a .txt or .jsonl file; pass a .txt file of one prompt a line",
-    ),
-    ("p.txt", b"\n \n", [], "--sample_prompts p.txt: holds no prompts; pass a .txt file"),
-    ("p.txt", b"one \xff two\n", [], "--sample_prompts p.txt: not UTF-8 text"),
-    ("p.jsonl", b'{"prompt": "one"}\n{prompt}\n', [], "--sample_prompts p.jsonl: line 2 is not JSON"),
-    ("p.jsonl", b'{"text": "one two"}\n', [], '--sample_prompts p.jsonl: line 1 has no text under "prompt"; pass'),
-    ("p.txt", b"one\n", CHAT_ARGS, '--sample_prompts p.txt: not a .jsonl file; pass a .jsonl file of {"messages"'),
-    ("p.jsonl", b'{"messages": "hi"}\n', CHAT_ARGS, "--sample_prompts p.jsonl: line 1: `messages` is 'hi', not a"),
-    (
-        "p.jsonl",
-        b'{"messages": [{"role": "assistant", "content": "two"}]}\n',
-        CHAT_ARGS,
-        "--sample_prompts p.jsonl: line 1 is a reply alone, with nothing to reply to",
-    ),
-    ("p.txt", b"one\n", ["--max_new_tokens", "0"], "--sample_prompts would do nothing with --max_new_tokens 0"),
-]
-
-
-@pytest.mark.parametrize("recipe", ["lm_finetune", "zero"])
-@pytest.mark.parametrize("name, content, argv, message", SAMPLE_PROMPTS, ids=[m for *_, m in SAMPLE_PROMPTS])
-def test_a_sample_prompts_file_that_cannot_serve_is_one_error_line_naming_it(capsys, recipe, name, content, argv,
-                                                                            message):  # fmt: skip
-    if content is not None:
-        Path(name).write_bytes(content)
-    assert message in parse_error(capsys, recipe, ["--sample_prompts", name, *argv])
 
 
 def test_sample_prompts_parse_and_a_conversation_loses_its_last_reply():
@@ -407,20 +128,14 @@ def test_every_option_an_error_or_a_docstring_names_exists(capsys):
             assert not missing, f"{path} names {sorted(missing)}, which recipes/{recipe}.py does not take"
 
 
-def test_lm_recipes_need_data_and_zero_overrides_need_a_config(capsys):
-    with pytest.raises(SystemExit):
-        RECIPES["lm_finetune"].parse_args(["--model_name_or_path", "m"])
-    assert "error: no data: pass --train_file" in capsys.readouterr().err
-    line = parse_error(capsys, "zero", ["--config_name", "", "--model_name_or_path", "m"])
-    assert "--config_name: must not be empty" in line
-    with pytest.raises(SystemExit):
-        RECIPES["zero"].parse_args(
-            ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
-        )
-    assert "--config_overrides would do nothing without --config_name" in capsys.readouterr().err
+def test_lm_recipes_need_data_and_zero_overrides_need_a_config():
+    assert refused_subject("lm_finetune", ["--model_name_or_path", "m"]) == "--train_file"
+    assert refused_subject("zero", ["--config_name", "", "--model_name_or_path", "m"]) == "--config_name"
+    argv = ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--config_overrides", "a=1"]
+    assert refused_subject("zero", argv) == "--config_overrides"
 
 
-def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch, tmp_path):
+def test_a_schedule_a_deepspeed_config_overrides_is_refused(monkeypatch, tmp_path):
     """A DeepSpeed config's scheduler sets every step's rate: --lr_scheduler_type would do nothing."""
     argv = ["--lr_scheduler_type", "linear"]
     config = tmp_path / "ds.json"
@@ -428,9 +143,7 @@ def test_a_schedule_a_deepspeed_config_overrides_is_refused(capsys, monkeypatch,
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
     assert RECIPES["zero"].parse_args([*BASE["zero"], *argv]).lr_scheduler_type == "linear"
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {}}}))
-    line = parse_error(capsys, "zero", argv)
-    assert "--lr_scheduler_type would do nothing with a DeepSpeed config that defines its scheduler" in line
-    assert line.endswith("drop it, or delete the config's scheduler")
+    assert refused_subject("zero", [*BASE["zero"], *argv]) == "--lr_scheduler_type"
     assert RECIPES["zero"].parse_args(BASE["zero"]).lr_scheduler_type == "cosine"  # the default asks for nothing
 
 
@@ -773,15 +486,17 @@ def test_chat_data_needs_a_tokenizer_with_a_chat_template_that_accepts_it(tmp_pa
     plain = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     plain.chat_template = None
     raw = load_raw_datasets(train_file=path, validation_file=path)
-    with pytest.raises(RecipeError, match="has no chat template, which --data_format chat renders"):
+    with pytest.raises(RecipeError) as refused:
         tokenize_and_pack(raw, plain, data_format="chat", text_column="text", block_size=8)
+    assert refused.value.subject == "--data_format"
     strict = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     with pytest.raises(RecipeError, match="the chat template rejects the conversation .Conversation roles must"):
         chat_example(strict, CHAT["messages"])
-    with pytest.raises(RecipeError, match="--data_format chat needs a column named messages"):
-        text = load_raw_datasets(train_file=write(tmp_path / "t.jsonl", jsonl(COUNTS)), validation_split_percentage=50)
+    text = load_raw_datasets(train_file=write(tmp_path / "t.jsonl", jsonl(COUNTS)), validation_split_percentage=50)
+    with pytest.raises(RecipeError) as refused:
         tokenize_and_pack(text, tokenizer, data_format="chat", text_column="text", block_size=8)
+    assert "--data_format chat needs a column named messages" in refused.value.problem  # no option names the data
 
 
 # --- model files --------------------------------------------------------------------------------
@@ -900,10 +615,11 @@ def test_a_model_without_sdpa_loads_with_the_attention_it_has_unless_sdpa_is_ask
     model, _ = RECIPES["lm_finetune"].load_model_and_tokenizer(RECIPES["lm_finetune"].parse_args(base))
     assert model.config._attn_implementation == "eager"
     RECIPES["zero"].build_model(RECIPES["zero"].parse_args(base))
-    with pytest.raises(RecipeError, match="--attn_implementation sdpa cannot be used here .*leave the option out"):
+    with pytest.raises(RecipeError) as refused:
         RECIPES["lm_finetune"].load_model_and_tokenizer(
             RECIPES["lm_finetune"].parse_args([*base, "--attn_implementation", "sdpa"])
         )
+    assert refused.value.subject == "--attn_implementation"
 
 
 def test_a_block_size_above_the_tokenizers_limit_but_within_the_models_positions_is_said_not_refused(
@@ -1075,8 +791,9 @@ def test_an_image_too_large_to_decode(tmp_path, side):
 def test_32_bit_images_are_refused(tmp_path):
     path = tmp_path / "deep.tif"
     Image.fromarray(np.arange(64, dtype=np.int32).reshape(8, 8) * 1000).save(path)
-    with pytest.raises(RecipeError, match=r"32-bit pixels \(PIL mode I\) have no single 8-bit scale"):
+    with pytest.raises(RecipeError) as refused:
         vision.load_image(path)
+    assert refused.value.subject == str(path) and "(PIL mode I)" in refused.value.problem
 
 
 def image_folder(root, classes, images=2):
@@ -1143,8 +860,9 @@ def test_a_validation_folder_is_labelled_by_the_training_classes(tmp_path, caplo
         (val / "d" / name).unlink()
     (val / "cafe\u0301" / "0.png").rename(val / "cafe\u0301" / "0.heic-not")
     (val / "cafe\u0301" / "1.png").unlink()
-    with pytest.raises(RecipeError, match=r"--val_dir .*: its class folders hold no image; put validation images"):
+    with pytest.raises(RecipeError) as refused:
         vision.load_images(RECIPES["cifar"].parse_args(argv))
+    assert refused.value.subject == "--val_dir"
     (train / "a" / "0.png").rename(train / "a" / "0.svg")
     (train / "a" / "1.png").unlink()
     with pytest.raises(RecipeError) as err:
