@@ -638,7 +638,10 @@ def _watching_group_formation(expected: int, timeout: int):
 
 
 def _refuse_known_bad_versions(processes: int) -> None:
-    """A torch that would not fail but hang, refused also when pip was told to ignore pyproject's floors."""
+    """A torch that would not fail but hang or train wrong, refused also when pip was told to ignore pyproject's
+    floors. FSDP2 asks gloo for a reduce-scatter with ReduceOp.AVG, which gloo sums without a word before torch 2.9:
+    on CPU every step would take N times the mean gradient (AdamW hides most of it: tests/test_fsdp.py's 2 x 2 run
+    ended 5.5e-4 of the update off in 6 steps). NCCL averages: on GPUs torch 2.8 trains right."""
     from packaging.version import Version
 
     installed = importlib.metadata.version("torch")
@@ -646,6 +649,13 @@ def _refuse_known_bad_versions(processes: int) -> None:
         raise RecipeError(
             f"torch {installed} is installed, and with it a job of several processes hangs at exit in "
             "destroy_process_group; pip install 'torch>=2.8' (pyproject.toml lists the tested versions)"
+        )
+    fsdp_on_gloo = parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
+    if processes > 1 and fsdp_on_gloo and Version(installed).release < (2, 9):
+        raise RecipeError(
+            f"torch {installed} is installed, and with it FSDP2 on CPU trains on the sum of the processes' gradients, "
+            "not their mean (gloo's reduce-scatter ignores ReduceOp.AVG before torch 2.9); pip install 'torch>=2.9', "
+            "or shard with DeepSpeed instead: ./launch.sh --config zero3"
         )
 
 

@@ -686,6 +686,16 @@ def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch
     from common.runtime import _refuse_known_bad_versions
 
     _refuse_known_bad_versions(1)
+    # torch 2.8 under FSDP2 on CPU: gloo's reduce-scatter sums where FSDP2 asks it to average (tests/test_fsdp.py
+    # runs the launch); under DDP, or with one process, there is no reduce-scatter
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.8.0" if name == "torch" else real(name))
+    _refuse_known_bad_versions(2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match=r"^torch 2.8.0 is installed, and with it FSDP2 on CPU trains on the sum "):
+        _refuse_known_bad_versions(2)
+    _refuse_known_bad_versions(1)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0" if name == "torch" else real(name))
+    _refuse_known_bad_versions(2)
 
 
 def test_only_torchs_wait_for_other_processes_is_a_stuck_collective(capsys):

@@ -2,6 +2,7 @@
 2-process launches over gloo, the way users launch (`accelerate launch --config_file accelerate_configs/fsdp.yaml`
 with ACCELERATE_USE_CPU=true, and ./launch.sh --config fsdp)."""
 
+import importlib.metadata
 import inspect
 import json
 import shutil
@@ -26,6 +27,7 @@ from conftest import (
     update_distance,
     user_env,
 )
+from packaging.version import Version
 from safetensors.torch import load_file
 
 LM = REPO / "recipes" / "lm_finetune.py"
@@ -51,15 +53,34 @@ def fsdp(nproc, *args, mixed_precision="no", check=True):
     return run([*cmd, LM, *args], env=env, check=check)
 
 
+# gloo's reduce-scatter sums where FSDP2 asks it to average before torch 2.9: refused (common.runtime)
+TORCH = importlib.metadata.version("torch")
+GLOO_SUMS_AVG = Version(TORCH).release < (2, 9)
+
+
 @pytest.mark.slow
+@pytest.mark.floor
 def test_fsdp_on_cpu_shards_trains_one_big_batch_token_weighted_and_saves_a_loadable_model(
     tiny_lm, chat_reference, tmp_path
 ):
     """2 processes x batch 2 in chat mode, each block's target tokens from a few to most of it: the update of 1
     process x batch 4, every eval token counted once, half the parameters a process, and a gathered save that
     from_pretrained loads and that gives the eval loss the run reported. Every process takes part in each forward of
-    the samples' generation (the weights are sharded): samples.jsonl holds the one process run's completions."""
+    the samples' generation (the weights are sharded): samples.jsonl holds the one process run's completions.
+    With torch 2.8 (the floor stage's) ./launch.sh --config fsdp is refused in one line, exit 2: its FSDP2 trained
+    on twice the mean gradient on CPU, 5.5e-4 of the update away under AdamW."""
     out = tmp_path / "fsdp"
+    if GLOO_SUMS_AVG:
+        proc = run(
+            [LAUNCH, "lm_finetune", "--config", "fsdp", *chat_args(tiny_lm, out, 2)], env=cpu_env(), check=False
+        )
+        assert proc.returncode == 2 and not out.exists(), proc.stderr[-3000:]
+        assert error_lines(proc.stderr) == [
+            f"error: torch {TORCH} is installed, and with it FSDP2 on CPU trains on the sum "
+            "of the processes' gradients, not their mean (gloo's reduce-scatter ignores ReduceOp.AVG before torch "
+            "2.9); pip install 'torch>=2.9', or shard with DeepSpeed instead: ./launch.sh --config zero3"
+        ]
+        return
     fsdp(2, *chat_args(tiny_lm, out, 2))
     res, reference = results(out), results(chat_reference)
     assert res["distributed_type"] == "FSDP" and res["world_size"] == 2
