@@ -245,38 +245,50 @@ def _unwrapped(optimizer):
 def _load_whole(model, optimizer, folder) -> None:
     """A DDP checkpoint's whole states into the split model: the weights by name (without DDP's `module.` prefix),
     the optimizer's by position (torch numbers the parameters in the order of its groups, as this run's optimizer,
-    made the same way, holds them), each tensor cut to this process's half."""
+    made the same way, holds them), each tensor cut to this process's part as `_cut` does."""
     import re
 
     import torch
     from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
+        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    whole = StateDictOptions(full_state_dict=True)
     weights = {
         re.sub(r"^((module|_orig_mod)[.])+", "", k): v for k, v in load_file(folder / SAFE_WEIGHTS_NAME).items()
     }
-    set_model_state_dict(model, weights, options=whole)
+    set_model_state_dict(model, {k: _cut(weights[k], ours) for k, ours in get_model_state_dict(model).items()})
     saved = torch.load(folder / f"{OPTIMIZER_NAME}.bin", map_location="cpu", weights_only=True)
-    names = [
-        name
-        for group in get_optimizer_state_dict(model, _unwrapped(optimizer))["param_groups"]
-        for name in group["params"]
-    ]
+    ours = get_optimizer_state_dict(model, _unwrapped(optimizer))  # its states made, as this run holds them
+    names = [name for group in ours["param_groups"] for name in group["params"]]
     numbers = [n for group in saved["param_groups"] for n in group["params"]]
     if len(names) != len(numbers):
         raise ValueError(f"{OPTIMIZER_NAME}.bin holds {len(numbers)} parameters' states, this model has {len(names)}")
     name_of = dict(zip(numbers, names))
     by_name = {
-        "state": {name_of[n]: value for n, value in saved["state"].items()},
+        "state": {
+            name_of[n]: {key: _cut(value, ours["state"][name_of[n]].get(key)) for key, value in state.items()}
+            for n, state in saved["state"].items()
+        },
         "param_groups": [
             {**group, "params": [name_of[n] for n in group["params"]]} for group in saved["param_groups"]
         ],
     }
-    set_optimizer_state_dict(model, _unwrapped(optimizer), by_name, options=whole)
+    set_optimizer_state_dict(model, _unwrapped(optimizer), by_name)
+
+
+def _cut(whole, ours):
+    """`whole` laid out as this run's tensor `ours`: split or sharded (a DTensor) as `ours` is, else as it is. Through
+    a redistribution from a replicated copy: torch's distribute_tensor, which set_model_state_dict's full_state_dict
+    option uses, fails on the 2-D mesh's _StridedShard placements (an AssertionError in torch 2.14)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(ours, DTensor):
+        return whole
+    mesh = ours.device_mesh
+    replicated = DTensor.from_local(whole.to(ours.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, ours.placements)

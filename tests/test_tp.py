@@ -138,13 +138,14 @@ def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(ti
 
 
 @pytest.mark.slow
-def test_tp_in_2d_stopped_resumes_in_one_pair_then_in_one_process_to_the_uninterrupted_weights(
+def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_and_back_to_the_uninterrupted_weights(
     tiny_lm, lm_uninterrupted, tmp_path
 ):
     """SIGTERM to the 4 processes of a 2 x 2 run: one checkpoint in torch's distributed checkpoint (a file a process:
     its quarter of each weight and of Adam's moments), exit 75. Resumed on 1 x 2 (pure TP, the per-device batch
-    doubled) and stopped again, then in one process (batch 16 x 2 accumulation), it ends with the weights of the
-    2-process DDP run that was never stopped (the effective batch 32 throughout)."""
+    doubled) and stopped again, resumed in one process (batch 16 x 2 accumulation: the quarters made whole) and
+    stopped again, then resumed on 2 x 2 from that one-process checkpoint (its whole tensors cut into quarters), it
+    ends with the weights of the 2-process DDP run that was never stopped (the effective batch 32 throughout)."""
     out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
     args = lambda batch: [  # noqa: E731
         *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", str(batch),
@@ -152,8 +153,9 @@ def test_tp_in_2d_stopped_resumes_in_one_pair_then_in_one_process_to_the_uninter
     ]  # fmt: skip
     twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args(8)]
     pair = [LAUNCH, "lm_finetune", "--config", "tp", *args(16), *resume]
+    one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume]
     stops = []
-    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)):
+    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)), (one, ("DDP", 1)):
         after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
         proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
         assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
@@ -163,7 +165,7 @@ def test_tp_in_2d_stopped_resumes_in_one_pair_then_in_one_process_to_the_uninter
     assert stops[-1] < 14
     state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
     assert {f"model_and_optimizer/__{rank}_0.distcp" for rank in range(4)} <= set(state["files"])
-    run([LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume], env=cpu_env())
+    run([*twod, *resume], env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
