@@ -74,9 +74,10 @@ def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupte
     """SIGTERM to both processes of a TP run through launch.sh: one checkpoint (each process's halves of the model
     and optimizer in torch's distributed checkpoint, the RNG states as every layout writes them), exit 75. Resumed
     under TP and stopped again, resumed in one process (--config cpu: the halves made whole) and stopped again, then
-    resumed under TP from that one-process checkpoint (its whole tensors split as they load), it ends with the
-    weights of the 2-process DDP run that was never stopped. Both TP processes see one batch: per-device 16 x 2
-    accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one process's 16 x 2 is."""
+    resumed on the 2-D mesh (2 x 2, 4 processes) from that one-process checkpoint (its whole tensors cut into
+    quarters as they load), it ends with the weights of the 2-process DDP run that was never stopped. Both TP
+    processes see one batch: per-device 16 x 2 accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one
+    process's 16 x 2 is, and 2 pairs' 8 x 2."""
     out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
     args = [*lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", "16"]
     tp = [LAUNCH, "lm_finetune", "--config", "tp", *args, "--checkpointing_steps", "3"]
@@ -94,7 +95,8 @@ def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupte
     assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
     assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
     assert not {"model.safetensors", "optimizer.bin"} & set(state["files"])
-    run([*tp, *resume], env=cpu_env())
+    twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args, "--per_device_train_batch_size"]
+    run([*twod, "8", *resume], env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
@@ -138,14 +140,14 @@ def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(ti
 
 
 @pytest.mark.slow
-def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_and_back_to_the_uninterrupted_weights(
+def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_to_the_uninterrupted_weights(
     tiny_lm, lm_uninterrupted, tmp_path
 ):
     """SIGTERM to the 4 processes of a 2 x 2 run: one checkpoint in torch's distributed checkpoint (a file a process:
     its quarter of each weight and of Adam's moments), exit 75. Resumed on 1 x 2 (pure TP, the per-device batch
-    doubled) and stopped again, resumed in one process (batch 16 x 2 accumulation: the quarters made whole) and
-    stopped again, then resumed on 2 x 2 from that one-process checkpoint (its whole tensors cut into quarters), it
-    ends with the weights of the 2-process DDP run that was never stopped (the effective batch 32 throughout)."""
+    doubled) and stopped again, then in one process (batch 16 x 2 accumulation: the halves made whole), it ends with
+    the weights of the 2-process DDP run that was never stopped (the effective batch 32 throughout). The way back, a
+    one-process checkpoint resumed on 2 x 2, ends test_tp_stopped_resumes_under_tp_in_one_process_and_back_..."""
     out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
     args = lambda batch: [  # noqa: E731
         *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", str(batch),
@@ -153,9 +155,8 @@ def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_and_back_to_the_uni
     ]  # fmt: skip
     twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args(8)]
     pair = [LAUNCH, "lm_finetune", "--config", "tp", *args(16), *resume]
-    one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume]
     stops = []
-    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)), (one, ("DDP", 1)):
+    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)):
         after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
         proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
         assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
@@ -165,7 +166,7 @@ def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_and_back_to_the_uni
     assert stops[-1] < 14
     state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
     assert {f"model_and_optimizer/__{rank}_0.distcp" for rank in range(4)} <= set(state["files"])
-    run([*twod, *resume], env=cpu_env())
+    run([LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume], env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
