@@ -52,6 +52,8 @@ def launch_record(accelerator, args) -> dict:
         config, strategy = "fsdp", "FSDP2"
     elif (tp := tensor_parallel.degree()) > 1:  # presented as MULTI_GPU, as DDP is
         config, strategy = "tp", f"tensor parallelism, each layer split over {tp} processes"
+        if (sizes := mesh.from_environment())["dp_shard"] > 1:  # the 2-D case
+            strategy += f", sharded with FSDP2 across {sizes['dp_shard']} such groups (mesh {mesh.describe(sizes)})"
     elif accelerator.device.type == "cpu":
         config, strategy = "cpu", "DDP over gloo on CPU" if processes > 1 else "one CPU process"
     else:

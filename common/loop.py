@@ -168,6 +168,8 @@ class Step:
         accelerator = self.loop.accelerator
         if of is None:
             accelerator.backward(loss)  # Accelerate divides by the accumulation steps, DDP averages over processes
-        else:  # already this micro-batch's share of the step's mean: undo both
+        else:  # already this micro-batch's share of the step's mean: undo both. Under tensor parallelism
+            # window_tokens counts each token once per process of its TP group, and the gradients are averaged over
+            # the data-parallel processes alone (FSDP2 across the groups, or none): the TP degree cancels
             accelerator.backward(loss * len(self.batches) * accelerator.num_processes)
         self.loop.log.add(loss, items, per=of)

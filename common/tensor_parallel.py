@@ -5,12 +5,18 @@ it (`from_pretrained(tp_plan="auto", device_mesh=...)`, the model's own `base_mo
 bookkeeping needs to know is here: the degree asked, the refusals before anything loads, how many processes see
 different data, the saved weights made whole, and checkpoints of the split model and its optimizer.
 
-Only pure TP runs (the degree is the number of processes): FSDP2 across TP groups, the 2-D case, fails inside
-Accelerate 1.15 (its TP preparation imports transformers' ReplicateParallel, which transformers 5.24 no longer has)."""
+With more processes than the degree (the 2-D case: a mesh of dp_shard x tp, `./launch.sh --config tp --num_processes
+4` gives 2 x 2) each TP group of a node is one data-parallel rank, and FSDP2 shards the split model across the groups
+as it loads (`split_and_sharded`: transformers' DistributedConfig with tp_size and fsdp_size). Accelerate 1.15 would
+shard it in `prepare` under an FSDP config, but there its TP preparation imports transformers' ReplicateParallel,
+which transformers 5.24 no longer has: so tp.yaml stays without FSDP, and `prepare` (which neither wraps a TP model in
+DDP nor shards it) keeps the Accelerator for the mesh, the data loaders (the processes of a TP group get the same
+batches), the optimizer and clipping (its DTensor-aware norm over the model's meshes)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 from . import mesh
 from .runtime import RecipeError
@@ -24,20 +30,24 @@ def degree() -> int:
         raise RecipeError(str(err)) from None
 
 
-def refuse_what_cannot_split(args, accelerator=None) -> None:
-    """Before any data or model loads: TP is the whole job (see the module's note on the 2-D case), the model comes
+def refuse_what_cannot_split(args) -> None:
+    """Before any data or model loads: the mesh is tp or dp_shard x tp without an FSDP config, the model comes
     from_pretrained, and it has no LoRA adapter."""
     tp = degree()
     if tp == 1:
         return
-    from accelerate.state import AcceleratorState
-
-    accelerator = accelerator or AcceleratorState()
-    if tp != accelerator.num_processes:
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):  # see the module's note
         raise RecipeError(
-            f"the accelerate config asks for tensor parallelism of degree {tp} in {accelerator.num_processes} "
-            f"processes, and only tensor parallelism over every process runs here (FSDP2 across TP groups fails in "
-            f"Accelerate 1.15); launch {tp} processes (--num_processes {tp}), or use fsdp.yaml"
+            "an FSDP accelerate config with parallelism_config_tp_size: Accelerate 1.15's FSDP2 preparation of a "
+            "tensor-parallel model fails (it imports transformers' ReplicateParallel, gone in transformers 5.24); "
+            "use accelerate_configs/tp.yaml, whose runs shard the model with FSDP2 across the TP groups themselves"
+        )
+    sizes = mesh.from_environment()
+    if sizes["dp_replicate"] > 1 or sizes["cp"] > 1:  # only dp_shard x tp is built and tested here
+        raise RecipeError(
+            f"the accelerate config's mesh is {mesh.describe(sizes)}: with tensor parallelism only FSDP2 across the "
+            "TP groups (dp_shard x tp) runs here; set parallelism_config_dp_replicate_size and "
+            "parallelism_config_cp_size to 1, or use hsdp.yaml without tensor parallelism"
         )
     if getattr(args, "config_name", None) and not getattr(args, "model_name_or_path", None):
         raise RecipeError(
@@ -77,7 +87,64 @@ def load_kwargs(config, source: str) -> dict:
                 f"({name}) do not divide into tensor-parallel degree {tp}; set parallelism_config_tp_size and "
                 f"--num_processes to {' or '.join(map(str, fits)) or '1 (no TP)'}, or use fsdp.yaml"
             )
+    if (across := mesh.from_environment()["dp_shard"]) > 1:  # the 2-D case: see the module's note
+        return {"distributed_config": split_and_sharded(tp, across)}
     return {"tp_plan": "auto", "device_mesh": AcceleratorState().device_mesh["tp"]}
+
+
+def split_and_sharded(tp: int, across: int):
+    """transformers' DistributedConfig that splits each layer over `tp` processes and shards the split model with
+    FSDP2 over `across` TP groups (the model's FSDP plan: each decoder layer, then the root). transformers builds the
+    mesh itself (pp x dp_replicate x fsdp x tp, 1 x 1 x across x tp): the same processes in the same order as
+    Accelerate's dp_shard x tp, which deals the batches (a `device_mesh` passed to from_pretrained with a `tp_plan`
+    is replaced by one over every process in transformers 5.24)."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        import transformers
+
+        raise RecipeError(
+            f"tensor parallelism with FSDP2 across {across} TP groups needs transformers' DistributedConfig, which "
+            f"transformers {transformers.__version__} does not have; pip install 'transformers>=5.24'"
+        ) from None
+    return DistributedConfig(tp_plan="auto", tp_size=tp, fsdp_size=across)
+
+
+def shards_in_place(model):
+    """The model with each FSDP2 group's shards as its parameters, before an optimizer is made from them. transformers
+    5.24's FSDP plan keeps one group whole from forward to backward (the final norm with lm_head: keep_full_weight),
+    and a forward without a backward (load_causal_lm's is_causal check) leaves it gathered: model.parameters() are
+    then gathered copies, which FSDP2 swaps for its shards at the first backward, and an optimizer made from them
+    never updates the final norm or lm_head (measured: both untrained after 6 steps). FSDPModule.reshard() (torch's
+    public API) puts the shards back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def gather_for_metrics(accelerator, tensors):
+    """accelerator.gather_for_metrics where TP groups share their batches: every process's blocks gathered, those of
+    the first process of each TP group kept (in data-parallel order, as the loaders deal them), and the blocks the
+    loader repeated to even out its last batch dropped (`remainder`, as Accelerate drops them). Accelerate's own
+    would count each block once per process of a group."""
+    tp = degree()
+    if tp == 1:
+        return accelerator.gather_for_metrics(tensors)
+    if data_parallel_size(accelerator) == 1:
+        return tensors
+    device_mesh = accelerator.torch_device_mesh
+    firsts = sorted(device_mesh.mesh.select(device_mesh.mesh_dim_names.index("tp"), 0).flatten().tolist())
+    state = accelerator.gradient_state
+    kept = []
+    for tensor in tensors:
+        every = accelerator.gather(tensor).reshape(accelerator.num_processes, *tensor.shape)
+        kept.append(every[firsts].flatten(0, 1))
+        if state.end_of_dataloader and state.remainder > 0:
+            kept[-1] = kept[-1][: state.remainder]
+    return type(tensors)(kept)
 
 
 def data_parallel_size(accelerator) -> int:
@@ -178,38 +245,50 @@ def _unwrapped(optimizer):
 def _load_whole(model, optimizer, folder) -> None:
     """A DDP checkpoint's whole states into the split model: the weights by name (without DDP's `module.` prefix),
     the optimizer's by position (torch numbers the parameters in the order of its groups, as this run's optimizer,
-    made the same way, holds them), each tensor cut to this process's half."""
+    made the same way, holds them), each tensor cut to this process's part as `_cut` does."""
     import re
 
     import torch
     from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
+        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    whole = StateDictOptions(full_state_dict=True)
     weights = {
         re.sub(r"^((module|_orig_mod)[.])+", "", k): v for k, v in load_file(folder / SAFE_WEIGHTS_NAME).items()
     }
-    set_model_state_dict(model, weights, options=whole)
+    set_model_state_dict(model, {k: _cut(weights[k], ours) for k, ours in get_model_state_dict(model).items()})
     saved = torch.load(folder / f"{OPTIMIZER_NAME}.bin", map_location="cpu", weights_only=True)
-    names = [
-        name
-        for group in get_optimizer_state_dict(model, _unwrapped(optimizer))["param_groups"]
-        for name in group["params"]
-    ]
+    ours = get_optimizer_state_dict(model, _unwrapped(optimizer))  # its states made, as this run holds them
+    names = [name for group in ours["param_groups"] for name in group["params"]]
     numbers = [n for group in saved["param_groups"] for n in group["params"]]
     if len(names) != len(numbers):
         raise ValueError(f"{OPTIMIZER_NAME}.bin holds {len(numbers)} parameters' states, this model has {len(names)}")
     name_of = dict(zip(numbers, names))
     by_name = {
-        "state": {name_of[n]: value for n, value in saved["state"].items()},
+        "state": {
+            name_of[n]: {key: _cut(value, ours["state"][name_of[n]].get(key)) for key, value in state.items()}
+            for n, state in saved["state"].items()
+        },
         "param_groups": [
             {**group, "params": [name_of[n] for n in group["params"]]} for group in saved["param_groups"]
         ],
     }
-    set_optimizer_state_dict(model, _unwrapped(optimizer), by_name, options=whole)
+    set_optimizer_state_dict(model, _unwrapped(optimizer), by_name)
+
+
+def _cut(whole, ours):
+    """`whole` laid out as this run's tensor `ours`: split or sharded (a DTensor) as `ours` is, else as it is. Through
+    a redistribution from a replicated copy: torch's distribute_tensor, which set_model_state_dict's full_state_dict
+    option uses, fails on the 2-D mesh's _StridedShard placements (an AssertionError in torch 2.14)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(ours, DTensor):
+        return whole
+    mesh = ours.device_mesh
+    replicated = DTensor.from_local(whole.to(ours.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, ours.placements)

@@ -939,7 +939,7 @@ def load_causal_lm(args, **model_kwargs):
             "BERT, not a causal LM), so it would learn to copy its targets; pass a decoder model (GPT-2, Llama, ...)",
             subject=flag,
         )
-    return model, tokenizer
+    return tensor_parallel.shards_in_place(model), tokenizer  # after is_causal's forward: the shards, for an optimizer
 
 
 def load_tokenizer(args):
@@ -1106,8 +1106,8 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
             per_block = torch.stack([F.cross_entropy(x.float(), y, reduction="sum") for x, y in zip(logits, labels)])
             # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
             per_block, counts = per_block, (labels != IGNORE_INDEX).sum(-1)
-            if tensor_parallel.data_parallel_size(accelerator) > 1:  # under TP every process holds every block
-                per_block, counts = accelerator.gather_for_metrics((per_block, counts))
+            if tensor_parallel.data_parallel_size(accelerator) > 1:  # a TP group's processes hold the same blocks
+                per_block, counts = tensor_parallel.gather_for_metrics(accelerator, (per_block, counts))
             loss_sum, tokens = loss_sum + per_block.sum().item(), tokens + counts.sum().item()
     model.train()
     return {"eval_loss": loss_sum / tokens, "perplexity": math.exp(min(loss_sum / tokens, 50)), "eval_tokens": tokens}

@@ -1,7 +1,7 @@
-"""Tensor parallelism through accelerate_configs/tp.yaml: one real 2-process launch over gloo, the way users launch
-on a host without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accelerate launch --config_file
-accelerate_configs/tp.yaml`), against the one-process run of the same batch; the refusals in-process, as a launch
-under tp.yaml meets them."""
+"""Tensor parallelism through accelerate_configs/tp.yaml: real launches over gloo, the way users launch on a host
+without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accelerate launch --config_file
+accelerate_configs/tp.yaml`), in 2 processes (pure TP) and in 4 (the 2-D case: FSDP2 across 2 TP groups of 2), against
+the one-process run of the same batch; the refusals in-process, as a launch under tp.yaml meets them."""
 
 import json
 import re
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import (
+    BIN,
     LM_INTERRUPTED_ARGS,
     REPO,
     card,
@@ -73,9 +74,10 @@ def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupte
     """SIGTERM to both processes of a TP run through launch.sh: one checkpoint (each process's halves of the model
     and optimizer in torch's distributed checkpoint, the RNG states as every layout writes them), exit 75. Resumed
     under TP and stopped again, resumed in one process (--config cpu: the halves made whole) and stopped again, then
-    resumed under TP from that one-process checkpoint (its whole tensors split as they load), it ends with the
-    weights of the 2-process DDP run that was never stopped. Both TP processes see one batch: per-device 16 x 2
-    accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one process's 16 x 2 is."""
+    resumed on the 2-D mesh (2 x 2, 4 processes) from that one-process checkpoint (its whole tensors cut into
+    quarters as they load), it ends with the weights of the 2-process DDP run that was never stopped. Both TP
+    processes see one batch: per-device 16 x 2 accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one
+    process's 16 x 2 is, and 2 pairs' 8 x 2."""
     out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
     args = [*lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", "16"]
     tp = [LAUNCH, "lm_finetune", "--config", "tp", *args, "--checkpointing_steps", "3"]
@@ -93,7 +95,78 @@ def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupte
     assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
     assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
     assert not {"model.safetensors", "optimizer.bin"} & set(state["files"])
-    run([*tp, *resume], env=cpu_env())
+    twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args, "--per_device_train_batch_size"]
+    run([*twod, "8", *resume], env=cpu_env())
+    assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
+    assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(tiny_lm, chat_reference, tmp_path):
+    """The 2-D case, 4 processes: tp.yaml's mesh (tp 2 alone) launched by accelerate launch in 4 processes is refused
+    in one line naming the option that fits, nothing written; ./launch.sh sizes it to 2 x 2 (dp_shard x tp), says so,
+    and passes the sizes on. Each pair splits every layer and sees one batch of 2; FSDP2 shards the split model across
+    the pairs, so a process holds about a quarter of the weights, and a step trains what one process trains on the
+    batch of 4: every loss, the weights, the eval loss over every held-out token once, the greedy samples. The save is
+    whole, and from_pretrained in one process gives the eval loss the run reported. Measured: losses 1.3e-7 apart
+    (relative), weights 6.9e-6 apart relative to the update (AdamW magnifies the split sums' rounding, as in 1-D)."""
+    out = tmp_path / "twod"
+    args = chat_args(tiny_lm, out, 2)  # 2 pairs x 2: the reference's batch of 4
+    tp_yaml = REPO / "accelerate_configs" / "tp.yaml"
+    cmd = [BIN / "accelerate", "launch", "--config_file", tp_yaml, "--num_processes", "4", "--mixed_precision", "no"]
+    refused = run([*cmd, REPO / "recipes" / "lm_finetune.py", *args], env=cpu_env(), check=False)
+    (line,) = error_lines(refused.stderr)
+    assert refused.returncode != 0 and snapshot(out) == {}, refused.stderr[-3000:]
+    assert "a mesh of 2 (tp) = 2 processes, but this job has 4: pass --parallelism_config_dp_shard_size 2 " in line
+    proc = run([LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args], env=cpu_env())
+    assert "launch.sh: tp.yaml: a mesh of 2 x 2 (dp_shard x tp) over 1 node(s) x 4 process(es)" in proc.stderr
+    assert "--parallelism_config_dp_shard_size 2 --parallelism_config_tp_size 2 " in proc.stderr  # the fix it names
+    res, reference = results(out), results(chat_reference)
+    assert res["world_size"] == 4 and res["effective_batch_size"] == reference["effective_batch_size"] == 4
+    assert res["launch"]["command"].startswith("./launch.sh lm_finetune --config tp --num_processes 4 ")
+    assert res["launch"]["strategy"] == (
+        "tensor parallelism, each layer split over 2 processes, sharded with FSDP2 across 2 such groups "
+        "(mesh 2 x 2 (dp_shard x tp))"
+    )
+    losses = [row["train_loss"] for row in res["log_history"]]
+    assert losses == pytest.approx([row["train_loss"] for row in reference["log_history"]], rel=1e-6)
+    assert len(losses) == 6
+    assert max(res["parameters_per_process"]) < 0.27 * res["parameters"]  # split in pairs, sharded across them
+    assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
+    assert res["eval_tokens"] == reference["eval_tokens"]  # each block once, not once per process of a pair
+    assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
+    assert samples(out) == samples(chat_reference)
+
+
+@pytest.mark.slow
+def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_to_the_uninterrupted_weights(
+    tiny_lm, lm_uninterrupted, tmp_path
+):
+    """SIGTERM to the 4 processes of a 2 x 2 run: one checkpoint in torch's distributed checkpoint (a file a process:
+    its quarter of each weight and of Adam's moments), exit 75. Resumed on 1 x 2 (pure TP, the per-device batch
+    doubled) and stopped again, then in one process (batch 16 x 2 accumulation: the halves made whole), it ends with
+    the weights of the 2-process DDP run that was never stopped (the effective batch 32 throughout). The way back, a
+    one-process checkpoint resumed on 2 x 2, ends test_tp_stopped_resumes_under_tp_in_one_process_and_back_..."""
+    out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
+    args = lambda batch: [  # noqa: E731
+        *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", str(batch),
+        "--checkpointing_steps", "3",
+    ]  # fmt: skip
+    twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args(8)]
+    pair = [LAUNCH, "lm_finetune", "--config", "tp", *args(16), *resume]
+    stops = []
+    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)):
+        after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
+        proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
+        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
+        stops.append(preempted_at(proc.stderr))
+        state = json.loads((out / f"checkpoint-{stops[-1]}" / "trainer_state.json").read_text())
+        assert (state["layout"], state["world_size"]) == layout
+    assert stops[-1] < 14
+    state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
+    assert {f"model_and_optimizer/__{rank}_0.distcp" for rank in range(4)} <= set(state["files"])
+    run([LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume], env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
@@ -140,25 +213,34 @@ def test_a_model_without_a_tp_plan_is_refused(monkeypatch):
 
 
 def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
-    """A degree below the process count (the 2-D case), a new model from a config (nothing to split as it loads), a
-    LoRA adapter (peft's layers fail on the split shapes), a degree that is no number. Checkpoints are not refused."""
+    """A mesh with replicas or context parallelism besides TP, an FSDP config (Accelerate's own 2-D path fails), a
+    new model from a config (nothing to split as it loads), a LoRA adapter (peft's layers fail on the split shapes), a
+    degree that is no number. The 2-D mesh dp_shard x tp and checkpoints are not refused."""
     from common import tensor_parallel
     from common.runtime import RecipeError
 
     plain = SimpleNamespace(checkpointing_steps=3, resume_from_checkpoint="latest", model_name_or_path="m")
-    tensor_parallel.refuse_what_cannot_split(plain, SimpleNamespace(num_processes=4))  # no TP: nothing to refuse
+    tensor_parallel.refuse_what_cannot_split(plain)  # no TP: nothing to refuse
     under_tp(monkeypatch, 2)
     assert tensor_parallel.data_parallel_size(SimpleNamespace(num_processes=2)) == 1
-    tensor_parallel.refuse_what_cannot_split(plain, SimpleNamespace(num_processes=2))
+    tensor_parallel.refuse_what_cannot_split(plain)
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")  # 2 x 2: trains (test_tp_within_pairs_...)
+    assert tensor_parallel.data_parallel_size(SimpleNamespace(num_processes=4)) == 2
+    tensor_parallel.refuse_what_cannot_split(plain)
     but = lambda **change: SimpleNamespace(**{**vars(plain), **change})  # noqa: E731
     cases = [
-        (4, plain, "degree 2 in 4 processes"),
-        (2, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
-        (2, but(lora_r=16), "--lora_r under tensor parallelism"),
+        ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}, plain, r"mesh is 2 x 2 x 2 \(dp_replicate x dp_shard x tp\)"),
+        ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, plain, "set parallelism_config_dp_replicate_size and "),
+        ({"ACCELERATE_USE_FSDP": "true"}, plain, "^an FSDP accelerate config with parallelism_config_tp_size: "),
+        ({}, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
+        ({}, but(lora_r=16), "--lora_r under tensor parallelism"),
     ]
-    for processes, args, named in cases:
-        with pytest.raises(RecipeError, match=named) as refused:
-            tensor_parallel.refuse_what_cannot_split(args, SimpleNamespace(num_processes=processes))
+    for environ, args, named in cases:
+        with monkeypatch.context() as env:
+            for name, value in environ.items():
+                env.setenv(name, value)
+            with pytest.raises(RecipeError, match=named) as refused:
+                tensor_parallel.refuse_what_cannot_split(args)
         assert "\n" not in str(refused.value)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(RecipeError, match="parallelism_config_tp_size is 'two': its sizes must be whole numbers"):
