@@ -3,6 +3,7 @@ without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accelerate laun
 accelerate_configs/tp.yaml`), in 2 processes (pure TP) and in 4 (the 2-D case: FSDP2 across 2 TP groups of 2), against
 the one-process run of the same batch; the refusals in-process, as a launch under tp.yaml meets them."""
 
+import importlib.util
 import json
 import re
 import signal
@@ -158,7 +159,9 @@ def test_the_zero_recipe_under_tp_in_2d_trains_what_one_process_trains(tiny_lm, 
     assert losses == pytest.approx([row["train_loss"] for row in reference["log_history"]], rel=1e-6)
     assert len(losses) == 6
     assert max(res["parameters_per_process"]) < 0.27 * res["parameters"]
-    assert res["memory_estimate"]["parameters"] == res["parameters"] == reference["parameters"]
+    assert res["parameters"] == reference["parameters"]
+    if importlib.util.find_spec("deepspeed"):  # else zero.py logs that it has no estimate (tests/test_zero.py)
+        assert res["memory_estimate"]["parameters"] == res["parameters"]  # the whole model's, not a quarter's
     assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
     assert res["eval_tokens"] == reference["eval_tokens"]
     assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
