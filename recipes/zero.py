@@ -12,7 +12,8 @@ built or loaded already partitioned: no process ever holds all of it. Before tra
 memory estimate for ZeRO-2 and ZeRO-3, with and without offload, is printed for this model and
 world size; results.json records it beside the measured peak memory of every process. The final
 model is saved gathered in 16-bit (loads with from_pretrained); --save_fp32 adds an fp32 export
-through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP or FSDP, as a plain LM trainer.
+through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP, FSDP, HSDP or tp.yaml (TP loads
+--model_name_or_path split), as a plain LM trainer.
 """
 
 import contextlib
