@@ -207,16 +207,17 @@ def test_the_doctor_says_which_mesh_the_nodes_and_processes_give():
 def test_hsdp_across_two_nodes_keeps_a_copy_a_node_and_trains_one_big_batch(tiny_lm, chat_reference, tmp_path):
     """Two "nodes" of a Slurm job (two launch.sh on one machine), 2 processes each, under hsdp_multi_node.yaml: the
     mesh is one copy a node (dp_replicate 2), sharded over the node's processes, and the run is the update of one
-    process with 4 times the batch; its record launches it again with that config on 2 nodes."""
+    process with 4 times the batch; its record launches it again with that config on 2 nodes. The recipe is zero.py,
+    the other LM recipe (on this data it trains what lm_finetune.py trains, to the byte, in one process)."""
     from test_multinode import two_nodes
 
     out = tmp_path / "nodes"
-    outs = two_nodes("lm_finetune", "--config", "hsdp_multi_node", "--num_processes", "2", *chat_args(tiny_lm, out, 1))
+    outs = two_nodes("zero", "--config", "hsdp_multi_node", "--num_processes", "2", *chat_args(tiny_lm, out, 1))
     for node, (_, _, err) in enumerate(outs):
         assert "hsdp_multi_node.yaml: a mesh of 2 x 2 (dp_replicate x dp_shard) over 2 node(s) x 2 process(es)" in err
     res = results(out)
     assert res["world_size"] == 4 and res["launch"]["nodes"] == 2
-    assert res["launch"]["command"].startswith("./launch.sh lm_finetune --config hsdp_multi_node --num_processes 2 ")
+    assert res["launch"]["command"].startswith("./launch.sh zero --config hsdp_multi_node --num_processes 2 ")
     assert update_distance(out, chat_reference, tiny_lm["model"]) < 1e-5
 
 
