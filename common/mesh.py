@@ -101,6 +101,19 @@ def mismatch(mesh: dict, processes: int) -> str | None:
     )
 
 
+def not_built(mesh: dict) -> str | None:
+    """What is wrong with a mesh these recipes do not train right: context parallelism needs each batch's sequences
+    split across the cp processes (accelerate's maybe_context_parallel around every forward), which no recipe does,
+    so each cp process would train the whole sequences again."""
+    if mesh["cp"] > 1:
+        return (
+            f"the accelerate config's parallelism_config_cp_size is {mesh['cp']}: context parallelism is not built "
+            "into these recipes (their forward does not split sequences); set it to 1, and for long sequences use "
+            "--gradient_checkpointing or tensor parallelism (tp.yaml)"
+        )
+    return None
+
+
 def untested_accelerate(mesh: dict, installed: str) -> str | None:
     """What is wrong when the installed accelerate is older than the one HSDP and tensor parallelism were tested with
     (accelerate 1.10's FSDP2 fails on a 2-D mesh, in a traceback, after the model has loaded)."""

@@ -492,7 +492,11 @@ def make_accelerator(args, **kwargs) -> Accelerator:
         raise RecipeError(str(err)) from None
     if sizes:  # accelerate would refuse these only after the group formed, or fail
         installed = importlib.metadata.version("accelerate")
-        if problem := mesh.mismatch(sizes, expected) or mesh.untested_accelerate(sizes, installed):
+        if (
+            problem := mesh.not_built(sizes)
+            or mesh.mismatch(sizes, expected)
+            or mesh.untested_accelerate(sizes, installed)
+        ):
             raise RecipeError(problem)
     local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     # ACCELERATE_USE_CPU: the config's use_cpu, as accelerate launch passes it; else later 'invalid device ordinal'

@@ -307,6 +307,8 @@ def main(argv: list[str]) -> int:
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
     if sizes:  # the config's mesh for this job's nodes and processes (accelerate takes the options over the YAML's)
+        if problem := mesh.not_built(sizes):
+            die(f"{config_file.name}: {problem}")
         sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
         if problem:
             die(f"{config_file.name}: {problem}; pass --num_processes {fits}")

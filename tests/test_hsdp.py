@@ -115,6 +115,19 @@ def test_launch_sh_sizes_the_hsdp_mesh_to_the_job_and_refuses_a_count_that_does_
         "from 1, got 'x'"
     ], proc.stderr
 
+    # Context parallelism, which no recipe's forward does (each cp process would train whole sequences again): one
+    # line naming the size, before anything starts; followed (the size set to 1), the job launches
+    cp = tmp_path / "cp.yaml"
+    cp.write_text(HSDP.read_text().replace("cp_size: 1", "cp_size: 2"))
+    proc = run([LAUNCH, "lm_finetune", "--config", cp, "--dry_run"], env=env, check=False)
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert proc.returncode == 2 and line.startswith(f"launch.sh: error: {cp.name}: "), proc.stderr
+    assert "parallelism_config_cp_size is 2" in line and "set it to 1" in line
+    cp.write_text(cp.read_text().replace("cp_size: 2", "cp_size: 1"))
+    assert run([LAUNCH, "lm_finetune", "--config", cp, "--dry_run"], env=env, check=False).returncode == 0
+    assert mesh.not_built(dict(MESHES[0], cp=2)) == line.split(f"{cp.name}: ", 1)[1]  # what make_accelerator says
+    assert all(mesh.not_built(m) is None for m in MESHES)
+
 
 def hsdp(nproc, *args, options=(), check=True):
     env = user_env(ACCELERATE_USE_CPU="true")
