@@ -849,15 +849,15 @@ def test_the_doctors_fix_followed_literally_lets_it_run():
 
 
 @pytest.mark.slow
-def test_a_full_disks_fix_followed_lets_the_run_train(tiny_lm, tmp_path):
+def test_a_full_disks_fix_followed_lets_the_run_train(tiny_lm, tmp_path, two_step_run):
     """A filesystem (a tmpfs mounted here: root runs the suite) that holds the run's first checkpoint and not its
     second: the run stops at that save with one line and keeps the first intact, and its fix, followed, trains."""
     from common.checkpoint import checkpoint_damage, complete_checkpoints
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    lm_run(tmp_path / "probe", tiny_lm, 1)  # the size of one checkpoint of this model
-    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoint-1").rglob("*") if p.is_file())
+    # the size of one checkpoint of this model, with the arguments below (but the length, a digit of its record)
+    size = sum(p.stat().st_size for p in (two_step_run / "checkpoint-1").rglob("*") if p.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * size)}", "tmpfs", disk],
