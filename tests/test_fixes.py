@@ -64,6 +64,7 @@ class Context:
     lm: dict
     paths: dict = field(default_factory=dict)
     holder: subprocess.Popen = None  # another run, started by `before`
+    two_steps: Path = None  # the module's 2-step lm_finetune run (two_step_run), which a case copies, never changes
 
 
 @dataclass
@@ -118,20 +119,29 @@ def lm_run(folder, lm, steps):
         + lm_args(lm, folder, "--max_train_steps", str(steps), "--checkpointing_steps", "1"))  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def two_step_run(tiny_lm, tmp_path_factory):
+    """One lm_finetune run of 2 steps, a checkpoint at each, that the cases needing a run's folder copy: the same
+    files their own run would have written (a run's files name no folder a check reads), trained once."""
+    folder = tmp_path_factory.mktemp("two_steps") / "run"
+    lm_run(folder, tiny_lm, 2)
+    return folder
+
+
 def finished_run(ctx):
-    lm_run(ctx.out, ctx.lm, 2)
+    shutil.copytree(ctx.two_steps, ctx.out)
 
 
 def interrupted_run(ctx):
     """A run killed after its checkpoint of step 2, before its final save: its checkpoints and nothing else."""
-    lm_run(ctx.out, ctx.lm, 2)
+    finished_run(ctx)
     for path in ctx.out.iterdir():
         if not path.name.startswith("checkpoint-"):
             path.unlink()
 
 
 def another_folders_run(ctx):
-    lm_run(ctx.tmp / "other", ctx.lm, 2)
+    shutil.copytree(ctx.two_steps, ctx.tmp / "other")
     ctx.paths["other"] = str(ctx.tmp / "other")
 
 
@@ -776,8 +786,10 @@ def command(case, ctx, launcher=()):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.row[:50])
-def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(case, digits, tiny_lm, tmp_path):
-    ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm)
+def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(
+    case, digits, tiny_lm, tmp_path, two_step_run
+):
+    ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm, two_steps=two_step_run)
     try:
         if case.before:
             case.before(ctx)
@@ -837,15 +849,15 @@ def test_the_doctors_fix_followed_literally_lets_it_run():
 
 
 @pytest.mark.slow
-def test_a_full_disks_fix_followed_lets_the_run_train(tiny_lm, tmp_path):
+def test_a_full_disks_fix_followed_lets_the_run_train(tiny_lm, tmp_path, two_step_run):
     """A filesystem (a tmpfs mounted here: root runs the suite) that holds the run's first checkpoint and not its
     second: the run stops at that save with one line and keeps the first intact, and its fix, followed, trains."""
     from common.checkpoint import checkpoint_damage, complete_checkpoints
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    lm_run(tmp_path / "probe", tiny_lm, 1)  # the size of one checkpoint of this model
-    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoint-1").rglob("*") if p.is_file())
+    # the size of one checkpoint of this model, with the arguments below (but the length, a digit of its record)
+    size = sum(p.stat().st_size for p in (two_step_run / "checkpoint-1").rglob("*") if p.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * size)}", "tmpfs", disk],

@@ -566,7 +566,8 @@ def test_a_stop_that_comes_as_the_run_ends_reports_the_finished_run(tiny_lm, tmp
     launch.sh says so with exit 0, not that it stopped without a checkpoint."""
     out = tmp_path / "run"
     written = lambda _: (out / "results.json").exists()  # noqa: E731
-    code, text = stop_when(["lm_finetune", *lm_args(tiny_lm, out)], out, written, signal.SIGTERM)
+    args = lm_args(tiny_lm, out, "--max_train_steps", "2")  # the end of a run, not its length (3 epochs: 225 steps)
+    code, text = stop_when(["lm_finetune", *args], out, written, signal.SIGTERM)
     assert code == 0, text[-3000:]
     assert results(out)["steps"] > 0
     if "SIGTERM came" in text:  # the processes were still exiting when it arrived
