@@ -777,8 +777,8 @@ def test_one_line_of_an_error_is_a_whole_sentence():
 )  # fmt: skip
 def test_a_deepspeed_config_at_odds_with_the_recipes_flags_is_refused_naming_both(config, processes, message):
     """The config's batch, accumulation and clipping are the flags' or refused (DeepSpeed's own win over Accelerate's:
-    one trained what the other reported); ZeRO-3 without the 16-bit gather would fail at the final save. Launched:
-    tests/test_zero.py."""
+    one trained what the other reported); ZeRO-3 without the 16-bit gather would fail at the final save. Launched
+    in 2 DeepSpeed processes through launch.sh, its fix followed: tests/test_fixes.py."""
     from common.runtime import agree_deepspeed_config
 
     args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=1.0)
