@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from accelerate import PartialState
-from conftest import REPO, error_lines, load_recipe
+from conftest import REPO, error_lines
+from test_inputs import BASE, FOLDER, RECIPES  # the recipes, the least argv each parser needs, an ImageFolder
 
 import common
 from common import outputs, vision
@@ -25,13 +26,6 @@ from common.plan import plan_run
 from common.runtime import RecipeError, exit_codes, os_error_refusal
 from common.text import load_raw_datasets
 
-RECIPES = {name: load_recipe(name) for name in ("cifar", "lm_finetune", "zero")}
-BASE = {  # the least each recipe's parser needs; of paths, parsing reads only that the data files are there
-    "cifar": [],
-    "lm_finetune": ["--model_name_or_path", "m", "--train_file", "t.jsonl"],
-    "zero": ["--config_name", "m", "--train_file", "t.jsonl"],
-}
-FOLDER = ["--dataset", "imagefolder", "--train_dir", "t", "--val_dir", "v"]
 FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]"
 
 

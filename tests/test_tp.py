@@ -32,6 +32,18 @@ from conftest import (
 LAUNCH = REPO / "launch.sh"
 
 
+def trained_what_one_process_trains(out, res, tiny_lm, chat_reference):
+    """The run in `out` (its results `res`) against one process at the data-parallel batch: the weights to 2e-5 of
+    the update, every held-out token counted once (not once per process of a TP group), the same eval loss, a save
+    from_pretrained loads in one process with the eval loss the run reported, and the same greedy samples."""
+    reference = results(chat_reference)
+    assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
+    assert res["eval_tokens"] == reference["eval_tokens"]
+    assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
+    assert samples(out) == samples(chat_reference)
+
+
 @pytest.mark.slow
 def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable_model(
     tiny_lm, chat_reference, tmp_path
@@ -61,11 +73,7 @@ def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable
     assert losses == pytest.approx([row["train_loss"] for row in reference["log_history"]], rel=1e-6)
     assert len(losses) == 6
     assert max(res["parameters_per_process"]) < 0.55 * res["parameters"]  # each layer split, not copied
-    assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
-    assert res["eval_tokens"] == reference["eval_tokens"]  # every held-out token once, not once per process
-    assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
-    assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
-    assert samples(out) == samples(chat_reference)
+    trained_what_one_process_trains(out, res, tiny_lm, chat_reference)
 
 
 @pytest.mark.slow
@@ -133,11 +141,7 @@ def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(ti
     assert losses == pytest.approx([row["train_loss"] for row in reference["log_history"]], rel=1e-6)
     assert len(losses) == 6
     assert max(res["parameters_per_process"]) < 0.27 * res["parameters"]  # split in pairs, sharded across them
-    assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
-    assert res["eval_tokens"] == reference["eval_tokens"]  # each block once, not once per process of a pair
-    assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
-    assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
-    assert samples(out) == samples(chat_reference)
+    trained_what_one_process_trains(out, res, tiny_lm, chat_reference)
 
 
 @pytest.mark.slow
@@ -162,11 +166,7 @@ def test_the_zero_recipe_under_tp_in_2d_trains_what_one_process_trains(tiny_lm, 
     assert res["parameters"] == reference["parameters"]
     if importlib.util.find_spec("deepspeed"):  # else zero.py logs that it has no estimate (tests/test_zero.py)
         assert res["memory_estimate"]["parameters"] == res["parameters"]  # the whole model's, not a quarter's
-    assert update_distance(out, chat_reference, tiny_lm["model"]) < 2e-5
-    assert res["eval_tokens"] == reference["eval_tokens"]
-    assert res["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
-    assert eval_loss(out, tiny_lm, chat=True) == pytest.approx(res["eval_loss"], rel=1e-6)
-    assert samples(out) == samples(chat_reference)
+    trained_what_one_process_trains(out, res, tiny_lm, chat_reference)
 
 
 @pytest.mark.slow
