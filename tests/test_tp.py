@@ -76,6 +76,22 @@ def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable
     trained_what_one_process_trains(out, res, tiny_lm, chat_reference)
 
 
+def stopped_in_turn(out, runs) -> list[int]:
+    """Each (command, (layout, processes)) of `runs` started on `out` in turn and stopped by SIGTERM once it has
+    passed its next checkpoint (every 3 steps): each exits 75 leaving a checkpoint of that layout. The steps they
+    stopped at, the last still short of the run's 14."""
+    stops = []
+    for cmd, layout in runs:
+        after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
+        proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
+        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
+        stops.append(preempted_at(proc.stderr))
+        state = json.loads((out / f"checkpoint-{stops[-1]}" / "trainer_state.json").read_text())
+        assert (state["layout"], state["world_size"]) == layout
+    assert stops[-1] < 14
+    return stops
+
+
 @pytest.mark.slow
 def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupted_weights(
     tiny_lm, lm_uninterrupted, tmp_path
@@ -91,15 +107,7 @@ def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupte
     args = [*lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", "16"]
     tp = [LAUNCH, "lm_finetune", "--config", "tp", *args, "--checkpointing_steps", "3"]
     one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args, "--checkpointing_steps", "3"]
-    stops = []
-    for cmd, layout in (tp, ("TP", 2)), ([*tp, *resume], ("TP", 2)), ([*one, *resume], ("DDP", 1)):
-        after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
-        proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
-        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
-        stops.append(preempted_at(proc.stderr))
-        state = json.loads((out / f"checkpoint-{stops[-1]}" / "trainer_state.json").read_text())
-        assert (state["layout"], state["world_size"]) == layout
-    assert stops[-1] < 14
+    stops = stopped_in_turn(out, [(tp, ("TP", 2)), ([*tp, *resume], ("TP", 2)), ([*one, *resume], ("DDP", 1))])
     state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
     assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
     assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
@@ -185,15 +193,7 @@ def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_to_the_uninterrupte
     ]  # fmt: skip
     twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args(8)]
     pair = [LAUNCH, "lm_finetune", "--config", "tp", *args(16), *resume]
-    stops = []
-    for cmd, layout in (twod, ("TP", 4)), (pair, ("TP", 2)):
-        after = (stops[-1] // 3 + 1) * 3 if stops else 3  # the next checkpoint the run writes
-        proc, _ = interrupt(cmd, cpu_env(), out, after_step=after, sig=signal.SIGTERM)
-        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
-        stops.append(preempted_at(proc.stderr))
-        state = json.loads((out / f"checkpoint-{stops[-1]}" / "trainer_state.json").read_text())
-        assert (state["layout"], state["world_size"]) == layout
-    assert stops[-1] < 14
+    stops = stopped_in_turn(out, [(twod, ("TP", 4)), (pair, ("TP", 2))])
     state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
     assert {f"model_and_optimizer/__{rank}_0.distcp" for rank in range(4)} <= set(state["files"])
     run([LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume], env=cpu_env())
