@@ -11,7 +11,6 @@ How each is counted (a stated method, so that two runs compare):
 - tests that launch processes: those marked slow; wording pinned: lines of tests/golden_errors.json.
 """
 
-import argparse
 import ast
 import json
 import subprocess
@@ -19,6 +18,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from common.args import ArgumentParser  # noqa: E402
+
 REFUSALS = {"RecipeError", "DataError", "error"}
 
 
@@ -96,11 +98,15 @@ def measure(with_tests: bool = True) -> dict:
     return result
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.add_argument("--no_tests", action="store_true", help="skip collecting the tests (a few seconds)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     result = measure(not args.no_tests)
     if args.json:
         print(json.dumps(result, indent=1))
