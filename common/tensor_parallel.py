@@ -16,7 +16,8 @@ batches), the optimizer and clipping (its DTensor-aware norm over the model's me
 from __future__ import annotations
 
 import contextlib
-import os
+
+from accelerate.utils import parse_flag_from_env
 
 from . import mesh
 from .runtime import RecipeError
@@ -36,18 +37,18 @@ def refuse_what_cannot_split(args) -> None:
     tp = degree()
     if tp == 1:
         return
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):  # see the module's note
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):  # see the module's note
         raise RecipeError(
             "an FSDP accelerate config with parallelism_config_tp_size: Accelerate 1.15's FSDP2 preparation of a "
             "tensor-parallel model fails (it imports transformers' ReplicateParallel, gone in transformers 5.24); "
             "use accelerate_configs/tp.yaml, whose runs shard the model with FSDP2 across the TP groups themselves"
         )
-    sizes = mesh.from_environment()
-    if sizes["dp_replicate"] > 1 or sizes["cp"] > 1:  # only dp_shard x tp is built and tested here
+    sizes = mesh.from_environment()  # context parallelism: refused for every mesh by make_accelerator (not_built)
+    if sizes["dp_replicate"] > 1:  # only dp_shard x tp is built and tested here
         raise RecipeError(
             f"the accelerate config's mesh is {mesh.describe(sizes)}: with tensor parallelism only FSDP2 across the "
-            "TP groups (dp_shard x tp) runs here; set parallelism_config_dp_replicate_size and "
-            "parallelism_config_cp_size to 1, or use hsdp.yaml without tensor parallelism"
+            "TP groups (dp_shard x tp) runs here; set parallelism_config_dp_replicate_size to 1, or use hsdp.yaml "
+            "without tensor parallelism"
         )
     if getattr(args, "config_name", None) and not getattr(args, "model_name_or_path", None):
         raise RecipeError(
@@ -130,11 +131,10 @@ def gather_for_metrics(accelerator, tensors):
     the first process of each TP group kept (in data-parallel order, as the loaders deal them), and the blocks the
     loader repeated to even out its last batch dropped (`remainder`, as Accelerate drops them). Accelerate's own
     would count each block once per process of a group."""
-    tp = degree()
-    if tp == 1:
-        return accelerator.gather_for_metrics(tensors)
-    if data_parallel_size(accelerator) == 1:
+    if data_parallel_size(accelerator) == 1:  # one process, or one TP group: every block is here already
         return tensors
+    if degree() == 1:
+        return accelerator.gather_for_metrics(tensors)
     device_mesh = accelerator.torch_device_mesh
     firsts = sorted(device_mesh.mesh.select(device_mesh.mesh_dim_names.index("tp"), 0).flatten().tolist())
     state = accelerator.gradient_state

@@ -1104,10 +1104,10 @@ def evaluate_causal_lm(model, eval_dl, accelerator, stop=None) -> dict | None:
             logits, labels = model(input_ids=batch["input_ids"]).logits[:, :-1], batch["labels"][:, 1:]
             # a row at a time, as fp32 logits are large; cross_entropy skips the -100 labels
             per_block = torch.stack([F.cross_entropy(x.float(), y, reduction="sum") for x, y in zip(logits, labels)])
-            # gather_for_metrics drops the blocks Accelerate repeated to even out the last batch
-            per_block, counts = per_block, (labels != IGNORE_INDEX).sum(-1)
-            if tensor_parallel.data_parallel_size(accelerator) > 1:  # a TP group's processes hold the same blocks
-                per_block, counts = tensor_parallel.gather_for_metrics(accelerator, (per_block, counts))
+            counts = (labels != IGNORE_INDEX).sum(-1)
+            # every block once: the blocks Accelerate repeated to even out the last batch dropped, and under tensor
+            # parallelism one copy of a TP group's shared blocks
+            per_block, counts = tensor_parallel.gather_for_metrics(accelerator, (per_block, counts))
             loss_sum, tokens = loss_sum + per_block.sum().item(), tokens + counts.sum().item()
     model.train()
     return {"eval_loss": loss_sum / tokens, "perplexity": math.exp(min(loss_sum / tokens, 50)), "eval_tokens": tokens}

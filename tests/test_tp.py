@@ -246,7 +246,7 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
     """A mesh with replicas or context parallelism besides TP, an FSDP config (Accelerate's own 2-D path fails), a
     new model from a config (nothing to split as it loads), a LoRA adapter (peft's layers fail on the split shapes), a
     degree that is no number. The 2-D mesh dp_shard x tp and checkpoints are not refused."""
-    from common import tensor_parallel
+    from common import mesh, tensor_parallel
     from common.runtime import RecipeError
 
     plain = SimpleNamespace(checkpointing_steps=3, resume_from_checkpoint="latest", model_name_or_path="m")
@@ -260,7 +260,6 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
     but = lambda **change: SimpleNamespace(**{**vars(plain), **change})  # noqa: E731
     cases = [
         ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}, plain, r"mesh is 2 x 2 x 2 \(dp_replicate x dp_shard x tp\)"),
-        ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, plain, "set parallelism_config_dp_replicate_size and "),
         ({"ACCELERATE_USE_FSDP": "true"}, plain, "^an FSDP accelerate config with parallelism_config_tp_size: "),
         ({}, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
         ({}, but(lora_r=16), "--lora_r under tensor parallelism"),
@@ -272,6 +271,9 @@ def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
             with pytest.raises(RecipeError, match=named) as refused:
                 tensor_parallel.refuse_what_cannot_split(args)
         assert "\n" not in str(refused.value)
+    with monkeypatch.context() as env:  # context parallelism: refused for any mesh, TP's too, before the model loads
+        env.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+        assert "parallelism_config_cp_size is 2" in mesh.not_built(mesh.from_environment())
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(RecipeError, match="parallelism_config_tp_size is 'two': its sizes must be whole numbers"):
         tensor_parallel.degree()
