@@ -110,10 +110,10 @@ def test_host_ram_per_gpu():
     assert doctor.ram_warnings(1024, gpus) == [] and doctor.ram_warnings(8, []) == []
 
 
-@pytest.mark.slow
-def test_report_reads_nvidia_smi(tmp_path):
-    """The whole report on a node whose nvidia-smi (faked, with the samples above) shows four GPUs
-    of two models on two sockets, and whose torch (this CPU build) sees none of them."""
+def test_report_reads_nvidia_smi(tmp_path, monkeypatch, capsys):
+    """The whole report (doctor.main, as `python scripts/doctor.py --report` runs it: no process group) on a node whose
+    nvidia-smi (faked, with the samples above) shows four GPUs of two models on two sockets, and whose torch (this
+    CPU build) sees none of them."""
     (tmp_path / "gpus.csv").write_text(GPUS_MIXED)
     (tmp_path / "topo.txt").write_text(TOPO_TWO_SOCKETS)
     smi = tmp_path / "nvidia-smi"
@@ -126,9 +126,11 @@ case "$1" in
 esac
 """)
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
-    env = user_env()
-    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
-    out = run([BIN / "python", REPO / "scripts/doctor.py", "--report", "--num_processes", "8"], env=env).stdout
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    capsys.readouterr()
+    doctor.main(["--report", "--num_processes", "8"])
+    out = capsys.readouterr().out
     assert re.search(
         r"GPUs visible: +4 of 4 \(2 x NVIDIA A100-PCIE-40GB, 2 x NVIDIA A100-SXM4-80GB; "
         r"40.0 GiB / 80.0 GiB each; CUDA_VISIBLE_DEVICES unset\)",
@@ -143,15 +145,19 @@ esac
     assert "8 processes requested on this node but 4 GPU(s) visible" in warnings[2]
     assert "NCCL_P2P_DISABLE=1" in warnings[3]
 
-    env["CUDA_VISIBLE_DEVICES"] = "2,3"
-    out = run([BIN / "python", REPO / "scripts/doctor.py", "--report"], env=env).stdout
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    doctor.main(["--report"])
+    out = capsys.readouterr().out
     assert "2 of 4 (2 x NVIDIA A100-PCIE-40GB" in out and "mixed" not in out and "NCCL_P2P_DISABLE" not in out
 
 
 @pytest.mark.slow
 def test_doctor_on_cpu_times_a_gloo_allreduce():
-    proc = run([REPO / "launch.sh", "doctor", "--iters", "3"], env=user_env())
-    assert proc.stderr.startswith("+ ACCELERATE_USE_CPU=true ") and "scripts/doctor.py --iters 3" in proc.stderr
+    """The README's `./launch.sh doctor` (tests/test_readme.py checks that it is the README's only doctor line) on a
+    node without GPUs: 2 processes, a gloo all-reduce of each size, timed and checked."""
+    proc = run([REPO / "launch.sh", "doctor"], env=user_env())
+    (command,) = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
+    assert command.startswith("+ ACCELERATE_USE_CPU=true ") and command.endswith("scripts/doctor.py")
     out = proc.stdout
     assert "GPUs visible:  none" in out and "processes:     2 on this node (on CPU)" in out
     assert "all_reduce, float32 sum, gloo, 2 processes (1 node(s) x 2)" in out
@@ -191,32 +197,32 @@ def test_a_group_that_cannot_form_fails_with_the_causes():
         assert cause in line
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--sizes_mib", "big"],
-            "error: argument --sizes_mib: pass sizes from 0.001 to 65536 separated by commas (1,16,64), got 'big'",
-        ),
-        (
-            ["--sizes_mib", "1,2e9"],  # a petabyte: the allocator's error, said after the processes started
-            "error: argument --sizes_mib: pass sizes from 0.001 to 65536 separated by commas (1,16,64), got '1,2e9'",
-        ),
-        (
-            ["--timeout", "nan"],
-            "error: argument --timeout: nan is not a finite number; pass a number greater than 0 and at most 31536000",
-        ),  # fmt: skip
-        (
-            ["--timeout", "1e30"],
-            "error: argument --timeout: 1e30 is out of range: pass a number greater than 0 and at most 31536000",
-        ),  # fmt: skip  (an OverflowError in torch's timer, blamed on the port)
-        (["--iters", "2.5"], "error: argument --iters: '2.5' is not a whole number; pass a whole number at least 1"),
-    ],
-)
-@pytest.mark.parametrize("how", ["python", "launch.sh"])
-def test_bad_arguments_are_one_error_line_before_any_process_starts(how, args, message):
-    """nan, inf, 0 and negative numbers failed inside the all-reduce, blamed on the network."""
-    cmd = [BIN / "python", REPO / "scripts/doctor.py"] if how == "python" else [REPO / "launch.sh", "doctor"]
-    proc = run([*cmd, *args], check=False)
-    assert proc.returncode == 2
-    assert [line for line in proc.stderr.splitlines() if not line.startswith("+ ")] == [message], proc.stderr
+BAD_ARGUMENTS = [  # nan, inf, 0 and negative numbers failed inside the all-reduce, blamed on the network
+    ["--sizes_mib", "big"],
+    ["--sizes_mib", "1,2e9"],  # a petabyte: the allocator's error, said after the processes started
+    ["--timeout", "nan"],
+    ["--timeout", "1e30"],  # an OverflowError in torch's timer, blamed on the port
+    ["--iters", "2.5"],
+]
+
+
+@pytest.mark.parametrize("args", BAD_ARGUMENTS)
+def test_bad_arguments_are_one_error_line_naming_the_option(capsys, args):
+    """doctor.py's parser (which imports no torch) refuses each: exit 2, one `error:` line naming the option, the
+    refusal's subject."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        doctor.parse_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert exit_.value.__cause__.subject == args[0] and args[0] in err
+
+
+def test_launch_sh_doctor_says_a_bad_argument_before_any_process_starts(capsys):
+    """Through launch.sh: the parser's line alone (launch.sh's command aside), exit 2, no report printed."""
+    with pytest.raises(SystemExit):
+        doctor.parse_args(["--timeout", "nan"])
+    said = capsys.readouterr().err.strip()
+    proc = run([REPO / "launch.sh", "doctor", "--timeout", "nan"], check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("+ ")] == [said], proc.stderr
