@@ -10,14 +10,13 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from conftest import (
-    BIN,
     LM_INTERRUPTED_ARGS,
     REPO,
     card,
     chat_args,
     cpu_env,
-    error_lines,
     eval_loss,
     interrupt,
     lm_args,
@@ -25,9 +24,11 @@ from conftest import (
     results,
     run,
     samples,
-    snapshot,
     update_distance,
 )
+
+from common import mesh
+from common.runtime import RecipeError
 
 LAUNCH = REPO / "launch.sh"
 
@@ -46,7 +47,7 @@ def trained_what_one_process_trains(out, res, tiny_lm, chat_reference):
 
 @pytest.mark.slow
 def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable_model(
-    tiny_lm, chat_reference, tmp_path
+    tiny_lm, chat_reference, tmp_path, monkeypatch
 ):
     """A degree the model's heads do not divide: one line, and its fix followed. Then both processes hold half of each
     split layer and see the same batch of 4 (a TP group is one data-parallel rank): every step's loss is the one
@@ -55,16 +56,22 @@ def test_tp_in_two_processes_trains_what_one_process_trains_and_saves_a_loadable
     reported. Measured: losses equal to 2.4e-7, weights 6.9e-6 apart relative to the update (AdamW divides by the
     root of tiny second moments, which magnifies the split sums' rounding)."""
     out, config = tmp_path / "tp", tmp_path / "my_tp.yaml"
-    # A copy of tp.yaml at degree 4, which the tiny model's 2 key-value heads cannot split: one line, nothing written,
-    # and its fix followed literally (the degree and the processes it names) is the run compared below.
+    # A copy of tp.yaml at degree 4, which the tiny model's 2 key-value heads cannot split: refused before the model
+    # loads, in one line (load_kwargs, which load_causal_lm asks first: in this process, as the launch under it meets
+    # it), and its fix followed literally (the degree and the processes it names) is the run compared below.
+    from transformers import AutoConfig
+
+    from common.tensor_parallel import load_kwargs
+
+    with monkeypatch.context() as env:
+        under_tp(env, 4)
+        with pytest.raises(RecipeError) as refused:
+            load_kwargs(AutoConfig.from_pretrained(tiny_lm["model"]), tiny_lm["model"])
+    assert str(refused.value).startswith("--model_name_or_path ") and "\n" not in str(refused.value)  # names it
+    fix = re.search(r"set (parallelism_config_tp_size) and (--num_processes) to (\d+)", str(refused.value))
     text = (REPO / "accelerate_configs" / "tp.yaml").read_text()
-    config.write_text(text.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 4"))
-    cmd = [REPO / "launch.sh", "lm_finetune", "--config", config, *chat_args(tiny_lm, out, 4)]
-    refused = run(cmd, env=cpu_env(), check=False)
-    (line,) = error_lines(refused.stderr)
-    fix = re.search(r"; set (parallelism_config_tp_size) and (--num_processes) to (\d+)", line)
-    assert refused.returncode == 2 and fix and snapshot(out) == {}, refused.stderr[-3000:]
     config.write_text(text.replace("parallelism_config_tp_size: 2", f"{fix[1]}: {fix[3]}"))
+    cmd = [REPO / "launch.sh", "lm_finetune", "--config", config, *chat_args(tiny_lm, out, 4)]
     run([*cmd[:4], fix[2], fix[3], *cmd[4:]], env=cpu_env())
     res, reference = results(out), results(chat_reference)
     assert "./launch.sh lm_finetune --config tp --num_processes 2 " in card(out)[1]  # how to run it again
@@ -93,32 +100,6 @@ def stopped_in_turn(out, runs) -> list[int]:
 
 
 @pytest.mark.slow
-def test_tp_stopped_resumes_under_tp_in_one_process_and_back_to_the_uninterrupted_weights(
-    tiny_lm, lm_uninterrupted, tmp_path
-):
-    """SIGTERM to both processes of a TP run through launch.sh: one checkpoint (each process's halves of the model
-    and optimizer in torch's distributed checkpoint, the RNG states as every layout writes them), exit 75. Resumed
-    under TP and stopped again, resumed in one process (--config cpu: the halves made whole) and stopped again, then
-    resumed on the 2-D mesh (2 x 2, 4 processes) from that one-process checkpoint (its whole tensors cut into
-    quarters as they load), it ends with the weights of the 2-process DDP run that was never stopped. Both TP
-    processes see one batch: per-device 16 x 2 accumulation is the effective batch 32 of DDP's 2 x 8 x 2, as one
-    process's 16 x 2 is, and 2 pairs' 8 x 2."""
-    out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
-    args = [*lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", "16"]
-    tp = [LAUNCH, "lm_finetune", "--config", "tp", *args, "--checkpointing_steps", "3"]
-    one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args, "--checkpointing_steps", "3"]
-    stops = stopped_in_turn(out, [(tp, ("TP", 2)), ([*tp, *resume], ("TP", 2)), ([*one, *resume], ("DDP", 1))])
-    state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
-    assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
-    assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
-    assert not {"model.safetensors", "optimizer.bin"} & set(state["files"])
-    twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args, "--per_device_train_batch_size"]
-    run([*twod, "8", *resume], env=cpu_env())
-    assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
-    assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
-
-
-@pytest.mark.slow
 def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(tiny_lm, chat_reference, tmp_path):
     """The 2-D case, 4 processes: tp.yaml's mesh (tp 2 alone) launched by accelerate launch in 4 processes is refused
     in one line naming the option that fits, nothing written; ./launch.sh sizes it to 2 x 2 (dp_shard x tp), says so,
@@ -129,15 +110,15 @@ def test_tp_within_pairs_and_fsdp2_across_them_trains_what_one_process_trains(ti
     (relative), weights 6.9e-6 apart relative to the update (AdamW magnifies the split sums' rounding, as in 1-D)."""
     out = tmp_path / "twod"
     args = chat_args(tiny_lm, out, 2)  # 2 pairs x 2: the reference's batch of 4
-    tp_yaml = REPO / "accelerate_configs" / "tp.yaml"
-    cmd = [BIN / "accelerate", "launch", "--config_file", tp_yaml, "--num_processes", "4", "--mixed_precision", "no"]
-    refused = run([*cmd, REPO / "recipes" / "lm_finetune.py", *args], env=cpu_env(), check=False)
-    (line,) = error_lines(refused.stderr)
-    assert refused.returncode != 0 and snapshot(out) == {}, refused.stderr[-3000:]
-    assert "a mesh of 2 (tp) = 2 processes, but this job has 4: pass --parallelism_config_dp_shard_size 2 " in line
+    # What a recipe started by `accelerate launch --config_file tp.yaml --num_processes 4` meets in make_accelerator,
+    # before any group forms (every job shape: tests/test_hsdp.py): the line names the options that fit.
+    line = mesh.mismatch(mesh.from_config(yaml.safe_load((REPO / "accelerate_configs" / "tp.yaml").read_text())), 4)
+    named = re.findall(r"(--parallelism_config_\w+_size) (\d+)", line)
+    assert "\n" not in line and ("--parallelism_config_dp_shard_size", "2") in named, line
     proc = run([LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args], env=cpu_env())
     assert "launch.sh: tp.yaml: a mesh of 2 x 2 (dp_shard x tp) over 1 node(s) x 4 process(es)" in proc.stderr
-    assert "--parallelism_config_dp_shard_size 2 --parallelism_config_tp_size 2 " in proc.stderr  # the fix it names
+    (command,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("+ ")]
+    assert all(f"{option} {size} " in command for option, size in named), command  # the fix it names, passed on
     res, reference = results(out), results(chat_reference)
     assert res["world_size"] == 4 and res["effective_batch_size"] == reference["effective_batch_size"] == 4
     assert res["launch"]["command"].startswith("./launch.sh lm_finetune --config tp --num_processes 4 ")
@@ -178,14 +159,17 @@ def test_the_zero_recipe_under_tp_in_2d_trains_what_one_process_trains(tiny_lm, 
 
 
 @pytest.mark.slow
-def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_to_the_uninterrupted_weights(
+def test_tp_stopped_on_2d_resumes_on_1x2_in_one_process_and_back_on_2d_to_the_uninterrupted_weights(
     tiny_lm, lm_uninterrupted, tmp_path
 ):
-    """SIGTERM to the 4 processes of a 2 x 2 run: one checkpoint in torch's distributed checkpoint (a file a process:
-    its quarter of each weight and of Adam's moments), exit 75. Resumed on 1 x 2 (pure TP, the per-device batch
-    doubled) and stopped again, then in one process (batch 16 x 2 accumulation: the halves made whole), it ends with
-    the weights of the 2-process DDP run that was never stopped (the effective batch 32 throughout). The way back, a
-    one-process checkpoint resumed on 2 x 2, ends test_tp_stopped_resumes_under_tp_in_one_process_and_back_..."""
+    """SIGTERM to the 4 processes of a 2 x 2 run through launch.sh: one checkpoint in torch's distributed checkpoint
+    (a file a process: its quarter of each weight and of Adam's moments), exit 75. Resumed on 1 x 2 (pure TP, the
+    per-device batch doubled) and stopped again (each process's halves of the model and optimizer, the RNG states as
+    every layout writes them), resumed in one process (--config cpu, batch 16 x 2 accumulation: the halves made
+    whole) and stopped again, then resumed on the 2-D mesh from that one-process checkpoint (its whole tensors cut
+    into quarters as they load), it ends with the weights of the 2-process DDP run that was never stopped (the
+    effective batch 32 throughout: DDP's 2 x 8 x 2, one process's or a TP pair's 16 x 2, 2 pairs' 8 x 2). (A TP
+    checkpoint resumed under TP: ./launch.sh selftest --config tp's exact resume, tests/test_selftest.py.)"""
     out, resume = tmp_path / "run", ["--resume_from_checkpoint", "latest"]
     args = lambda batch: [  # noqa: E731
         *lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS), "--per_device_train_batch_size", str(batch),
@@ -193,10 +177,15 @@ def test_tp_in_2d_stopped_resumes_on_1x2_then_in_one_process_to_the_uninterrupte
     ]  # fmt: skip
     twod = [LAUNCH, "lm_finetune", "--config", "tp", "--num_processes", "4", *args(8)]
     pair = [LAUNCH, "lm_finetune", "--config", "tp", *args(16), *resume]
-    stops = stopped_in_turn(out, [(twod, ("TP", 4)), (pair, ("TP", 2))])
+    one = [LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume]
+    stops = stopped_in_turn(out, [(twod, ("TP", 4)), (pair, ("TP", 2)), (one, ("DDP", 1))])
     state = json.loads((out / f"checkpoint-{stops[0]}" / "trainer_state.json").read_text())
     assert {f"model_and_optimizer/__{rank}_0.distcp" for rank in range(4)} <= set(state["files"])
-    run([LAUNCH, "lm_finetune", "--config", "cpu", "--num_processes", "1", *args(16), *resume], env=cpu_env())
+    state = json.loads((out / f"checkpoint-{stops[1]}" / "trainer_state.json").read_text())
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model_and_optimizer/.metadata"} <= set(state["files"])
+    assert {"model_and_optimizer/__0_0.distcp", "model_and_optimizer/__1_0.distcp"} <= set(state["files"])
+    assert not {"model.safetensors", "optimizer.bin"} & set(state["files"])
+    run([*twod, *resume], env=cpu_env())
     assert results(out)["steps"] == results(lm_uninterrupted)["steps"]
     assert update_distance(out, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
