@@ -5,7 +5,6 @@ with ACCELERATE_USE_CPU=true, and ./launch.sh --config fsdp)."""
 import importlib.metadata
 import inspect
 import json
-import shutil
 import signal
 
 import pytest
@@ -20,6 +19,7 @@ from conftest import (
     eval_loss,
     interrupt,
     lm_args,
+    load_recipe,
     preempted_at,
     results,
     run,
@@ -97,13 +97,15 @@ def test_fsdp_on_cpu_shards_trains_one_big_batch_token_weighted_and_saves_a_load
 
 
 @pytest.mark.slow
-def test_fsdp_stopped_mid_epoch_resumes_in_two_processes_and_in_one_to_the_uninterrupted_weights(tiny_lm, tmp_path):
+def test_fsdp_stopped_mid_epoch_resumes_in_two_processes_to_the_uninterrupted_weights(
+    tiny_lm, lm_uninterrupted, tmp_path
+):
     """SIGTERM to every process of a 2-process FSDP run through launch.sh: one sharded checkpoint, exit 75. Resumed in
-    2 processes, and in 1 with the per-device batch doubled (the checkpoint resharded by torch's distributed
-    checkpoint), it ends with the weights of the run that was never stopped."""
+    2 processes it ends with the weights of the run that was never stopped (the 2-process DDP run of the same batch:
+    FSDP trains what DDP trains, to 1e-5 of the update). (An FSDP checkpoint of 2 processes stopped by SIGTERM and
+    resumed in 1, resharded by torch's distributed checkpoint: tests/test_hsdp.py's resume on another mesh.)"""
     args = lambda out, *extra: lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS, *extra)  # noqa: E731
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run([LAUNCH, "lm_finetune", "--config", "fsdp", *args(straight)], env=cpu_env())
+    stopped = tmp_path / "stopped"
     cmd = [LAUNCH, "lm_finetune", "--config", "fsdp", *args(stopped, "--checkpointing_steps", "3")]
     proc, _ = interrupt(cmd, cpu_env(), stopped, after_step=3, sig=signal.SIGTERM)
     assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
@@ -111,41 +113,49 @@ def test_fsdp_stopped_mid_epoch_resumes_in_two_processes_and_in_one_to_the_unint
     assert (
         json.loads((stopped / f"checkpoint-{step}" / "trainer_state.json").read_text())["distributed_type"] == "FSDP"
     )
-    one = tmp_path / "one"
-    shutil.copytree(stopped, one)
     run(
         [LAUNCH, "lm_finetune", "--config", "fsdp", *args(stopped, "--resume_from_checkpoint", "latest")],
         env=cpu_env(),
     )
-    batch16 = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"]
-    run([LAUNCH, "lm_finetune", "--config", "fsdp", "--num_processes", "1", *args(one, *batch16)], env=cpu_env())
-    for out in (stopped, one):
-        assert results(out)["steps"] == results(straight)["steps"]
-        assert update_distance(out, straight, tiny_lm["model"]) < 1e-5, out
+    assert results(stopped)["steps"] == results(lm_uninterrupted)["steps"]
+    assert update_distance(stopped, lm_uninterrupted, tiny_lm["model"]) < 1e-5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["cpu", "zero2", "zero3", "fsdp"])
-def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_path, config):
+@pytest.mark.parametrize(
+    "config, stopped_by_sigterm", [("cpu", False), ("zero2", False), ("zero3", True), ("fsdp", False)]
+)
+def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_path, config, stopped_by_sigterm):
     """--mixed_precision bf16 through launch.sh on CPU, under DDP, ZeRO-2/3 and FSDP2: the run records bf16 and
-    learns; stopped by SIGTERM in 2 processes and resumed in 1 with the per-device batch doubled, it ends with the
-    uninterrupted run's weights to bf16's precision."""
+    learns; its checkpoint of 2 processes, resumed in 1 with the per-device batch doubled, ends with the uninterrupted
+    run's weights to bf16's precision. Under ZeRO-3 the checkpoint is that of a run stopped by SIGTERM (the stop of a
+    DeepSpeed run here: the same save as ZeRO-2's, through accelerate's save_state); under DDP, ZeRO-2 and FSDP, whose
+    stops are proven apart (DDP's in tests/test_lm_finetune.py, FSDP's above, DeepSpeed's by ZeRO-3's here), the
+    uninterrupted run's own checkpoint of step 3 (mid-epoch; a save changes no weight), continued in another folder."""
     args = lambda out, *extra: lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS, *extra)  # noqa: E731
     bf16 = [LAUNCH, "lm_finetune", "--config", config, "--mixed_precision", "bf16"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    proc = run([*bf16, *args(straight)], env=cpu_env())
+    straight, continued = tmp_path / "straight", tmp_path / "continued"
+    cadence = () if stopped_by_sigterm else ("--checkpointing_steps", "3")
+    proc = run([*bf16, *args(straight, *cadence)], env=cpu_env())
     res = results(straight)
     assert res["mixed_precision"] == "bf16" and "--mixed_precision bf16" in proc.stderr and res["world_size"] == 2
     losses = [h["train_loss"] for h in res["log_history"]]
     assert losses[-1] < 0.8 * losses[0] and res["eval_loss"] < losses[0]
 
-    proc, _ = interrupt([*bf16, *args(stopped, "--checkpointing_steps", "3")], cpu_env(), stopped, after_step=3)
-    assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
-    one = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint", "latest"]
-    run([*bf16, "--num_processes", "1", *args(stopped, *one)], env=cpu_env())
-    assert results(stopped)["steps"] == res["steps"] and results(stopped)["mixed_precision"] == "bf16"
+    one = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint"]
+    if stopped_by_sigterm:
+        proc, _ = interrupt(
+            [*bf16, *args(continued, "--checkpointing_steps", "3")], cpu_env(), continued, after_step=3
+        )
+        assert proc.returncode == 75 and preempted_at(proc.stderr) is not None, proc.stderr[-3000:]
+        run([*bf16, "--num_processes", "1", *args(continued, *one, "latest")], env=cpu_env())
+    else:
+        checkpoint = straight / "checkpoint-3"
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["world_size"] == 2
+        run([*bf16, "--num_processes", "1", *args(continued, *one, checkpoint)], env=cpu_env())
+    assert results(continued)["steps"] == res["steps"] and results(continued)["mixed_precision"] == "bf16"
     # measured: 2e-4 (DDP) to 1.6e-3 (ZeRO-3) of the update, bf16 rounding where the layouts differ
-    assert update_distance(stopped, straight, tiny_lm["model"]) < 1e-2
+    assert update_distance(continued, straight, tiny_lm["model"]) < 1e-2
 
 
 @pytest.mark.slow
@@ -170,24 +180,31 @@ def test_a_lora_run_on_sharded_weights_saves_its_merged_model(tiny_lm, tmp_path,
 
 
 @pytest.mark.slow
-def test_fsdp_trains_the_zero_recipe_too_and_the_image_recipe_is_refused_in_one_line(tiny_lm, digits, tmp_path):
-    """./launch.sh zero --config fsdp on CPU: FSDP2, half the parameters a process, a save from_pretrained loads.
-    The image recipe has no transformer layers to shard, nor is it right under ZeRO: one line, exit 2, nothing
-    written."""
+def test_fsdp_trains_the_zero_recipe_too(tiny_lm, tmp_path):
+    """./launch.sh zero --config fsdp on CPU: FSDP2, half the parameters a process, a save from_pretrained loads."""
     out = tmp_path / "zero"
     run([LAUNCH, "zero", "--config", "fsdp", *lm_args(tiny_lm, out, "--max_train_steps", "4")], env=cpu_env())
     res = results(out)
     assert res["distributed_type"] == "FSDP" and max(res["parameters_per_process"]) < 0.6 * res["parameters"]
     assert eval_loss(out, tiny_lm) == pytest.approx(res["eval_loss"], rel=1e-4)
     assert [(r["step"], r["samples_seen"]) for r in samples(out)] == [(4, 64)] * 4  # the final evaluation's
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_the_image_recipe_is_refused_under_fsdp_and_zero_in_one_line(tmp_path, monkeypatch, capsys, variable):
+    """The image recipe has no transformer layers to shard, nor is it right under ZeRO (BatchNorm statistics per
+    process, a bf16 model fed fp32 images): cifar's parse_args reads the variable accelerate launch sets from an FSDP
+    or DeepSpeed config (./launch.sh cifar --config fsdp or zero2 sets it so) and refuses at once, exit 2, one line
+    naming the configs it trains under, nothing written."""
     images = tmp_path / "cifar"
-    data = ["--dataset", "imagefolder", "--train_dir", digits["train"], "--val_dir", digits["val"]]
-    for config in ("fsdp", "zero2"):  # ZeRO: BatchNorm statistics per process, a bf16 model fed fp32 images
-        cmd = [LAUNCH, "cifar", "--config", config, *data, "--output_dir", images]
-        proc = run(cmd, env=cpu_env(), check=False)
-        assert proc.returncode == 2 and not images.exists(), proc.stderr[-2000:]
-        assert error_lines(proc.stderr) == [
-            "error: this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards a model "
-            "by its transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps BatchNorm's "
-            "statistics apart on each process and casts the model alone to bf16"
-        ]
+    monkeypatch.setenv(variable, "true")
+    data = ["--dataset", "imagefolder", "--train_dir", "t", "--val_dir", "v", "--output_dir", str(images)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        load_recipe("cifar").parse_args(data)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    refusal = exit_.value.__cause__
+    assert refusal.subject is None  # the config's, no option's
+    assert "accelerate_configs/cpu.yaml" in refusal.problem  # the configs it trains under
+    assert not images.exists()
