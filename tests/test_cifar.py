@@ -205,15 +205,8 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{2 * per_epoch}", resumed / f"checkpoint-{2 * per_epoch}")
-    run(
-        [
-            REPO / "launch.sh",
-            "cifar",
-            "--num_processes",
-            "1",
-            *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest"),
-        ]
-    )
+    # the resumes in this process's python (forked warm): one process, launch.sh's quick start is the run above
+    run([BIN / "python", RECIPE, *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
     assert results(resumed)["steps"] == 3 * per_epoch
     weights = load_file(resumed / "model.safetensors")
     for name in final:
@@ -222,15 +215,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     # ...and `latest` on the finished run (a requeued job that had finished) ends at once, exit 0,
     # saying so, and changes nothing: no step trained again, its weights and results.json kept.
     before = snapshot(out)
-    proc = run(
-        [
-            REPO / "launch.sh",
-            "cifar",
-            "--num_processes",
-            "1",
-            *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest"),
-        ]
-    )
+    proc = run([BIN / "python", RECIPE, *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
     (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
     assert done.startswith(
         f"done: {out} holds a finished run (results.json, {3 * per_epoch} steps): nothing left to train"
@@ -239,21 +224,26 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     assert snapshot(out) == before
 
 
-@pytest.mark.floor
-@pytest.mark.slow
-def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, tmp_path):
-    out = tmp_path / "probe.json"
+@pytest.fixture(scope="module")
+def shard_probes(digits, tmp_path_factory):
+    """One 2-process launch of tests/probes/shard_probe.py through the recipe's loaders, both input paths: the
+    decoding DataLoader (no workers), then --data_on_device. Its record: world size and, per path, the samples each
+    process trained each epoch and the ones the gathered evaluation counted."""
+    out = tmp_path_factory.mktemp("shard_probe") / "probe.json"
+    args = digits_args(digits, out.parent / "unused", "--per_device_train_batch_size", "32")
     cmd, env = accelerate_cpu(
-        2,
-        REPO / "tests/probes/shard_probe.py",
-        out,
-        *digits_args(
-            digits, tmp_path / "unused", "--per_device_train_batch_size", "32", "--dataloader_num_workers", "0"
-        ),
+        2, REPO / "tests/probes/shard_probe.py", out, *args, "--dataloader_num_workers", "0", "---", "--data_on_device"
     )
     run(cmd, env=env)
-    probe = json.loads(out.read_text())
-    assert probe["world_size"] == 2
+    return json.loads(out.read_text())
+
+
+@pytest.mark.floor
+@pytest.mark.slow
+def test_two_processes_see_disjoint_halves_and_eval_gathers_each_sample_once(digits, shard_probes):
+    assert shard_probes["world_size"] == 2
+    probe = shard_probes["probes"][0]
+    assert probe["on_device"] is False  # the decoding DataLoader
     per_process_batches = (digits["n_train"] // 32) // 2
     orders = []
     for epoch in probe["train"]:
@@ -472,100 +462,35 @@ def test_a_model_with_dropout_resumed_on_its_layout_ends_with_the_uninterrupted_
     assert max((straight[k].float() - resumed[k].float()).abs().max().item() for k in straight) == 0.0
 
 
-@pytest.mark.slow
-def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_originals_checkpoint(digits, tmp_path):
-    """The README's copy flow: train.py and common/ in a project of their own. A checkpoint names the
-    recipe by its RECIPE constant, not its file name, so the copy continues a run of recipes/cifar.py: launch.sh runs
-    the copy from its folder, with the copy's common/ (a line of its own marks it), in 2 processes x 16, and it
-    resumes the original's 1 x 32 checkpoint."""
-    original, out = tmp_path / "original", tmp_path / "run"
-    run(
-        [
-            BIN / "python",
-            RECIPE,
-            *digits_args(digits, original, *FAST_MODEL, "--max_train_steps", "2", "--checkpointing_steps", "2"),
-        ]
-    )
-    project = tmp_path / "myproject"
-    project.mkdir()
-    shutil.copy(RECIPE, project / "train.py")
-    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(project / "common" / "__init__.py", "a") as f:
-        f.write("\nimport sys\n\nprint('the copy of common', file=sys.stderr)\n")
-    cmd = ["--max_train_steps", "3", "--resume_from_checkpoint", original / "checkpoint-2"]
-    args = digits_args(digits, out, *FAST_MODEL, *cmd, "--per_device_train_batch_size", "16")
-    proc = run([REPO / "launch.sh", "./train.py", "--num_processes", "2", *args], cwd=project)
-    assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
-    assert "the copy of common" in proc.stderr and results(out)["world_size"] == 2
-    assert results(out)["steps"] == 3 and (out / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_file(digits, tmp_path):
-    out = tmp_path / "run"
-    secrets = {"HF_TOKEN": "hf_" + "S3cr3t" * 6, "WANDB_API_KEY": "0123456789abcdef" * 2}
-    proc = run(
-        [
-            REPO / "launch.sh",
-            "cifar",
-            "--num_processes",
-            "1",
-            *digits_args(
-                digits,
-                out,
-                *FAST_MODEL,
-                "--max_train_steps",
-                "4",
-                "--logging_steps",
-                "2",
-                "--report_to",
-                "tensorboard",
-                "--checkpointing_steps",
-                "4",
-            ),
-        ],
-        env=user_env(**secrets),
-    )
-    assert list((out / "cifar").rglob("events.out.tfevents.*"))
-    written = [proc.stdout, proc.stderr] + [p.read_bytes().decode("latin-1") for p in out.rglob("*") if p.is_file()]
-    for secret in secrets.values():
-        assert not any(secret in text for text in written)
-
-
 DIGITS = ["--dataset", "imagefolder", "--train_dir", "{train}", "--val_dir", "{val}"]  # formatted per test
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, subject",
     [
-        (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "cifar10 is not in"),
+        (["--dataset", "cifar10", "--data_dir", "{tmp}/no_such_dir"], "--data_dir"),
         (["--dataset", "imagefolder", "--train_dir", "{tmp}/missing", "--val_dir", "{tmp}/missing"], "--train_dir"),
-        (["--resume_from_checkpoint", "{tmp}"], "not a complete checkpoint"),
-        (["--model", "no_such_net", *DIGITS], "--model no_such_net"),
-        (["--per_device_train_batch_size", "4096", *DIGITS], "lower --per_device_train_batch_size"),
-        (  # 1,400 digits: 21 batches of 64 an epoch, so no step could hold 30 of them
-            ["--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "30", *DIGITS],
-            "lower --gradient_accumulation_steps to 21 or less",
-        ),
+        (["--resume_from_checkpoint", "{tmp}"], "--resume_from_checkpoint"),
+        (["--model", "no_such_net", *DIGITS], "--model"),
+        # 1,400 digits: 21 batches of 64 an epoch, so no step could hold 30 of them; a batch larger than the set
+        # has no step at all, and the fix is the batch
+        (["--per_device_train_batch_size", "4096", *DIGITS], "--gradient_accumulation_steps"),
+        (["--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "30", *DIGITS],
+         "--gradient_accumulation_steps"),
     ],
-)
-@pytest.mark.slow
-def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, message):
+)  # fmt: skip
+def test_bad_input_gets_one_error_line_and_no_output(digits, tmp_path, args, subject):
+    """The recipe's own process (python recipes/cifar.py, forked warm: input validation needs no launcher; a
+    recipe's error through launch.sh: tests/test_launch_sh.py): exit 2, one error line naming the option, no output
+    folder. The rule for every refusal, read from its fields: tests/test_refusals.py."""
     out = tmp_path / "run"
     args = [a.format(tmp=tmp_path, train=digits["train"], val=digits["val"]) for a in args]
-    # Input validation needs no launcher: the first case goes through launch.sh, the rest straight to python.
-    launcher = [REPO / "launch.sh", "cifar", "--num_processes", "1"] if "cifar10" in args else [BIN / "python", RECIPE]
-    proc = run([*launcher, "--output_dir", out, *args], check=False, timeout=180)
-    assert proc.returncode != 0
+    proc = run([BIN / "python", RECIPE, "--output_dir", out, *args], check=False, timeout=180)
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and subject in lines[0], proc.stderr[-3000:]
+    if "4096" in args:
+        assert "lower --per_device_train_batch_size" in lines[0]  # the fix: the batch, not the accumulation
     assert not out.exists()
-
-
-@pytest.mark.slow
-def test_unknown_argument_is_an_error():
-    proc = run([BIN / "python", RECIPE, "--per_device_batch_size", "8"], check=False)
-    assert proc.returncode == 2 and "unrecognized arguments: --per_device_batch_size" in proc.stderr
 
 
 def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digits):
@@ -597,18 +522,14 @@ def test_data_on_device_augments_each_sample_by_seed_epoch_and_index_alone(digit
     assert 16 < flips < 48
 
 
+@pytest.mark.floor
 @pytest.mark.slow
-def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digits, tmp_path):
-    """--data_on_device on CPU (it learns and resumes: the first test of this file runs with it)."""
-    out = tmp_path / "probe.json"
-    cmd, env = accelerate_cpu(
-        2,
-        REPO / "tests/probes/shard_probe.py",
-        out,
-        *digits_args(digits, tmp_path / "unused", "--per_device_train_batch_size", "32", "--data_on_device"),
-    )
-    run(cmd, env=env)
-    probe = json.loads(out.read_text())
+def test_data_on_device_gives_two_processes_disjoint_halves_and_exact_eval(digits, shard_probes):
+    """--data_on_device on CPU (it learns and resumes: the first test of this file runs with it); the same 2-process
+    launch as the DataLoader path's test above, its second probe."""
+    assert shard_probes["world_size"] == 2
+    probe = shard_probes["probes"][1]
+    assert probe["on_device"] is True
     for rank0, rank1 in probe["train"]:
         assert len(rank0) == len(rank1) == (digits["n_train"] // 32) // 2 * 32
         assert not set(rank0) & set(rank1) and len(set(rank0)) == len(rank0)
@@ -739,66 +660,84 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     assert tuple(normalize.mean) == tuple(normalize.std) == (0.5, 0.5, 0.5)
 
 
-@pytest.mark.slow
-def test_a_frozen_backbone_trains_only_the_head_in_two_processes_and_resumes_in_one(digits, tmp_path):
-    """--pretrained_path from a file written here, --freeze_backbone, 2 processes (DDP): every backbone tensor,
-    BatchNorm statistics included, is the file's at the end; the optimizer holds the head alone. Resumed in
-    1 process x 32 from the 2 x 16 run's step-2 checkpoint, it ends with that run's head: with a frozen
-    backbone the step's gradient is the mean over its 32 samples only if DDP averaged the head's gradients."""
+SECRETS = {"HF_TOKEN": "hf_" + "S3cr3t" * 6, "WANDB_API_KEY": "0123456789abcdef" * 2}
+
+
+@pytest.fixture(scope="module")
+def frozen_head_runs(digits, tmp_path_factory):
+    """--pretrained_path from a file written here and --freeze_backbone, 4 steps: one process x 32 straight through
+    (its checkpoint-2 kept), and the README's copy flow resuming that checkpoint-2 in 2 processes x 16 (DDP) for
+    steps 3 and 4: train.py and common/ in a project of their own, launched by launch.sh from its folder, with
+    TensorBoard tracking and credentials in its environment. Returns the folders and the copy's finished launch."""
+    root = tmp_path_factory.mktemp("frozen_head")
     weights = imagenet_resnet18()
-    file = tmp_path / "resnet18.safetensors"
+    file = root / "resnet18.safetensors"
     save_file({k: v.contiguous() for k, v in weights.items()}, file)
-    args = [
-        "--model",
-        "resnet18",
-        "--pretrained_path",
-        file,
-        "--freeze_backbone",
-        "--hflip",
-        "0",
-        "--max_train_steps",
-        "4",
-        "--learning_rate",
-        "0.4",
-        "--dataloader_num_workers",
-        "0",
-    ]
-    out, resumed = tmp_path / "two", tmp_path / "resumed"
-    cmd, env = accelerate_cpu(
-        2,
-        RECIPE,
-        *digits_args(digits, out, *args, "--per_device_train_batch_size", "16", "--checkpointing_steps", "2"),
-    )
-    proc = run(cmd, env=env)
+    args = ["--model", "resnet18", "--pretrained_path", file, "--freeze_backbone", "--hflip", "0"]
+    args += ["--max_train_steps", "4", "--learning_rate", "0.4", "--dataloader_num_workers", "0"]
+    args += ["--checkpointing_steps", "2"]
+    original, copy = root / "original", root / "copy"
+    run([BIN / "python", RECIPE, *digits_args(digits, original, *args, "--per_device_train_batch_size", "32")])
+    project = root / "myproject"
+    project.mkdir()
+    shutil.copy(RECIPE, project / "train.py")
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(project / "common" / "__init__.py", "a") as f:
+        f.write("\nimport sys\n\nprint('the copy of common', file=sys.stderr)\n")
+    resume = ["--per_device_train_batch_size", "16", "--resume_from_checkpoint", original / "checkpoint-2"]
+    copied = digits_args(digits, copy, *args, *resume, "--report_to", "tensorboard", "--logging_steps", "1")
+    proc = run([REPO / "launch.sh", "./train.py", "--num_processes", "2", *copied], cwd=project,
+               env=user_env(**SECRETS))  # fmt: skip
+    return {"weights": weights, "original": original, "copy": copy, "proc": proc}
+
+
+@pytest.mark.slow
+def test_a_frozen_backbone_trains_only_the_head_in_two_processes_as_in_one(frozen_head_runs):
+    """--freeze_backbone, 2 processes (DDP) from a one-process checkpoint: every backbone tensor, BatchNorm
+    statistics included, is the file's at the end; the optimizer holds the head alone. The 2 x 16 steps end with the
+    head of the 1 x 32 run: with a frozen backbone the step's gradient is the mean over its 32 samples only if DDP
+    averaged the head's gradients."""
+    weights, proc = frozen_head_runs["weights"], frozen_head_runs["proc"]
+    out, straight = frozen_head_runs["copy"], frozen_head_runs["original"]
     assert "--freeze_backbone: training fc only, 5,130 of 11,181,642 parameters" in proc.stderr
     assert "fc.bias, fc.weight new: the file's head has other classes" in proc.stderr
-    assert results(out)["world_size"] == 2
+    assert results(out)["world_size"] == 2 and results(straight)["world_size"] == 1
     final = load_file(out / "model.safetensors")
     for name, tensor in weights.items():
         if name.startswith("fc."):
             assert final[name].shape[0] == 10
         elif "num_batches_tracked" not in name:
             torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=name)
-    assert not torch.equal(final["fc.weight"], load_file(out / "checkpoint-2" / "model.safetensors")["fc.weight"])
-    optimizer = torch.load(out / "checkpoint-2" / "optimizer.bin", weights_only=True)
+    resumed_from = load_file(straight / "checkpoint-2" / "model.safetensors")
+    assert not torch.equal(final["fc.weight"], resumed_from["fc.weight"])  # the 2 processes trained the head
+    optimizer = torch.load(out / "checkpoint-4" / "optimizer.bin", weights_only=True)
     assert sum(len(group["params"]) for group in optimizer["param_groups"]) == 2  # fc.weight and fc.bias
     assert sorted(tuple(s["momentum_buffer"].shape) for s in optimizer["state"].values()) == [(10,), (10, 512)]
-
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    run(
-        [
-            BIN / "python",
-            RECIPE,
-            *digits_args(
-                digits, resumed, *args, "--per_device_train_batch_size", "32", "--resume_from_checkpoint", "latest"
-            ),
-        ]
-    )
-    again = load_file(resumed / "model.safetensors")
-    assert again.keys() == final.keys()
+    one = load_file(straight / "model.safetensors")
+    assert one.keys() == final.keys()
     for name in final:
-        torch.testing.assert_close(again[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(final[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_copy_renamed_to_train_py_runs_from_its_own_folder_and_resumes_the_originals_checkpoint(frozen_head_runs):
+    """The README's copy flow: a checkpoint names the recipe by its RECIPE constant, not its file name, so the copy
+    continues a run of recipes/cifar.py: launch.sh runs the copy from its folder, with the copy's common/ (a line of
+    its own marks it), in 2 processes x 16, and it resumes the original's 1 x 32 checkpoint."""
+    proc, original, out = frozen_head_runs["proc"], frozen_head_runs["original"], frozen_head_runs["copy"]
+    assert f"resumed from {original / 'checkpoint-2'} at step 2" in proc.stderr
+    assert "the copy of common" in proc.stderr and results(out)["world_size"] == 2
+    assert results(out)["steps"] == 4 and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_tensorboard_tracking_writes_events_and_no_secret_reaches_a_log_or_a_file(frozen_head_runs):
+    """The copy's 2-process run, tracked by TensorBoard with HF_TOKEN and WANDB_API_KEY in its environment."""
+    proc, out = frozen_head_runs["proc"], frozen_head_runs["copy"]
+    assert list((out / "cifar").rglob("events.out.tfevents.*"))
+    written = [proc.stdout, proc.stderr] + [p.read_bytes().decode("latin-1") for p in out.rglob("*") if p.is_file()]
+    for secret in SECRETS.values():
+        assert not any(secret in text for text in written)
 
 
 @pytest.mark.slow

@@ -17,8 +17,10 @@ def losses(out):
 
 def test_a_compiled_lm_trains_as_the_eager_one_and_saves_loadable_weights_either_way(tiny_lm, tmp_path):
     """--torch_compile (in place: the state dict keeps its names) and accelerate's --dynamo_backend inductor (which
-    wraps the model: names start with _orig_mod., which the save strips), in 2 processes each: the eager run's
-    losses and eval loss, and a model.safetensors that from_pretrained loads and that gives the reported loss."""
+    wraps the model: names start with _orig_mod., which the save strips), in 2 processes x 8 each: the losses and
+    eval loss of the eager model trained on the same 16 samples a step in one process (its python, forked warm: 2 x 8
+    and 1 x 16 follow one loss curve, tests/test_lm_finetune.py), and a model.safetensors that from_pretrained loads
+    and that gives the reported loss."""
     env = user_env(ACCELERATE_USE_CPU="true")
     base = [
         BIN / "accelerate",
@@ -29,13 +31,15 @@ def test_a_compiled_lm_trains_as_the_eager_one_and_saves_loadable_weights_either
         "2",
     ]
     eager, flag, dynamo = tmp_path / "eager", tmp_path / "flag", tmp_path / "dynamo"
+    run([BIN / "python", LM, *lm_args(tiny_lm, eager, *SHORT, "--per_device_train_batch_size", "16")])
     for out, launch_extra, recipe_extra in (
-        (eager, [], []),
         (flag, [], ["--torch_compile"]),
         (dynamo, ["--dynamo_backend", "inductor"], []),
     ):
         cmd = [*base, *launch_extra, "--main_process_port", env["MASTER_PORT"], LM]
         run([*cmd, *lm_args(tiny_lm, out, *SHORT, *recipe_extra)], env=env, timeout=600)
+    assert results(eager)["effective_batch_size"] == results(flag)["effective_batch_size"] == 16
+    assert results(flag)["world_size"] == results(dynamo)["world_size"] == 2
     for out in (flag, dynamo):
         assert losses(out) == pytest.approx(losses(eager), rel=1e-5)
         assert results(out)["eval_loss"] == pytest.approx(results(eager)["eval_loss"], rel=1e-5)

@@ -33,12 +33,13 @@ pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'no
 LM = REPO / "recipes" / "lm_finetune.py"
 
 
-def refused(cmd, output_dir, message, env=None):
-    """Run a recipe that must refuse: exit 2, one error line holding `message`, output_dir as before."""
+def refused(cmd, output_dir, *named, env=None):
+    """Run a recipe that must refuse: exit 2, one error line naming each of `named` (the refusal's subject, the
+    option or path it is about, and what else the rule under test says), output_dir as before."""
     before = snapshot(output_dir)
     proc = run(cmd, env=env, check=False, timeout=180)
     lines = error_lines(proc.stderr)
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and all(n in lines[0] for n in named), proc.stderr[-3000:]
     assert snapshot(output_dir) == before, "existing output changed"
     assert not list(Path(output_dir).parent.glob("**/.write-test-*"))
     return lines[0]
@@ -114,7 +115,7 @@ def test_max_restarts_do_not_repeat_a_mistake(tiny_lm, tmp_path, mistake):
     refused(
         [REPO / "launch.sh", "lm_finetune", "--max_restarts", "2", *lm_args(tiny_lm, out), *mistake.split()],
         out,
-        mistake.split()[1],
+        mistake.split()[0],  # the option, the refusal's subject
         env=user_env(),
     )  # fmt: skip ----------------------------------------------------------------------------------------
 
@@ -200,7 +201,8 @@ def test_an_output_dir_holding_a_run_is_not_overwritten_without_a_flag(tiny_lm, 
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, out, "--max_train_steps", "2")],
         out,
-        f"--output_dir {out} already holds a run (checkpoint-2, ",
+        f"--output_dir {out}",  # the subject, as the user gave it
+        "--overwrite_output_dir",  # the flag that would start over (or --resume_from_checkpoint)
     )
 
 
@@ -218,7 +220,8 @@ def test_an_unwritable_output_dir_is_refused_before_training(tiny_lm, tmp_path):
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, blocker / "run")],
         tmp_path,
-        f"cannot write to --output_dir {blocker / 'run'} ({blocker} is a file); pass a folder",
+        f"--output_dir {blocker / 'run'}",
+        str(blocker),  # the file in the way
     )
 
 
@@ -373,14 +376,14 @@ def test_a_resume_applies_this_runs_learning_rate_and_refuses_another_seed(tiny_
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, out, *base, "--seed", "7", "--resume_from_checkpoint", "latest")],
         out,
-        "was written with --seed 42, which fixes the order of the data it has not trained yet; resume with --seed 42",
+        "--seed 42",  # the subject, with the value that resumes
     )
     past = ["--max_train_steps", "1", "--resume_from_checkpoint", "latest"]  # would replace the model with step 2's
     refused(
         [BIN / "python", LM, *lm_args(tiny_lm, out, *past)],
         out,
-        "trained), past --max_train_steps 1: there is nothing to train, and the run's model would become this "
-        "checkpoint's; pass --max_train_steps 3 or more, or an earlier checkpoint",
+        "--max_train_steps 1",  # the subject, as given
+        "--max_train_steps 3 or more",  # the value that trains
     )
     proc = run(
         [
