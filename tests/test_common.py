@@ -349,7 +349,7 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
+    with pytest.raises(RecipeError, match="4 processes requested on this node but only 2 GPU"):
         common.make_accelerator(None)
 
 
@@ -682,20 +682,16 @@ def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match=r"^torch 2.7.1 is installed, and with it a job of several processes hangs"):
         common.make_accelerator(None)
-    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no process group to hang in
-    from common.runtime import _refuse_known_bad_versions
+    # one process: no process group to hang in; torch 2.8 under FSDP2 on CPU: gloo's reduce-scatter sums where FSDP2
+    # asks it to average (tests/test_fsdp.py runs the launch); under DDP, or with one process, there is no
+    # reduce-scatter. Each case of common.preflight's rules: tests/test_launcher.py
+    from common.preflight import known_bad_torch
 
-    _refuse_known_bad_versions(1)
-    # torch 2.8 under FSDP2 on CPU: gloo's reduce-scatter sums where FSDP2 asks it to average (tests/test_fsdp.py
-    # runs the launch); under DDP, or with one process, there is no reduce-scatter
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.8.0" if name == "torch" else real(name))
-    _refuse_known_bad_versions(2)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(RecipeError, match=r"^torch 2.8.0 is installed, and with it FSDP2 on CPU trains on the sum "):
-        _refuse_known_bad_versions(2)
-    _refuse_known_bad_versions(1)
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0" if name == "torch" else real(name))
-    _refuse_known_bad_versions(2)
+    assert known_bad_torch(1, "2.7.1", fsdp_on_cpu=False) is None
+    assert known_bad_torch(2, "2.8.0", fsdp_on_cpu=False) is None
+    refusal = known_bad_torch(2, "2.8.0", fsdp_on_cpu=True)
+    assert str(refusal).startswith("torch 2.8.0 is installed, and with it FSDP2 on CPU trains on the sum ")
+    assert known_bad_torch(1, "2.8.0", fsdp_on_cpu=True) is None and known_bad_torch(2, "2.9.0", True) is None
 
 
 def test_only_torchs_wait_for_other_processes_is_a_stuck_collective(capsys):
