@@ -85,31 +85,20 @@ def parse_args(argv=None):
                           "is CIFAR's folder; the images come from --train_dir and --val_dir)")  # fmt: skip
     p.does_nothing_unless(["--train_dir", "--val_dir"], lambda a: a.dataset == "imagefolder", "without --dataset "
                           "imagefolder (CIFAR comes from --data_dir)", ", or add --dataset imagefolder")  # fmt: skip
-    args = p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
-    if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
-        p.error(
-            "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images per class",
-            subject="--dataset",
-        )
-    if args.dataset != "imagefolder" and args.image_size != 32:
-        p.error(
-            "--image_size applies to --dataset imagefolder", f"{args.dataset} images are 32 px", subject="--image_size"
-        )
-    if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
-        p.error("--nesterov needs --momentum above 0", "pass --no-nesterov for plain SGD", subject="--momentum")
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # the config's
-        p.error(
-            "this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards a model by its "
-            "transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps BatchNorm's statistics "
-            "apart on each process and casts the model alone to bf16"
-        )  # the config's, no option's
-    if args.data_on_device and args.image_size > 64:
-        p.error(
-            f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not --image_size "
-            f"{args.image_size}", "leave it out (larger images are cropped by PIL in the DataLoader), or pass "
-            "--image_size 64 or less", subject="--data_on_device",
-        )  # fmt: skip
-    return args
+    p.requires("--dataset imagefolder", lambda a: a.train_dir and a.val_dir, "--dataset imagefolder needs "
+               "--train_dir and --val_dir, folders with one sub-folder of images per class")  # fmt: skip
+    p.requires("--image_size", lambda a: a.dataset == "imagefolder" or a.image_size == 32,
+               "--image_size applies to --dataset imagefolder", lambda a: f"{a.dataset} images are 32 px")  # fmt: skip
+    p.requires("--nesterov", lambda a: a.optimizer != "sgd" or a.momentum > 0, "--nesterov needs --momentum above 0",
+               "pass --no-nesterov for plain SGD", subject="--momentum")  # fmt: skip
+    ddp = lambda a: not any(map(parse_flag_from_env, ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"]))  # noqa: E731
+    p.requires(None, ddp, "this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards "
+               "a model by its transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps "
+               "BatchNorm's statistics apart on each process and casts the model alone to bf16")  # fmt: skip
+    p.requires("--data_on_device", lambda a: a.image_size <= 64, lambda a: f"--data_on_device does CIFAR-style "
+               f"pad-and-crop, for images of 64 px or less, not --image_size {a.image_size}", "leave it out (larger "
+               "images are cropped by PIL in the DataLoader), or pass --image_size 64 or less")  # fmt: skip
+    return p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
 
 
 def eval_transform(size, mean, std):

@@ -86,24 +86,16 @@ def parse_args(argv=None):
         ["--lora_alpha", "--lora_dropout", "--lora_target_modules"], lambda a: a.lora_r,
         "without --lora_r (the whole model trains)", ", or pass --lora_r 16 (8 to 64 is usual)",
     )  # fmt: skip
+    p.excludes("--torch_dtype auto", "--config_name", "--torch_dtype auto is the dtype of pretrained weights, and "
+               "--config_name has none: pass float32 (with a bf16 accelerate config for mixed precision), bfloat16 or "
+               "float16")  # fmt: skip
+    p.excludes("--lora_r", "--config_name", "--lora_r trains an adapter on pretrained weights, and --config_name "
+               "makes a new, random model: pass --model_name_or_path, or drop --lora_r")  # fmt: skip
+    p.excludes("--resize_token_embeddings", "--lora_r", "--resize_token_embeddings adds embeddings that a LoRA "
+               "adapter neither trains nor saves: drop --lora_r, or use the model's own tokenizer without "
+               "--resize_token_embeddings")  # fmt: skip
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     args.lora_target_modules = [name for names in args.lora_target_modules for name in names.split(",") if name]
-    if args.torch_dtype == "auto" and args.config_name:
-        p.error(
-            "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
-            "a bf16 accelerate config for mixed precision), bfloat16 or float16", subject="--torch_dtype",
-        )  # fmt: skip
-    if args.lora_r and args.config_name:
-        p.error(
-            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
-            "--model_name_or_path, or drop --lora_r", subject="--lora_r",
-        )  # fmt: skip
-    if args.lora_r and args.resize_token_embeddings:
-        p.error(
-            "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
-            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings",
-            subject="--resize_token_embeddings",
-        )
     return args
 
 

@@ -71,13 +71,9 @@ def parse_args(argv=None):
     p.does_nothing_unless(["--lr_scheduler_type"], lambda a: "scheduler" not in deepspeed_config_file(),
                           "with a DeepSpeed config that defines its scheduler (it sets every step's rate)",
                           ", or delete the config's scheduler")  # fmt: skip
-    args = p.parse_args(argv)  # and the checks of common.text's arguments
-    if args.save_fp32 and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # set by accelerate launch
-        p.error(
-            "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)",
-            subject="--save_fp32",
-        )
-    return args
+    p.requires("--save_fp32", lambda a: parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"), "--save_fp32 exports "
+               "DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)")  # fmt: skip
+    return p.parse_args(argv)  # and the checks of common.text's arguments
 
 
 def deepspeed_config_file() -> dict:

@@ -353,6 +353,37 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
         common.make_accelerator(None)
 
 
+def test_relations_between_options_are_declared_and_checked_by_one_checker(capsys):
+    """requires and excludes: an option in effect ("--flag": set and not 0 or False; "--flag value": that value;
+    None: any run) refused in one line, naming the option (or the subject given), when what it needs does not hold
+    or what it excludes is in effect; the texts may be functions of the arguments; declared order is checked order."""
+    from common.args import ArgumentParser
+
+    p = ArgumentParser()
+    p.add_argument("--kind", choices=["a", "b"], default="a")
+    p.add_argument("--path")
+    p.add_argument("--size", type="positive_int", default=32)
+    p.add_argument("--fast", action="store_true")
+    p.add_argument("--rate", type="non_negative_float", default=0.5)
+    p.requires("--kind b", lambda a: a.path, "--kind b needs --path")
+    p.requires("--size", lambda a: a.size <= 64, lambda a: f"--size {a.size} is above 64", "pass 64 or less")
+    p.requires("--fast", lambda a: a.rate > 0, "--fast needs --rate above 0", subject="--rate")
+    p.excludes("--fast", "--kind b", "--fast is --kind a's")
+    for argv in ([], ["--kind", "b", "--path", "x"], ["--size", "64", "--rate", "0"], ["--fast"]):
+        p.parse_args(argv)  # nothing in effect that needs more
+    for argv, subject, line in (
+        (["--kind", "b"], "--kind", "--kind b needs --path"),
+        (["--size", "65"], "--size", "--size 65 is above 64; pass 64 or less"),
+        (["--fast", "--rate", "0"], "--rate", "--fast needs --rate above 0"),
+        (["--fast", "--kind", "b", "--path", "x"], "--fast", "--fast is --kind a's"),
+        (["--kind", "b", "--size", "99"], "--kind", "--kind b needs --path"),  # the first declared
+    ):
+        with pytest.raises(SystemExit) as refused:
+            p.parse_args(argv)
+        assert refused.value.code == 2 and refused.value.__cause__.subject == subject
+        assert capsys.readouterr().err == f"error: {line}\n"
+
+
 def test_a_recipe_is_described_by_its_docstrings_first_line_or_its_name():
     assert common.training_parser("t", "\nFirst line.\n\nMore.").description == "First line."
     assert common.training_parser("t", None).description == "t"  # a copy without a docstring (or python -OO)
