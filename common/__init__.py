@@ -12,7 +12,6 @@ import importlib
 # `common.args` (argument parsing, credential masking) loads without torch: launch.sh and a mistyped
 # flag are answered in milliseconds.
 _WHERE = {
-    "DeviceTensorDataset": "data",
     "OutputDir": "outputs",
     "RecipeError": "errors",
     "SeededTransform": "data",

@@ -24,7 +24,7 @@ from torchvision import transforms as T
 
 import common
 from common import vision
-from common.vision import add_model_args, build_model, held_on_device, load_images, param_groups
+from common.vision import add_model_args, build_device_datasets, build_model, held_on_device, load_images, param_groups
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -122,50 +122,10 @@ def build_datasets(args, images):
     return train, evals, num_classes
 
 
-def as_uint8(dataset, size):
-    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels (read from its files,
-    whatever transform build_datasets gave it)."""
-    if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
-        return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
-    resized = T.Compose([T.Resize((size, size)), T.PILToTensor()])
-    images = [resized(dataset.loader(path)) for path, _ in dataset.samples]
-    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor([label for _, label in dataset.samples])
-
-
-def build_device_datasets(args, images, device):
-    """--data_on_device: (train, eval, num_classes) of `images` held on `device` as uint8. A batch is padded,
-    cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
-    train, evals, size, mean, std, num_classes = images
-    pad = size // 8 if args.random_crop else 0
-    mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
-    steps = torch.arange(size, device=device)
-    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format  # as the model's, see main
-
-    def normalize(images):  # NHWC uint8 -> NCHW float (permuted, NHWC is channels_last already)
-        return ((images.permute(0, 3, 1, 2).float() - mean) / std).contiguous(memory_format=layout)
-
-    def crop_flip(batch, u):
-        images, labels = batch
-        padded = torch.nn.functional.pad(images, (0, 0, pad, pad, pad, pad))
-        rows = (u[:, 0] * (2 * pad + 1)).long()[:, None] + steps
-        cols = (u[:, 1] * (2 * pad + 1)).long()[:, None] + torch.where(u[:, 2:] < args.hflip, steps.flip(0), steps)
-        cropped = padded[torch.arange(len(images), device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-        return normalize(cropped), labels
-
-    train = common.DeviceTensorDataset(
-        *(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3, seed=args.seed
-    )
-    evals = common.DeviceTensorDataset(
-        *(t.to(device) for t in as_uint8(evals, size)), transform=lambda batch, _: (normalize(batch[0]), batch[1])
-    )
-    return train, evals, num_classes
-
-
 def get_dataloaders(args, accelerator, resume_from=None):
     images = load_images(args)
     args.data_on_device = held_on_device(args, images, accelerator, resume_from)  # when not given: if the set fits
-    if args.data_on_device:
+    if args.data_on_device:  # held as uint8 on the device, padded, cropped and flipped there (build_datasets' own)
         train, evals, num_classes = build_device_datasets(args, images, accelerator.device)
     else:
         train, evals, num_classes = build_datasets(args, images)

@@ -31,6 +31,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 
 import common
 from common import logger
+from common.metrics import memory_estimates
 from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
@@ -90,47 +91,6 @@ def build_model(args):
     if args.gradient_checkpointing:
         checkpoint_activations(model)
     return model, tokenizer
-
-
-def memory_estimates(accelerator, model) -> dict:
-    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
-    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
-    for this run's processes spread over nodes as the launcher placed them; logged and returned ({} without
-    DeepSpeed installed: the recipe also trains under DDP and FSDP)."""
-    try:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
-    except ImportError:
-        logger.info("no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)")
-        return {}
-
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, accelerator.num_processes // per_node)}
-    total = common.count_parameters(model)
-    largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
-    cases = {
-        "zero2": zero2(total, cpu_offload=False, **where),
-        "zero2_offload_optimizer": zero2(total, cpu_offload=True, **where),
-        "zero3": zero3(total, largest, cpu_offload=False, **where)[:2],
-        "zero3_offload_optimizer": zero3(total, largest, cpu_offload=True, cpu_offload_params=False, **where)[:2],
-        "zero3_offload_all": zero3(total, largest, cpu_offload=True, **where)[:2],
-    }
-    estimates = {
-        **where,
-        "parameters": total,
-        "largest_layer_parameters": largest,
-        **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()},
-    }
-    logger.info(
-        f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
-        f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
-        + "\n".join(
-            f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
-            for name, e in estimates.items()
-            if isinstance(e, dict)
-        )
-    )
-    return estimates
 
 
 def build_optimizer(args, accelerator, model, plan, position):
@@ -220,7 +180,7 @@ def main(argv=None):
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = build_model(args)
-    estimates = memory_estimates(accelerator, model)
+    estimates = memory_estimates(accelerator, model)  # DeepSpeed's, for ZeRO-2 and 3, logged and in results.json
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
     plan, position = common.plan_run(args, train_dl.dataset, common.data_parallel_size(accelerator), out.resume_from)
     parameters = common.count_parameters(model)

@@ -17,7 +17,7 @@ from accelerate.utils import gather_object  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
 import common  # noqa: E402
-from common.data import epoch_batches  # noqa: E402
+from common.data import DeviceTensorDataset, epoch_batches  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 cifar = load_recipe()
@@ -26,7 +26,7 @@ accelerator = common.make_accelerator(args)
 train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
 # Label every sample with its index, so a batch's labels say which samples it holds.
 for dataset in (train_dl.dataset, eval_dl.dataset):
-    if isinstance(dataset, common.DeviceTensorDataset):  # --data_on_device: (images, labels) tensors
+    if isinstance(dataset, DeviceTensorDataset):  # --data_on_device: (images, labels) tensors
         dataset.tensors = (dataset.tensors[0], torch.arange(len(dataset), device=dataset.tensors[1].device))
     else:  # an ImageFolder, the training one inside its SeededTransform
         folder = getattr(dataset, "dataset", dataset)
