@@ -11,7 +11,9 @@ import datetime
 import errno
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
+import math
 import os
 import platform
 import re
@@ -548,6 +550,55 @@ def agree_deepspeed_config(config: dict, args, num_processes: int) -> None:
             "config file); set it, as accelerate_configs/zero3.yaml does",
             subject="zero3_save_16bit_model",
         )
+
+
+def agree_deepspeed_optimizer(ds_config: dict, args, plan, position) -> None:
+    """A DeepSpeed config's optimizer and scheduler settings made the plan's (recipes/zero.py takes them): a rate,
+    warmup or length the config sets is the plan's, so that what trains is what results.json reports, or one line;
+    "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's (in steps:
+    Accelerate would divide total_num_steps by the processes). A scheduler of the config counts optimizer steps: a
+    checkpoint resumed at another effective batch is refused."""
+    if "scheduler" in ds_config and position.seen != position.step * plan.effective_batch_size:
+        raise RecipeError(
+            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {position.step} steps "
+            f"trained {position.seen:,} samples, not {position.step} x this run's effective batch of "
+            f"{plan.effective_batch_size}: resume with the checkpoint's effective batch (processes x per-device batch "
+            "x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
+        )
+    lr = (plan.learning_rate, "--learning_rate (scaled to the batch)", "--lr_scaling none --learning_rate")
+    ours = {
+        "warmup_max_lr": lr,
+        "cycle_max_lr": lr,
+        "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)", "--warmup_steps"),
+        "total_num_steps": (
+            plan.max_train_steps,
+            "steps (--max_train_steps, --num_train_epochs)",
+            "--max_train_steps",
+        ),
+    }
+    scheduler = {}
+    if "scheduler" in ds_config:
+        from deepspeed.runtime import lr_schedules
+
+        scheduler = ds_config["scheduler"].setdefault("params", {})
+        kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
+        for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
+            scheduler.setdefault(key, "auto")
+    theirs = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}  # the optimizer's keys
+    if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
+        theirs["lr"] = lr
+    optimizer_params = ds_config.get("optimizer", {}).get("params", {})
+    for part, params, keys in (("optimizer", optimizer_params, theirs), ("scheduler", scheduler, ours)):
+        for key, (value, name, flag) in keys.items():
+            given = params.get(key, "auto")
+            if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
+                raise RecipeError(
+                    f"the DeepSpeed config sets the {part}'s {key}={given} but the recipe's {name} is {value:.10g}, "
+                    f'which it trains with; set it to "auto" in the config, or pass {flag} {given}',
+                    subject=flag.split()[0],
+                )
+            if key in params and part == "scheduler":
+                params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
 
 
 class _BelowTheBar(logging.Handler):

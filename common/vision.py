@@ -461,7 +461,8 @@ def timm_weights(name, pretrained=False):
 
 
 def build_model(args, num_classes: int, on_gpu: bool):
-    """--model as the model arguments say; published weights are downloaded by one process per node."""
+    """--model as the model arguments say; published weights are downloaded by one process per node. For a GPU
+    (`on_gpu`), in channels_last (NHWC) memory, which lets cuDNN use tensor cores."""
     with prepare_data_first(PartialState(), args.ddp_timeout) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
     group = args.norm_layer == "group"  # before --pretrained_path: a run with --norm_layer group saved GroupNorm's
@@ -470,7 +471,8 @@ def build_model(args, num_classes: int, on_gpu: bool):
         load_weights(model, args.pretrained_path, args.model)
     if args.freeze_backbone:
         model = freeze_backbone(model)
-    return model if group else set_norm_layer(model, args.norm_layer, on_gpu)
+    model = model if group else set_norm_layer(model, args.norm_layer, on_gpu)
+    return model.to(memory_format=torch.channels_last) if on_gpu else model
 
 
 AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # Inception's and GoogLeNet's, which the models here are built without

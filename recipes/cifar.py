@@ -179,10 +179,8 @@ def main(argv=None):
     train_dl, eval_dl, classes = get_dataloaders(args, accelerator, out.resume_from)
     plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
-    on_gpu = accelerator.device.type == "cuda"
+    on_gpu = accelerator.device.type == "cuda"  # then the model and the images channels_last (NHWC): tensor cores
     model = build_model(args, len(classes), on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
-    if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
-        model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
         model.compile()
     optimizer = build_optimizer(args, model, plan.learning_rate)

@@ -17,12 +17,8 @@ through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP, FSDP, HSDP or
 """
 
 import contextlib
-import copy
-import inspect
 import json
-import math
 import os
-import shutil
 from functools import partial
 from pathlib import Path
 
@@ -30,8 +26,9 @@ import torch
 from accelerate.utils import parse_flag_from_env, set_seed
 
 import common
-from common import logger
+from common.checkpoint import export_fp32
 from common.metrics import memory_estimates
+from common.runtime import agree_deepspeed_optimizer
 from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
@@ -99,49 +96,7 @@ def build_optimizer(args, accelerator, model, plan, position):
     scheduler: the recipe sets the learning rate of every step itself."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
-    if "scheduler" in ds_config and position.seen != position.step * plan.effective_batch_size:
-        raise common.RecipeError(
-            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {position.step} steps "
-            f"trained {position.seen:,} samples, not {position.step} x this run's effective batch of "
-            f"{plan.effective_batch_size}: resume with the checkpoint's effective batch (processes x per-device batch "
-            "x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
-        )
-    # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line.
-    # "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's here (in steps:
-    # Accelerate would divide total_num_steps by the processes)
-    lr = (plan.learning_rate, "--learning_rate (scaled to the batch)", "--lr_scaling none --learning_rate")
-    ours = {
-        "warmup_max_lr": lr,
-        "cycle_max_lr": lr,
-        "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)", "--warmup_steps"),
-        "total_num_steps": (
-            plan.max_train_steps,
-            "steps (--max_train_steps, --num_train_epochs)",
-            "--max_train_steps",
-        ),
-    }
-    scheduler = {}
-    if "scheduler" in ds_config:
-        from deepspeed.runtime import lr_schedules
-
-        scheduler = ds_config["scheduler"].setdefault("params", {})
-        kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
-        for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
-            scheduler.setdefault(key, "auto")
-    theirs = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}  # the optimizer's keys
-    if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
-        theirs["lr"] = lr
-    optimizer_params = ds_config.get("optimizer", {}).get("params", {})
-    for part, params, keys in (("optimizer", optimizer_params, theirs), ("scheduler", scheduler, ours)):
-        for key, (value, name, flag) in keys.items():
-            given = params.get(key, "auto")
-            if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
-                raise common.RecipeError(
-                    f"the DeepSpeed config sets the {part}'s {key}={given} but the recipe's {name} is {value:.10g}, "
-                    f'which it trains with; set it to "auto" in the config, or pass {flag} {given}'
-                )
-            if key in params and part == "scheduler":
-                params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
+    agree_deepspeed_optimizer(ds_config, args, plan, position)  # its settings the plan's, or one line
     if "optimizer" in ds_config:  # (Accelerate has the stand-ins only where DeepSpeed is installed)
         from accelerate.utils import DummyOptim
 
@@ -153,23 +108,6 @@ def build_optimizer(args, accelerator, model, plan, position):
 
         return optimizer, DummyScheduler(optimizer, plan.max_train_steps, max(plan.warmup_steps, 1))
     return optimizer, None
-
-
-def export_fp32(accelerator, model, output_dir):
-    """fp32 weights from the ZeRO shards, through DeepSpeed's own zero_to_fp32 converter."""
-    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-
-    shards, target = Path(output_dir) / ".tmp-zero-shards", Path(output_dir) / "fp32"
-    model.save_checkpoint(str(shards))  # every rank writes its partition
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        convert_zero_checkpoint_to_fp32_state_dict(str(shards), str(target), safe_serialization=True)
-        config = copy.deepcopy(accelerator.unwrap_model(model).config)
-        config.dtype = torch.float32  # what from_pretrained loads it as (a bf16 run's config says bfloat16)
-        config.save_pretrained(target)
-        shutil.rmtree(shards)
-        logger.info(f"saved fp32 weights to {target}")
-    accelerator.wait_for_everyone()
 
 
 def main(argv=None):

@@ -384,6 +384,33 @@ def test_relations_between_options_are_declared_and_checked_by_one_checker(capsy
         assert capsys.readouterr().err == f"error: {line}\n"
 
 
+def test_a_deepspeed_configs_optimizer_and_scheduler_are_the_plans_or_one_line():
+    """zero.py's rule, in this process (tests/test_zero.py launches it): a value the config's optimizer or scheduler
+    sets is the plan's, or refused naming the option to pass; "auto" and a key the scheduler takes left out are
+    filled with the plan's (warmup at least 1: DeepSpeed refuses 0); a scheduler's resume at another batch refused."""
+    from common.runtime import agree_deepspeed_optimizer
+
+    args, start = SimpleNamespace(weight_decay=0.0), SimpleNamespace(seen=0, step=0)
+    plan = SimpleNamespace(learning_rate=0.003, warmup_steps=0, max_train_steps=7, effective_batch_size=16)
+    config = {"optimizer": {"params": {"lr": "auto", "weight_decay": 0.0}}, "scheduler": {"type": "WarmupDecayLR"}}
+    agree_deepspeed_optimizer(config, args, plan, start)
+    assert config["scheduler"]["params"] == {"warmup_max_lr": 0.003, "warmup_num_steps": 1, "total_num_steps": 7}
+    for config, subject, line in (
+        ({"optimizer": {"params": {"lr": 1e-3}}}, "--lr_scaling", "the DeepSpeed config sets the optimizer's lr=0.001 "
+         "but the recipe's --learning_rate (scaled to the batch) is 0.003, which it trains with; set it to \"auto\" "
+         "in the config, or pass --lr_scaling none --learning_rate 0.001"),
+        ({"optimizer": {"params": {"weight_decay": 0.1}}}, "--weight_decay", "the DeepSpeed config sets the "
+         "optimizer's weight_decay=0.1 but the recipe's --weight_decay is 0"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, "--warmup_steps", "the DeepSpeed "
+         "config sets the scheduler's warmup_num_steps=100 but the recipe's warmup steps"),
+    ):  # fmt: skip
+        with pytest.raises(RecipeError) as refused:
+            agree_deepspeed_optimizer(config, args, plan, start)
+        assert refused.value.subject == subject and str(refused.value).startswith(line)
+    with pytest.raises(RecipeError, match="^the DeepSpeed config's scheduler counts optimizer steps"):
+        agree_deepspeed_optimizer({"scheduler": {}}, args, plan, SimpleNamespace(seen=48, step=2))
+
+
 def test_a_recipe_is_described_by_its_docstrings_first_line_or_its_name():
     assert common.training_parser("t", "\nFirst line.\n\nMore.").description == "First line."
     assert common.training_parser("t", None).description == "t"  # a copy without a docstring (or python -OO)
