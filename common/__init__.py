@@ -20,7 +20,6 @@ _WHERE = {
     "data_parallel_size": "tensor_parallel",
     "decay_groups": "plan",
     "exit_codes": "runtime",
-    "logger": "runtime",
     "make_accelerator": "runtime",
     "make_dataloader": "data",
     "mfu": "metrics",
