@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from benchlib import load_recipe
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-import common
 from common import vision
 from common.args import ArgumentParser  # benchlib put the repository on the path
-from common.data import default_num_workers
+from common.data import DeviceTensorDataset, default_num_workers
 from common.plan import scale_lr
 
 VARIANTS = ("ddp", "accum_no_sync", "accum_sync_every_step")
@@ -73,7 +72,7 @@ def main():
         train, _, num_classes = cifar.build_device_datasets(args, cifar.load_images(args), device)
     else:
         train, _, num_classes = cifar.build_datasets(args, cifar.load_images(args))
-    on_device = isinstance(train, common.DeviceTensorDataset)
+    on_device = isinstance(train, DeviceTensorDataset)
     workers = (
         0
         if on_device

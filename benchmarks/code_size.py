@@ -6,8 +6,11 @@ how much of common/ is refusals, and how many tests launch processes or pin an e
 How each is counted (a stated method, so that two runs compare):
 - lines read by a newcomer: the recipe, plus the definition (the whole function or class) of each name of common/
   the recipe uses, once each; what those definitions call in turn is not counted.
-- refusal lines: in common/, the lines of each `raise RecipeError/DataError(...)` and `parser.error(...)` /
-  `p.error(...)` statement with the `if` line that guards it.
+- refusal lines: in common/, the lines of each `raise RecipeError/DataError(...)`, `return RecipeError(...)` (a
+  refusal returned as data, common/preflight.py's) and `parser.error(...)` / `p.error(...)` statement with the `if`
+  line that guards it, and each `raise ArgumentTypeError(...)` of an option's type; at the edge (before anything
+  loads): those of the modules that check the options and the launch (EDGE), and every `parser.error(...)` (the
+  parse-time checks of common.text, vision and samples).
 - tests that launch processes: those marked slow; wording pinned: lines of tests/golden_errors.json.
 """
 
@@ -21,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from common.args import ArgumentParser  # noqa: E402
 
-REFUSALS = {"RecipeError", "DataError", "error"}
+REFUSALS = {"RecipeError", "DataError", "ArgumentTypeError", "error"}
+EDGE = ("args.py", "preflight.py", "mesh.py")  # the options and their relations; the launch and its environment
 
 
 def definitions() -> dict[str, tuple[Path, int]]:
@@ -49,9 +53,9 @@ def names_used(recipe: Path) -> set[str]:
     return used
 
 
-def refusal_lines(path: Path) -> tuple[int, int]:
-    """(refusal lines, code lines) of a module of common/."""
-    tree, lines = ast.parse(path.read_text()), set()
+def refusal_lines(path: Path) -> tuple[int, int, int]:
+    """(refusal lines, those at the edge, code lines) of a module of common/."""
+    tree, lines, edge = ast.parse(path.read_text()), set(), set()
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
             call = child.exc if isinstance(child, ast.Raise) else getattr(child, "value", None)
@@ -59,13 +63,15 @@ def refusal_lines(path: Path) -> tuple[int, int]:
                 continue
             func = call.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-            if name in REFUSALS and (isinstance(child, ast.Raise) or isinstance(child, ast.Expr)):
-                lines.update(range(child.lineno, child.end_lineno + 1))
+            if name in REFUSALS and isinstance(child, ast.Raise | ast.Expr | ast.Return):
+                found = set(range(child.lineno, child.end_lineno + 1))
                 if isinstance(node, ast.If) and child in node.body:
-                    lines.update(range(node.lineno, node.test.end_lineno + 1))
+                    found.update(range(node.lineno, node.test.end_lineno + 1))
+                lines |= found
+                edge |= found if path.name in EDGE or name == "error" else set()
     source = path.read_text().splitlines()
     code = sum(1 for line in source if line.strip() and not line.strip().startswith("#"))
-    return len(lines), code
+    return len(lines), len(edge), code
 
 
 def slow_tests() -> tuple[int, int]:
@@ -88,9 +94,10 @@ def measure(with_tests: bool = True) -> dict:
             "common_names": len(used),
             "newcomer_lines": own + sum(defs[name][1] for name in used),
         }
-    refusals = [refusal_lines(path) for path in sorted((REPO / "common").glob("*.py"))]
-    result["common_code_lines"] = sum(code for _, code in refusals)
-    result["common_refusal_lines"] = sum(lines for lines, _ in refusals)
+    refusals = {path.name: refusal_lines(path) for path in sorted((REPO / "common").glob("*.py"))}
+    result["common_code_lines"] = sum(code for _, _, code in refusals.values())
+    result["common_refusal_lines"] = sum(lines for lines, _, _ in refusals.values())
+    result["edge_refusal_lines"] = sum(edge for _, edge, _ in refusals.values())
     golden = REPO / "tests" / "golden_errors.json"
     result["wording_pinned"] = len(json.loads(golden.read_text())) if golden.exists() else None
     if with_tests:
@@ -116,7 +123,8 @@ def main(argv=None):
         print(f"| {name} | {r['lines']} | {r['common_names']} | {r['newcomer_lines']} |")
     share = result["common_refusal_lines"] / result["common_code_lines"]
     print(f"\ncommon/: {result['common_code_lines']} code lines, {result['common_refusal_lines']} of them refusals "
-          f"({share:.0%})")  # fmt: skip
+          f"({share:.0%}); {result['edge_refusal_lines']} of those at the edge, before anything loads "
+          f"({result['edge_refusal_lines'] / result['common_refusal_lines']:.0%})")  # fmt: skip
     if result["wording_pinned"] is not None:
         print(f"error lines pinned word for word: {result['wording_pinned']} (tests/golden_errors.json)")
     if "tests" in result:

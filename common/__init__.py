@@ -1,10 +1,10 @@
-"""What the recipes share, a module per concern: a refusal as data (errors), launch checks and exit codes
-(runtime), arguments (args), data order and loading (data), the run's plan and LR schedule (plan), the training
-loop's bookkeeping (loop), checkpoints (checkpoint), one run per output folder (outputs), stopping on a signal
-(preemption), a stalled process named (watchdog), what a run reports (metrics), its model card (card) and an LM's
-generations at each evaluation (samples); images and image models in common.vision, text data and causal LMs in
-common.text. Nothing recipe-specific. This is what the recipes import; tests import what they test from the
-submodules."""
+"""What the recipes share, a module per concern: a refusal as data (errors), the launch and environment refusals
+(preflight), the Accelerator and exit codes (runtime), arguments and their relations (args), data order and loading
+(data), the run's plan and LR schedule (plan), the training loop's bookkeeping (loop), checkpoints (checkpoint), one
+run per output folder (outputs), stopping on a signal (preemption), a stalled process named (watchdog), what a run
+reports (metrics), its model card (card) and an LM's generations at each evaluation (samples); images and image
+models in common.vision, text data and causal LMs in common.text, a LoRA adapter in common.lora. Nothing
+recipe-specific. This is what the recipes import; tests import what they test from the submodules."""
 
 import importlib
 
@@ -12,7 +12,6 @@ import importlib
 # `common.args` (argument parsing, credential masking) loads without torch: launch.sh and a mistyped
 # flag are answered in milliseconds.
 _WHERE = {
-    "DeviceTensorDataset": "data",
     "OutputDir": "outputs",
     "RecipeError": "errors",
     "SeededTransform": "data",
@@ -21,7 +20,6 @@ _WHERE = {
     "data_parallel_size": "tensor_parallel",
     "decay_groups": "plan",
     "exit_codes": "runtime",
-    "logger": "runtime",
     "make_accelerator": "runtime",
     "make_dataloader": "data",
     "mfu": "metrics",

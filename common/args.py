@@ -100,10 +100,12 @@ class ArgumentParser(argparse.ArgumentParser):
     scripts that make test data): errors are one `error:` line (no usage block), exit 2, printed by the first process
     only, credentials masked; unknown and empty arguments refused; a number's option takes one of TYPES (a bare int
     or float let nan, 0 and -1 through, to fail later inside a collective); then each `check(parser, args)`, which
-    refuses with `parser.error(problem, fix, subject=...)` (RecipeError's fields) or by raising a RecipeError."""
+    refuses with `parser.error(problem, fix, subject=...)` (RecipeError's fields) or by raising a RecipeError; then the
+    relations declared between options (does_nothing_unless, requires, excludes), by one checker each."""
 
     checks = ()  # training_parser's, then each recipe's: check(parser, args)
     unless = ()  # (options, applies(args), why, fix): options given that would do nothing (does_nothing_unless)
+    relations = ()  # (option, holds(args), problem, fix, subject): what an option needs (requires, excludes)
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # --num would be --num_processes, or --num_train_epochs tomorrow
@@ -160,7 +162,31 @@ class ArgumentParser(argparse.ArgumentParser):
                     subject=named[0],
                 )
         namespace.unused_arguments = frozenset(unused)
+        for option, holds, problem, fix, subject in self.relations:
+            if self._in_effect(option, namespace) and not holds(namespace):
+                said = [text(namespace) if callable(text) else text for text in (problem, fix)]
+                self.error(*said, subject=subject)
         return namespace
+
+    def _in_effect(self, option: str | None, args) -> bool:
+        """Whether `option` ("--flag": its value is set and not 0 or False; "--flag value": it has that value; None:
+        always) is in effect in `args`."""
+        if option is None:
+            return True
+        flag, _, value = option.partition(" ")
+        got = getattr(args, self._option_string_actions[flag].dest)
+        return str(got) == value if value else bool(got)
+
+    def requires(self, option: str | None, holds, problem, fix=None, *, subject: str | None = "") -> None:
+        """Refuse `option` in effect ("--flag", "--flag value", or None: any run) where `holds(args)` is false, as
+        `problem` and `fix` (texts, or functions of the arguments that return them); the subject is `option`'s flag
+        unless given."""
+        subject = (option or "").partition(" ")[0] or None if subject == "" else subject
+        self.relations = [*self.relations, (option, holds, problem, fix, subject)]
+
+    def excludes(self, option: str, other: str, problem, fix=None, *, subject: str | None = "") -> None:
+        """Refuse `option` and `other` in effect together ("--flag" or "--flag value" each), as `problem`, `fix`."""
+        self.requires(option, lambda args: not self._in_effect(other, args), problem, fix, subject=subject)
 
     def _check_defaults(self, namespace, given: set) -> None:
         """The defaults (a recipe's HYPERPARAMETERS, edited in a copy) checked and converted as if typed: argparse

@@ -704,3 +704,21 @@ def model_files(output_dir: Path) -> list:
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return [n for n in names if isinstance(n, str) and n not in ("", ".", "..") and Path(n).name == n]
+
+
+def export_fp32(accelerator, model, output_dir):
+    """--save_fp32: fp32 weights from a ZeRO-trained model's shards into `output_dir`/fp32, through DeepSpeed's own
+    zero_to_fp32 converter (the model's config beside them, as from_pretrained loads it)."""
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    shards, target = Path(output_dir) / ".tmp-zero-shards", Path(output_dir) / "fp32"
+    model.save_checkpoint(str(shards))  # every rank writes its partition
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        convert_zero_checkpoint_to_fp32_state_dict(str(shards), str(target), safe_serialization=True)
+        config = copy.deepcopy(accelerator.unwrap_model(model).config)
+        config.dtype = torch.float32  # what from_pretrained loads it as (a bf16 run's config says bfloat16)
+        config.save_pretrained(target)
+        shutil.rmtree(shards)
+        logger.info(f"saved fp32 weights to {target}")
+    accelerator.wait_for_everyone()

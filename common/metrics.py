@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import math
+import os
 import resource
 import socket
 import sys
@@ -240,6 +241,47 @@ def local_parameter_tensors(model):
 
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 per GPU (datasheets, SXM)
+
+
+def memory_estimates(accelerator, model) -> dict:
+    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
+    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
+    for this run's processes spread over nodes as the launcher placed them; logged and returned ({} without
+    DeepSpeed installed: the recipe also trains under DDP and FSDP)."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+    except ImportError:
+        logger.info("no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)")
+        return {}
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, accelerator.num_processes // per_node)}
+    total = count_parameters(model)
+    largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
+    cases = {
+        "zero2": zero2(total, cpu_offload=False, **where),
+        "zero2_offload_optimizer": zero2(total, cpu_offload=True, **where),
+        "zero3": zero3(total, largest, cpu_offload=False, **where)[:2],
+        "zero3_offload_optimizer": zero3(total, largest, cpu_offload=True, cpu_offload_params=False, **where)[:2],
+        "zero3_offload_all": zero3(total, largest, cpu_offload=True, **where)[:2],
+    }
+    estimates = {
+        **where,
+        "parameters": total,
+        "largest_layer_parameters": largest,
+        **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()},
+    }
+    logger.info(
+        f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
+        f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
+        + "\n".join(
+            f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
+            for name, e in estimates.items()
+            if isinstance(e, dict)
+        )
+    )
+    return estimates
 
 
 def mfu(accelerator, tokens_per_second: float | None, flops_per_token: float):

@@ -11,7 +11,9 @@ import datetime
 import errno
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
+import math
 import os
 import platform
 import re
@@ -32,7 +34,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_
 from tqdm.auto import tqdm
 
 from . import args as _args
-from . import mesh, preemption
+from . import preemption, preflight
 from .errors import RecipeError
 from .preemption import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, install_stop_handlers, write_status
 
@@ -474,37 +476,9 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     launcher ends with it (a parent-death signal: it stops at a checkpoint); hosts without GPUs get gloo explicitly
     (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
-    _refuse_known_bad_versions(expected)
-    ranks = [f"{name}={os.environ[name]}" for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if name in os.environ]
-    missing = [name for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR") if not os.environ.get(name)]
-    if ranks and missing:  # every launcher of a group sets them all; torch would fail, or wait for the group
-        raise RecipeError(
-            f"{' '.join(ranks)} {'is' if len(ranks) == 1 else 'are'} set, but no launcher started this process as one "
-            f"of a group (no {' or '.join(missing)}): left from another job? unset "
-            f"{' and '.join(r.partition('=')[0] for r in ranks)}, and start the processes with ./launch.sh or "
-            "accelerate launch",
-            same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
-        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    preflight.check(os.environ, gpus, {name: importlib.metadata.version(name) for name in ("torch", "accelerate")})
     launch = _started_by_accelerate_launch(expected)
-    try:
-        sizes = mesh.from_environment()
-    except ValueError as err:  # a size that is not a number: accelerate's own int() would be a traceback
-        raise RecipeError(str(err)) from None
-    if sizes:  # accelerate would refuse these only after the group formed, or fail
-        installed = importlib.metadata.version("accelerate")
-        if (
-            problem := mesh.not_built(sizes)
-            or mesh.mismatch(sizes, expected)
-            or mesh.untested_accelerate(sizes, installed)
-        ):
-            raise RecipeError(problem)
-    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    # ACCELERATE_USE_CPU: the config's use_cpu, as accelerate launch passes it; else later 'invalid device ordinal'
-    if not parse_flag_from_env("ACCELERATE_USE_CPU") and torch.cuda.is_available() and local > gpus:
-        raise RecipeError(
-            f"{local} processes were started on this node but only {gpus} GPU(s) are visible; pass --num_processes "
-            f"{gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
-        )
     # torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone
     if "TORCHELASTIC_RUN_ID" in os.environ or _args.STATUS_FILE_ENV in os.environ or launch:
         die_with_parent(signal.SIGTERM, _PARENT)
@@ -524,7 +498,7 @@ def make_accelerator(args, **kwargs) -> Accelerator:
             )
     except Exception as err:
         if _timed_out(err):  # said by each process: with RANK left from another job there may be no rank 0
-            raise RecipeError(_not_met(args.ddp_timeout), same_on_every_rank=False) from err
+            raise RecipeError(_not_met(args.ddp_timeout), subject="--ddp_timeout", same_on_every_rank=False) from err
         if isinstance(err, RecipeError) or os_error_line(err):
             raise
         raise RecipeError(  # what accelerate launch passed on from the config, refused here (FSDP's, fp8 without TE)
@@ -564,7 +538,8 @@ def agree_deepspeed_config(config: dict, args, num_processes: int) -> None:
             fix = f"pass {flag} {config[key]}" if flag.startswith("--") else "pass flags that make it"
             raise RecipeError(
                 f"the DeepSpeed config sets {key}={config[key]} but the recipe's {flag} is {value}; remove it "
-                f'from the config or set it to "auto" (the recipe\'s value is then used), or {fix}'
+                f'from the config or set it to "auto" (the recipe\'s value is then used), or {fix}',
+                subject=flag if flag.startswith("--") else key,
             )
         config[key] = value
     zero = config.get("zero_optimization", {})
@@ -572,8 +547,58 @@ def agree_deepspeed_config(config: dict, args, num_processes: int) -> None:
         raise RecipeError(
             "under ZeRO-3 the final save gathers the weights only with zero3_save_16bit_model: true in the "
             "accelerate config's deepspeed_config (stage3_gather_16bit_weights_on_model_save in a DeepSpeed "
-            "config file); set it, as accelerate_configs/zero3.yaml does"
+            "config file); set it, as accelerate_configs/zero3.yaml does",
+            subject="zero3_save_16bit_model",
         )
+
+
+def agree_deepspeed_optimizer(ds_config: dict, args, plan, position) -> None:
+    """A DeepSpeed config's optimizer and scheduler settings made the plan's (recipes/zero.py takes them): a rate,
+    warmup or length the config sets is the plan's, so that what trains is what results.json reports, or one line;
+    "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's (in steps:
+    Accelerate would divide total_num_steps by the processes). A scheduler of the config counts optimizer steps: a
+    checkpoint resumed at another effective batch is refused."""
+    if "scheduler" in ds_config and position.seen != position.step * plan.effective_batch_size:
+        raise RecipeError(
+            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {position.step} steps "
+            f"trained {position.seen:,} samples, not {position.step} x this run's effective batch of "
+            f"{plan.effective_batch_size}: resume with the checkpoint's effective batch (processes x per-device batch "
+            "x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
+        )
+    lr = (plan.learning_rate, "--learning_rate (scaled to the batch)", "--lr_scaling none --learning_rate")
+    ours = {
+        "warmup_max_lr": lr,
+        "cycle_max_lr": lr,
+        "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)", "--warmup_steps"),
+        "total_num_steps": (
+            plan.max_train_steps,
+            "steps (--max_train_steps, --num_train_epochs)",
+            "--max_train_steps",
+        ),
+    }
+    scheduler = {}
+    if "scheduler" in ds_config:
+        from deepspeed.runtime import lr_schedules
+
+        scheduler = ds_config["scheduler"].setdefault("params", {})
+        kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
+        for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
+            scheduler.setdefault(key, "auto")
+    theirs = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}  # the optimizer's keys
+    if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
+        theirs["lr"] = lr
+    optimizer_params = ds_config.get("optimizer", {}).get("params", {})
+    for part, params, keys in (("optimizer", optimizer_params, theirs), ("scheduler", scheduler, ours)):
+        for key, (value, name, flag) in keys.items():
+            given = params.get(key, "auto")
+            if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
+                raise RecipeError(
+                    f"the DeepSpeed config sets the {part}'s {key}={given} but the recipe's {name} is {value:.10g}, "
+                    f'which it trains with; set it to "auto" in the config, or pass {flag} {given}',
+                    subject=flag.split()[0],
+                )
+            if key in params and part == "scheduler":
+                params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
 
 
 class _BelowTheBar(logging.Handler):
@@ -641,28 +666,6 @@ def _watching_group_formation(expected: int, timeout: int):
         os.close(write)
 
 
-def _refuse_known_bad_versions(processes: int) -> None:
-    """A torch that would not fail but hang or train wrong, refused also when pip was told to ignore pyproject's
-    floors. FSDP2 asks gloo for a reduce-scatter with ReduceOp.AVG, which gloo sums without a word before torch 2.9:
-    on CPU every step would take N times the mean gradient (AdamW hides most of it: tests/test_fsdp.py's 2 x 2 run
-    ended 5.5e-4 of the update off in 6 steps). NCCL averages: on GPUs torch 2.8 trains right."""
-    from packaging.version import Version
-
-    installed = importlib.metadata.version("torch")
-    if processes > 1 and Version(installed).release < (2, 8):
-        raise RecipeError(
-            f"torch {installed} is installed, and with it a job of several processes hangs at exit in "
-            "destroy_process_group; pip install 'torch>=2.8' (pyproject.toml lists the tested versions)"
-        )
-    fsdp_on_gloo = parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available()
-    if processes > 1 and fsdp_on_gloo and Version(installed).release < (2, 9):
-        raise RecipeError(
-            f"torch {installed} is installed, and with it FSDP2 on CPU trains on the sum of the processes' gradients, "
-            "not their mean (gloo's reduce-scatter ignores ReduceOp.AVG before torch 2.9); pip install 'torch>=2.9', "
-            "or shard with DeepSpeed instead: ./launch.sh --config zero3"
-        )
-
-
 def _cache_missing_optional_packages() -> None:
     """Accelerate's prepared optimizer asks whether lomo_optim is installed twice a step (an uncached find_spec:
     100 to 300 us a step here); its absence is recorded in sys.modules, Python's own record of imports."""
@@ -694,7 +697,8 @@ def _started_by_accelerate_launch(expected: int) -> bool:
             raise RecipeError(
                 f"accelerate launch {'--num_processes' if given.num_processes else 'with num_processes:'} {asked} "
                 f"started one process: it starts several only with {why}; on a host without GPUs pass --multi_gpu "
-                "with ACCELERATE_USE_CPU=true exported (it starts the processes on the CPU), or use ./launch.sh"
+                "with ACCELERATE_USE_CPU=true exported (it starts the processes on the CPU), or use ./launch.sh",
+                subject="--num_processes" if given.num_processes else "num_processes",
             )
     return True
 
@@ -748,7 +752,8 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         raise RecipeError(
             f"launch.sh asked accelerate launch for {asked} processes and it started {accelerator.num_processes}; "
             "for CPU processes use distributed_type: MULTI_GPU with use_cpu: true in the config, as "
-            "accelerate_configs/cpu.yaml does (MULTI_CPU starts one process unless mpirun is set up)"
+            "accelerate_configs/cpu.yaml does (MULTI_CPU starts one process unless mpirun is set up)",
+            subject="distributed_type",
         )
     copies = [
         (os.environ[n], n) for n in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if n in os.environ
@@ -763,6 +768,7 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         raise RecipeError(
             f"{who} started this command as {count} processes ({variable}) and none of them starts a process group: "
             f"each would train its own copy of the model; start {fix}, which start and join the processes",
+            subject=f"${variable}",
             same_on_every_rank=False,
         )
     if accelerator.num_processes != expected or (expected > 1 and kind == DistributedType.NO.value):
@@ -784,7 +790,8 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             raise RecipeError(  # the variable the refusal below sends users to set (launch.sh sets it for cpu.yaml)
                 f"the accelerate config asks for {name}, which Accelerate leaves out under ACCELERATE_USE_CPU=true; "
                 f"unset it: {name} runs on CPU without it (./launch.sh --config "
-                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})"
+                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})",
+                subject="$ACCELERATE_USE_CPU",
             )
         if parse_flag_from_env(asked) and kind != name:
             raise RecipeError(
@@ -796,7 +803,8 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
         if (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) and _enables_fp16(path):  # the file decides
             fix = f'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {path}'
         raise RecipeError(
-            f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}"
+            f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}",
+            subject=path if "DeepSpeed config file" in fix else "--mixed_precision",
         )
 
 

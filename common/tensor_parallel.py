@@ -16,6 +16,7 @@ batches), the optimizer and clipping (its DTensor-aware norm over the model's me
 from __future__ import annotations
 
 import contextlib
+import re
 
 from accelerate.utils import parse_flag_from_env
 
@@ -28,7 +29,7 @@ def degree() -> int:
     try:
         return (mesh.from_environment() or {}).get("tp", 1)
     except ValueError as err:  # make_accelerator meets it first in a run; this for a call before one
-        raise RecipeError(str(err)) from None
+        raise RecipeError(str(err), subject=re.search(r"parallelism_config_\w+_size", str(err))[0]) from None
 
 
 def refuse_what_cannot_split(args) -> None:
@@ -41,25 +42,29 @@ def refuse_what_cannot_split(args) -> None:
         raise RecipeError(
             "an FSDP accelerate config with parallelism_config_tp_size: Accelerate 1.15's FSDP2 preparation of a "
             "tensor-parallel model fails (it imports transformers' ReplicateParallel, gone in transformers 5.24); "
-            "use accelerate_configs/tp.yaml, whose runs shard the model with FSDP2 across the TP groups themselves"
+            "use accelerate_configs/tp.yaml, whose runs shard the model with FSDP2 across the TP groups themselves",
+            subject="parallelism_config_tp_size",
         )
     sizes = mesh.from_environment()  # context parallelism: refused for every mesh by make_accelerator (not_built)
     if sizes["dp_replicate"] > 1:  # only dp_shard x tp is built and tested here
         raise RecipeError(
             f"the accelerate config's mesh is {mesh.describe(sizes)}: with tensor parallelism only FSDP2 across the "
             "TP groups (dp_shard x tp) runs here; set parallelism_config_dp_replicate_size to 1, or use hsdp.yaml "
-            "without tensor parallelism"
+            "without tensor parallelism",
+            subject="parallelism_config_dp_replicate_size",
         )
     if getattr(args, "config_name", None) and not getattr(args, "model_name_or_path", None):
         raise RecipeError(
             "--config_name under tensor parallelism: transformers splits a model as from_pretrained loads it, and "
             "a new model is built from its config; save the new model once (save_pretrained) and pass its folder "
-            "as --model_name_or_path, or use fsdp.yaml"
+            "as --model_name_or_path, or use fsdp.yaml",
+            subject="--config_name",
         )
     if getattr(args, "lora_r", 0):
         raise RecipeError(
             "--lora_r under tensor parallelism: peft's adapters do not fit the layers transformers splits (their "
-            "first forward fails on the split shapes); train the whole model under tp.yaml, or LoRA with fsdp.yaml"
+            "first forward fails on the split shapes); train the whole model under tp.yaml, or LoRA with fsdp.yaml",
+            subject="--lora_r",
         )
 
 
@@ -76,7 +81,8 @@ def load_kwargs(config, source: str) -> dict:
         raise RecipeError(
             f"--model_name_or_path {source}: {type(config).__name__} has no tensor-parallel plan "
             "(config.base_model_tp_plan is empty), so transformers cannot split it; train it with fsdp.yaml or "
-            "zero3.yaml instead"
+            "zero3.yaml instead",
+            subject="--model_name_or_path",
         )
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -86,7 +92,8 @@ def load_kwargs(config, source: str) -> dict:
             raise RecipeError(
                 f"--model_name_or_path {source}: its {count} {name.replace('num_', '').replace('_', ' ')} "
                 f"({name}) do not divide into tensor-parallel degree {tp}; set parallelism_config_tp_size and "
-                f"--num_processes to {' or '.join(map(str, fits)) or '1 (no TP)'}, or use fsdp.yaml"
+                f"--num_processes to {' or '.join(map(str, fits)) or '1 (no TP)'}, or use fsdp.yaml",
+                subject="--model_name_or_path",
             )
     if (across := mesh.from_environment()["dp_shard"]) > 1:  # the 2-D case: see the module's note
         return {"distributed_config": split_and_sharded(tp, across)}

@@ -17,10 +17,11 @@ import torchvision
 from accelerate import PartialState
 from PIL import Image
 from safetensors.torch import load_file
+from torchvision import transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .checkpoint import read_state
-from .data import default_num_workers, prepare_data_first
+from .data import DeviceTensorDataset, default_num_workers, prepare_data_first
 from .errors import DataError
 from .metrics import count_parameters
 from .plan import decay_groups
@@ -270,6 +271,47 @@ def held_on_device(args, images, accelerator, resume_from=None) -> bool:
     return decide_on_main(accelerator, choose)
 
 
+def as_uint8(dataset, size):
+    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels (read from its files,
+    whatever transform the recipe gave it)."""
+    if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
+        return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
+    resized = transforms.Compose([transforms.Resize((size, size)), transforms.PILToTensor()])
+    images = [resized(dataset.loader(path)) for path, _ in dataset.samples]
+    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor([label for _, label in dataset.samples])
+
+
+def build_device_datasets(args, images, device):
+    """--data_on_device: (train, eval, num_classes) of `images` (load_images) held on `device` as uint8. A batch is
+    padded (--random_crop), cropped and flipped (--hflip) on the device in one gather, from numbers seeded per (seed,
+    epoch, sample): the augmentation of cifar.py's build_datasets for images of 64 px or less, without decoding."""
+    train, evals, size, mean, std, num_classes = images
+    pad = size // 8 if args.random_crop else 0
+    mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
+    steps = torch.arange(size, device=device)
+    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format  # the recipe's model's
+
+    def normalize(images):  # NHWC uint8 -> NCHW float (permuted, NHWC is channels_last already)
+        return ((images.permute(0, 3, 1, 2).float() - mean) / std).contiguous(memory_format=layout)
+
+    def crop_flip(batch, u):
+        images, labels = batch
+        padded = torch.nn.functional.pad(images, (0, 0, pad, pad, pad, pad))
+        rows = (u[:, 0] * (2 * pad + 1)).long()[:, None] + steps
+        cols = (u[:, 1] * (2 * pad + 1)).long()[:, None] + torch.where(u[:, 2:] < args.hflip, steps.flip(0), steps)
+        cropped = padded[torch.arange(len(images), device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        return normalize(cropped), labels
+
+    train = DeviceTensorDataset(
+        *(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3, seed=args.seed
+    )
+    evals = DeviceTensorDataset(
+        *(t.to(device) for t in as_uint8(evals, size)), transform=lambda batch, _: (normalize(batch[0]), batch[1])
+    )
+    return train, evals, num_classes
+
+
 # Per-class metrics -------------------------------------------------------------------------------
 
 
@@ -419,7 +461,8 @@ def timm_weights(name, pretrained=False):
 
 
 def build_model(args, num_classes: int, on_gpu: bool):
-    """--model as the model arguments say; published weights are downloaded by one process per node."""
+    """--model as the model arguments say; published weights are downloaded by one process per node. For a GPU
+    (`on_gpu`), in channels_last (NHWC) memory, which lets cuDNN use tensor cores."""
     with prepare_data_first(PartialState(), args.ddp_timeout) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
     group = args.norm_layer == "group"  # before --pretrained_path: a run with --norm_layer group saved GroupNorm's
@@ -428,7 +471,8 @@ def build_model(args, num_classes: int, on_gpu: bool):
         load_weights(model, args.pretrained_path, args.model)
     if args.freeze_backbone:
         model = freeze_backbone(model)
-    return model if group else set_norm_layer(model, args.norm_layer, on_gpu)
+    model = model if group else set_norm_layer(model, args.norm_layer, on_gpu)
+    return model.to(memory_format=torch.channels_last) if on_gpu else model
 
 
 AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # Inception's and GoogLeNet's, which the models here are built without

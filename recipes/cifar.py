@@ -24,7 +24,7 @@ from torchvision import transforms as T
 
 import common
 from common import vision
-from common.vision import add_model_args, build_model, held_on_device, load_images, param_groups
+from common.vision import add_model_args, build_device_datasets, build_model, held_on_device, load_images, param_groups
 
 # Hyperparameters: every default of this recipe, with its reason; each is the command-line flag of its name.
 HYPERPARAMETERS = dict(
@@ -85,31 +85,20 @@ def parse_args(argv=None):
                           "is CIFAR's folder; the images come from --train_dir and --val_dir)")  # fmt: skip
     p.does_nothing_unless(["--train_dir", "--val_dir"], lambda a: a.dataset == "imagefolder", "without --dataset "
                           "imagefolder (CIFAR comes from --data_dir)", ", or add --dataset imagefolder")  # fmt: skip
-    args = p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
-    if args.dataset == "imagefolder" and not (args.train_dir and args.val_dir):
-        p.error(
-            "--dataset imagefolder needs --train_dir and --val_dir, folders with one sub-folder of images per class",
-            subject="--dataset",
-        )
-    if args.dataset != "imagefolder" and args.image_size != 32:
-        p.error(
-            "--image_size applies to --dataset imagefolder", f"{args.dataset} images are 32 px", subject="--image_size"
-        )
-    if args.optimizer == "sgd" and args.nesterov and args.momentum == 0:
-        p.error("--nesterov needs --momentum above 0", "pass --no-nesterov for plain SGD", subject="--momentum")
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # the config's
-        p.error(
-            "this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards a model by its "
-            "transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps BatchNorm's statistics "
-            "apart on each process and casts the model alone to bf16"
-        )  # the config's, no option's
-    if args.data_on_device and args.image_size > 64:
-        p.error(
-            f"--data_on_device does CIFAR-style pad-and-crop, for images of 64 px or less, not --image_size "
-            f"{args.image_size}", "leave it out (larger images are cropped by PIL in the DataLoader), or pass "
-            "--image_size 64 or less", subject="--data_on_device",
-        )  # fmt: skip
-    return args
+    p.requires("--dataset imagefolder", lambda a: a.train_dir and a.val_dir, "--dataset imagefolder needs "
+               "--train_dir and --val_dir, folders with one sub-folder of images per class")  # fmt: skip
+    p.requires("--image_size", lambda a: a.dataset == "imagefolder" or a.image_size == 32,
+               "--image_size applies to --dataset imagefolder", lambda a: f"{a.dataset} images are 32 px")  # fmt: skip
+    p.requires("--nesterov", lambda a: a.optimizer != "sgd" or a.momentum > 0, "--nesterov needs --momentum above 0",
+               "pass --no-nesterov for plain SGD", subject="--momentum")  # fmt: skip
+    ddp = lambda a: not any(map(parse_flag_from_env, ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"]))  # noqa: E731
+    p.requires(None, ddp, "this recipe trains under DDP (accelerate_configs/cpu.yaml, 1gpu..8gpu.yaml): FSDP shards "
+               "a model by its transformer layers, which an image model does not have, and DeepSpeed ZeRO keeps "
+               "BatchNorm's statistics apart on each process and casts the model alone to bf16")  # fmt: skip
+    p.requires("--data_on_device", lambda a: a.image_size <= 64, lambda a: f"--data_on_device does CIFAR-style "
+               f"pad-and-crop, for images of 64 px or less, not --image_size {a.image_size}", "leave it out (larger "
+               "images are cropped by PIL in the DataLoader), or pass --image_size 64 or less")  # fmt: skip
+    return p.parse_args(argv)  # and the model arguments' checks, a probe of --model among them
 
 
 def eval_transform(size, mean, std):
@@ -133,50 +122,10 @@ def build_datasets(args, images):
     return train, evals, num_classes
 
 
-def as_uint8(dataset, size):
-    """All images of a torchvision dataset as one (N, H, W, C) uint8 tensor, and the labels (read from its files,
-    whatever transform build_datasets gave it)."""
-    if getattr(dataset, "data", None) is not None:  # CIFAR: already an NHWC uint8 array
-        return torch.from_numpy(dataset.data), torch.tensor(dataset.targets)
-    resized = T.Compose([T.Resize((size, size)), T.PILToTensor()])
-    images = [resized(dataset.loader(path)) for path, _ in dataset.samples]
-    return torch.stack(images).permute(0, 2, 3, 1).contiguous(), torch.tensor([label for _, label in dataset.samples])
-
-
-def build_device_datasets(args, images, device):
-    """--data_on_device: (train, eval, num_classes) of `images` held on `device` as uint8. A batch is padded,
-    cropped and flipped on the device in one gather, from numbers seeded per (seed, epoch, sample)."""
-    train, evals, size, mean, std, num_classes = images
-    pad = size // 8 if args.random_crop else 0
-    mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
-    steps = torch.arange(size, device=device)
-    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format  # as the model's, see main
-
-    def normalize(images):  # NHWC uint8 -> NCHW float (permuted, NHWC is channels_last already)
-        return ((images.permute(0, 3, 1, 2).float() - mean) / std).contiguous(memory_format=layout)
-
-    def crop_flip(batch, u):
-        images, labels = batch
-        padded = torch.nn.functional.pad(images, (0, 0, pad, pad, pad, pad))
-        rows = (u[:, 0] * (2 * pad + 1)).long()[:, None] + steps
-        cols = (u[:, 1] * (2 * pad + 1)).long()[:, None] + torch.where(u[:, 2:] < args.hflip, steps.flip(0), steps)
-        cropped = padded[torch.arange(len(images), device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-        return normalize(cropped), labels
-
-    train = common.DeviceTensorDataset(
-        *(t.to(device) for t in as_uint8(train, size)), transform=crop_flip, draws=3, seed=args.seed
-    )
-    evals = common.DeviceTensorDataset(
-        *(t.to(device) for t in as_uint8(evals, size)), transform=lambda batch, _: (normalize(batch[0]), batch[1])
-    )
-    return train, evals, num_classes
-
-
 def get_dataloaders(args, accelerator, resume_from=None):
     images = load_images(args)
     args.data_on_device = held_on_device(args, images, accelerator, resume_from)  # when not given: if the set fits
-    if args.data_on_device:
+    if args.data_on_device:  # held as uint8 on the device, padded, cropped and flipped there (build_datasets' own)
         train, evals, num_classes = build_device_datasets(args, images, accelerator.device)
     else:
         train, evals, num_classes = build_datasets(args, images)
@@ -230,10 +179,8 @@ def main(argv=None):
     train_dl, eval_dl, classes = get_dataloaders(args, accelerator, out.resume_from)
     plan, position = common.plan_run(args, train_dl.dataset, accelerator.num_processes, out.resume_from)
 
-    on_gpu = accelerator.device.type == "cuda"
+    on_gpu = accelerator.device.type == "cuda"  # then the model and the images channels_last (NHWC): tensor cores
     model = build_model(args, len(classes), on_gpu)  # --pretrained(_path), --freeze_backbone, --norm_layer
-    if on_gpu:  # channels_last (NHWC) lets cuDNN use tensor cores
-        model = model.to(memory_format=torch.channels_last)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and the saved weights stay unchanged
         model.compile()
     optimizer = build_optimizer(args, model, plan.learning_rate)

@@ -22,6 +22,7 @@ from accelerate.utils import set_seed
 
 import common
 from common import RecipeError
+from common.lora import add_lora
 from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
@@ -86,24 +87,16 @@ def parse_args(argv=None):
         ["--lora_alpha", "--lora_dropout", "--lora_target_modules"], lambda a: a.lora_r,
         "without --lora_r (the whole model trains)", ", or pass --lora_r 16 (8 to 64 is usual)",
     )  # fmt: skip
+    p.excludes("--torch_dtype auto", "--config_name", "--torch_dtype auto is the dtype of pretrained weights, and "
+               "--config_name has none: pass float32 (with a bf16 accelerate config for mixed precision), bfloat16 or "
+               "float16")  # fmt: skip
+    p.excludes("--lora_r", "--config_name", "--lora_r trains an adapter on pretrained weights, and --config_name "
+               "makes a new, random model: pass --model_name_or_path, or drop --lora_r")  # fmt: skip
+    p.excludes("--resize_token_embeddings", "--lora_r", "--resize_token_embeddings adds embeddings that a LoRA "
+               "adapter neither trains nor saves: drop --lora_r, or use the model's own tokenizer without "
+               "--resize_token_embeddings")  # fmt: skip
     args = p.parse_args(argv)  # and the checks of common.text's arguments
     args.lora_target_modules = [name for names in args.lora_target_modules for name in names.split(",") if name]
-    if args.torch_dtype == "auto" and args.config_name:
-        p.error(
-            "--torch_dtype auto is the dtype of pretrained weights, and --config_name has none: pass float32 (with "
-            "a bf16 accelerate config for mixed precision), bfloat16 or float16", subject="--torch_dtype",
-        )  # fmt: skip
-    if args.lora_r and args.config_name:
-        p.error(
-            "--lora_r trains an adapter on pretrained weights, and --config_name makes a new, random model: pass "
-            "--model_name_or_path, or drop --lora_r", subject="--lora_r",
-        )  # fmt: skip
-    if args.lora_r and args.resize_token_embeddings:
-        p.error(
-            "--resize_token_embeddings adds embeddings that a LoRA adapter neither trains nor saves: drop "
-            "--lora_r, or use the model's own tokenizer without --resize_token_embeddings",
-            subject="--resize_token_embeddings",
-        )
     return args
 
 
@@ -115,57 +108,8 @@ def load_model_and_tokenizer(args):
 def build_model(args, model):
     if args.gradient_checkpointing:
         checkpoint_activations(model)
-    if args.lora_r:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError as err:
-            raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'", subject="--lora_r") from err
-        targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-
-        head = model.get_output_embeddings()  # all-linear leaves it out: it is tied to the embeddings in many models
-        linear = sorted(
-            {
-                n.rsplit(".", 1)[-1]
-                for n, m in model.named_modules()
-                if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
-            }
-        )
-        try:
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=args.lora_r,
-                    lora_alpha=args.lora_alpha,
-                    lora_dropout=args.lora_dropout,
-                    target_modules=targets,
-                    task_type="CAUSAL_LM",
-                ),
-            )
-        except ValueError as err:  # no module of those names, or one LoRA cannot wrap
-            found = (
-                "no module of that name"
-                if type(err).__name__ == "NoMatchingPeftModuleError"
-                else "not a layer LoRA can wrap"
-            )
-            raise RecipeError(
-                f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
-                f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
-                "all-linear",
-                subject="--lora_target_modules",
-            ) from err
-        from peft.tuners.lora import LoraLayer
-
-        a, b = min(((m.in_features, m.out_features) for m in model.modules() if isinstance(m, LoraLayer)), key=min)
-        rank = min(a, b)
-        if args.lora_r > rank:  # a rank above the layer's own adds weights and nothing else
-            raise RecipeError(
-                f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
-                f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)",
-                subject="--lora_r",
-            )
-        if args.gradient_checkpointing:
-            model.enable_input_require_grads()
+    if args.lora_r:  # a LoRA adapter trains instead of the weights (peft)
+        model = add_lora(model, args)
     if args.torch_compile:  # in place, so state-dict names, checkpoints and save_pretrained stay unchanged
         model.compile()
     return model

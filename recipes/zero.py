@@ -17,12 +17,8 @@ through DeepSpeed's zero_to_fp32. Also runs under zero2.yaml, DDP, FSDP, HSDP or
 """
 
 import contextlib
-import copy
-import inspect
 import json
-import math
 import os
-import shutil
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +26,9 @@ import torch
 from accelerate.utils import parse_flag_from_env, set_seed
 
 import common
-from common import logger
+from common.checkpoint import export_fp32
+from common.metrics import memory_estimates
+from common.runtime import agree_deepspeed_optimizer
 from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
@@ -71,13 +69,9 @@ def parse_args(argv=None):
     p.does_nothing_unless(["--lr_scheduler_type"], lambda a: "scheduler" not in deepspeed_config_file(),
                           "with a DeepSpeed config that defines its scheduler (it sets every step's rate)",
                           ", or delete the config's scheduler")  # fmt: skip
-    args = p.parse_args(argv)  # and the checks of common.text's arguments
-    if args.save_fp32 and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):  # set by accelerate launch
-        p.error(
-            "--save_fp32 exports DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)",
-            subject="--save_fp32",
-        )
-    return args
+    p.requires("--save_fp32", lambda a: parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"), "--save_fp32 exports "
+               "DeepSpeed's ZeRO shards: run with a DeepSpeed config (zero2, zero3, zero3_offload)")  # fmt: skip
+    return p.parse_args(argv)  # and the checks of common.text's arguments
 
 
 def deepspeed_config_file() -> dict:
@@ -96,96 +90,13 @@ def build_model(args):
     return model, tokenizer
 
 
-def memory_estimates(accelerator, model) -> dict:
-    """DeepSpeed's own estimate of model-state memory (weights, gradients, Adam states; not
-    activations) per GPU and per node's CPU, in GiB, for ZeRO-2 and ZeRO-3 with and without offload,
-    for this run's processes spread over nodes as the launcher placed them; logged and returned ({} without
-    DeepSpeed installed: the recipe also trains under DDP and FSDP)."""
-    try:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
-    except ImportError:
-        logger.info("no memory estimate: DeepSpeed is not installed (pip install -e '.[deepspeed]' adds it)")
-        return {}
-
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-    where = {"num_gpus_per_node": per_node, "num_nodes": max(1, accelerator.num_processes // per_node)}
-    total = common.count_parameters(model)
-    largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
-    cases = {
-        "zero2": zero2(total, cpu_offload=False, **where),
-        "zero2_offload_optimizer": zero2(total, cpu_offload=True, **where),
-        "zero3": zero3(total, largest, cpu_offload=False, **where)[:2],
-        "zero3_offload_optimizer": zero3(total, largest, cpu_offload=True, cpu_offload_params=False, **where)[:2],
-        "zero3_offload_all": zero3(total, largest, cpu_offload=True, **where)[:2],
-    }
-    estimates = {
-        **where,
-        "parameters": total,
-        "largest_layer_parameters": largest,
-        **{name: {"gpu_gb": gpu / 2**30, "cpu_gb": cpu / 2**30} for name, (cpu, gpu) in cases.items()},
-    }
-    logger.info(
-        f"DeepSpeed's model-state memory estimate for {estimates['parameters'] / 1e6:.1f}M parameters on "
-        f"{estimates['num_nodes']} node(s) x {estimates['num_gpus_per_node']} device(s), activations not included:\n"
-        + "\n".join(
-            f"  {name:<24} {e['gpu_gb']:8.2f} GiB per device {e['cpu_gb']:8.2f} GiB CPU per node"
-            for name, e in estimates.items()
-            if isinstance(e, dict)
-        )
-    )
-    return estimates
-
-
 def build_optimizer(args, accelerator, model, plan, position):
     """The DeepSpeed config's optimizer and scheduler when it defines them (Accelerate's Dummy*
     stand-ins), else AdamW, which Accelerate swaps for DeepSpeed's CPU Adam when offloading, and no
     scheduler: the recipe sets the learning rate of every step itself."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
     groups = common.decay_groups(model, args.weight_decay)
-    if "scheduler" in ds_config and position.seen != position.step * plan.effective_batch_size:
-        raise common.RecipeError(
-            f"the DeepSpeed config's scheduler counts optimizer steps, and the checkpoint's {position.step} steps "
-            f"trained {position.seen:,} samples, not {position.step} x this run's effective batch of "
-            f"{plan.effective_batch_size}: resume with the checkpoint's effective batch (processes x per-device batch "
-            "x accumulation), or delete the config's scheduler (the recipe's own schedule counts samples)"
-        )
-    # A rate, warmup or length the config sets is the plan's (what trains is what results.json reports), or one line.
-    # "auto", or a key its scheduler takes left out (DeepSpeed's default), is filled with the plan's here (in steps:
-    # Accelerate would divide total_num_steps by the processes)
-    lr = (plan.learning_rate, "--learning_rate (scaled to the batch)", "--lr_scaling none --learning_rate")
-    ours = {
-        "warmup_max_lr": lr,
-        "cycle_max_lr": lr,
-        "warmup_num_steps": (plan.warmup_steps, "warmup steps (--warmup_steps, --warmup_ratio)", "--warmup_steps"),
-        "total_num_steps": (
-            plan.max_train_steps,
-            "steps (--max_train_steps, --num_train_epochs)",
-            "--max_train_steps",
-        ),
-    }
-    scheduler = {}
-    if "scheduler" in ds_config:
-        from deepspeed.runtime import lr_schedules
-
-        scheduler = ds_config["scheduler"].setdefault("params", {})
-        kind = getattr(lr_schedules, str(ds_config["scheduler"].get("type")), None)  # else DeepSpeed refuses it
-        for key in ours.keys() & (inspect.signature(kind).parameters if inspect.isclass(kind) else {}):
-            scheduler.setdefault(key, "auto")
-    theirs = {"weight_decay": (args.weight_decay, "--weight_decay", "--weight_decay")}  # the optimizer's keys
-    if not {"warmup_max_lr", "cycle_max_lr"} & scheduler.keys():  # else the scheduler's peak replaces the rate
-        theirs["lr"] = lr
-    optimizer_params = ds_config.get("optimizer", {}).get("params", {})
-    for part, params, keys in (("optimizer", optimizer_params, theirs), ("scheduler", scheduler, ours)):
-        for key, (value, name, flag) in keys.items():
-            given = params.get(key, "auto")
-            if given != "auto" and not (isinstance(given, (int, float)) and math.isclose(given, value, rel_tol=1e-9)):
-                raise common.RecipeError(
-                    f"the DeepSpeed config sets the {part}'s {key}={given} but the recipe's {name} is {value:.10g}, "
-                    f'which it trains with; set it to "auto" in the config, or pass {flag} {given}'
-                )
-            if key in params and part == "scheduler":
-                params[key] = max(value, 1) if key == "warmup_num_steps" else value  # DeepSpeed refuses 0
+    agree_deepspeed_optimizer(ds_config, args, plan, position)  # its settings the plan's, or one line
     if "optimizer" in ds_config:  # (Accelerate has the stand-ins only where DeepSpeed is installed)
         from accelerate.utils import DummyOptim
 
@@ -199,23 +110,6 @@ def build_optimizer(args, accelerator, model, plan, position):
     return optimizer, None
 
 
-def export_fp32(accelerator, model, output_dir):
-    """fp32 weights from the ZeRO shards, through DeepSpeed's own zero_to_fp32 converter."""
-    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-
-    shards, target = Path(output_dir) / ".tmp-zero-shards", Path(output_dir) / "fp32"
-    model.save_checkpoint(str(shards))  # every rank writes its partition
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        convert_zero_checkpoint_to_fp32_state_dict(str(shards), str(target), safe_serialization=True)
-        config = copy.deepcopy(accelerator.unwrap_model(model).config)
-        config.dtype = torch.float32  # what from_pretrained loads it as (a bf16 run's config says bfloat16)
-        config.save_pretrained(target)
-        shutil.rmtree(shards)
-        logger.info(f"saved fp32 weights to {target}")
-    accelerator.wait_for_everyone()
-
-
 def main(argv=None):
     args = parse_args(argv)
     accelerator = common.make_accelerator(args)  # refuses a launch that would not train as one job
@@ -224,7 +118,7 @@ def main(argv=None):
     out = common.OutputDir(accelerator, args)  # claimed for this run; out.resume_from: a checkpoint or None
 
     model, tokenizer = build_model(args)
-    estimates = memory_estimates(accelerator, model)
+    estimates = memory_estimates(accelerator, model)  # DeepSpeed's, for ZeRO-2 and 3, logged and in results.json
     train_dl, eval_dl, block_size = lm_dataloaders(args, accelerator, tokenizer, model.config)
     plan, position = common.plan_run(args, train_dl.dataset, common.data_parallel_size(accelerator), out.resume_from)
     parameters = common.count_parameters(model)

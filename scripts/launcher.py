@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 sys.path.insert(0, str(ROOT))
-from common import mesh  # noqa: E402  (these two import no torch: --dry_run and errors stay fast)
+from common import mesh, preflight  # noqa: E402  (these two import no torch: --dry_run and errors stay fast)
 from common.args import LAUNCH_SH_ENV, SECRET_VALUES, mask_words  # noqa: E402
 
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -299,16 +299,15 @@ def main(argv: list[str]) -> int:
         strategy = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}.get(kind, "tensor parallelism")
         what = strategy, "fp32" if precision == "no" else precision
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
-    elif per_node > gpus:
-        fix = f"pass --num_processes {gpus} or a config for {gpus} GPU(s)" if gpus else "use --config cpu"
-        die(f"{per_node} processes requested on this node but only {gpus} GPU(s) are visible; {fix}")
+    elif refusal := preflight.more_processes_than_gpus(per_node, gpus, on_cpu=False):  # GPUs' processes, as theirs
+        die(str(refusal))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
     if sizes:  # the config's mesh for this job's nodes and processes (accelerate takes the options over the YAML's)
-        if problem := mesh.not_built(sizes):
-            die(f"{config_file.name}: {problem}")
+        if refusal := preflight.unbuilt_mesh(sizes):
+            die(f"{config_file.name}: {refusal}")
         sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
         if problem:
             die(f"{config_file.name}: {problem}; pass --num_processes {fits}")

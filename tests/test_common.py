@@ -349,8 +349,66 @@ def test_more_local_processes_than_gpus_is_refused_before_any_cuda_error(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    with pytest.raises(RecipeError, match="4 processes were started on this node but only 2 GPU"):
+    with pytest.raises(RecipeError, match="4 processes requested on this node but only 2 GPU"):
         common.make_accelerator(None)
+
+
+def test_relations_between_options_are_declared_and_checked_by_one_checker(capsys):
+    """requires and excludes: an option in effect ("--flag": set and not 0 or False; "--flag value": that value;
+    None: any run) refused in one line, naming the option (or the subject given), when what it needs does not hold
+    or what it excludes is in effect; the texts may be functions of the arguments; declared order is checked order."""
+    from common.args import ArgumentParser
+
+    p = ArgumentParser()
+    p.add_argument("--kind", choices=["a", "b"], default="a")
+    p.add_argument("--path")
+    p.add_argument("--size", type="positive_int", default=32)
+    p.add_argument("--fast", action="store_true")
+    p.add_argument("--rate", type="non_negative_float", default=0.5)
+    p.requires("--kind b", lambda a: a.path, "--kind b needs --path")
+    p.requires("--size", lambda a: a.size <= 64, lambda a: f"--size {a.size} is above 64", "pass 64 or less")
+    p.requires("--fast", lambda a: a.rate > 0, "--fast needs --rate above 0", subject="--rate")
+    p.excludes("--fast", "--kind b", "--fast is --kind a's")
+    for argv in ([], ["--kind", "b", "--path", "x"], ["--size", "64", "--rate", "0"], ["--fast"]):
+        p.parse_args(argv)  # nothing in effect that needs more
+    for argv, subject, line in (
+        (["--kind", "b"], "--kind", "--kind b needs --path"),
+        (["--size", "65"], "--size", "--size 65 is above 64; pass 64 or less"),
+        (["--fast", "--rate", "0"], "--rate", "--fast needs --rate above 0"),
+        (["--fast", "--kind", "b", "--path", "x"], "--fast", "--fast is --kind a's"),
+        (["--kind", "b", "--size", "99"], "--kind", "--kind b needs --path"),  # the first declared
+    ):
+        with pytest.raises(SystemExit) as refused:
+            p.parse_args(argv)
+        assert refused.value.code == 2 and refused.value.__cause__.subject == subject
+        assert capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_a_deepspeed_configs_optimizer_and_scheduler_are_the_plans_or_one_line():
+    """zero.py's rule, in this process (tests/test_zero.py launches it): a value the config's optimizer or scheduler
+    sets is the plan's, or refused naming the option to pass; "auto" and a key the scheduler takes left out are
+    filled with the plan's (warmup at least 1: DeepSpeed refuses 0); a scheduler's resume at another batch refused."""
+    from common.runtime import agree_deepspeed_optimizer
+
+    args, start = SimpleNamespace(weight_decay=0.0), SimpleNamespace(seen=0, step=0)
+    plan = SimpleNamespace(learning_rate=0.003, warmup_steps=0, max_train_steps=7, effective_batch_size=16)
+    config = {"optimizer": {"params": {"lr": "auto", "weight_decay": 0.0}}, "scheduler": {"type": "WarmupDecayLR"}}
+    agree_deepspeed_optimizer(config, args, plan, start)
+    assert config["scheduler"]["params"] == {"warmup_max_lr": 0.003, "warmup_num_steps": 1, "total_num_steps": 7}
+    for config, subject, line in (
+        ({"optimizer": {"params": {"lr": 1e-3}}}, "--lr_scaling", "the DeepSpeed config sets the optimizer's lr=0.001 "
+         "but the recipe's --learning_rate (scaled to the batch) is 0.003, which it trains with; set it to \"auto\" "
+         "in the config, or pass --lr_scaling none --learning_rate 0.001"),
+        ({"optimizer": {"params": {"weight_decay": 0.1}}}, "--weight_decay", "the DeepSpeed config sets the "
+         "optimizer's weight_decay=0.1 but the recipe's --weight_decay is 0"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, "--warmup_steps", "the DeepSpeed "
+         "config sets the scheduler's warmup_num_steps=100 but the recipe's warmup steps"),
+    ):  # fmt: skip
+        with pytest.raises(RecipeError) as refused:
+            agree_deepspeed_optimizer(config, args, plan, start)
+        assert refused.value.subject == subject and str(refused.value).startswith(line)
+    with pytest.raises(RecipeError, match="^the DeepSpeed config's scheduler counts optimizer steps"):
+        agree_deepspeed_optimizer({"scheduler": {}}, args, plan, SimpleNamespace(seen=48, step=2))
 
 
 def test_a_recipe_is_described_by_its_docstrings_first_line_or_its_name():
@@ -682,20 +740,16 @@ def test_a_known_bad_library_version_is_refused_before_anything_runs(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match=r"^torch 2.7.1 is installed, and with it a job of several processes hangs"):
         common.make_accelerator(None)
-    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no process group to hang in
-    from common.runtime import _refuse_known_bad_versions
+    # one process: no process group to hang in; torch 2.8 under FSDP2 on CPU: gloo's reduce-scatter sums where FSDP2
+    # asks it to average (tests/test_fsdp.py runs the launch); under DDP, or with one process, there is no
+    # reduce-scatter. Each case of common.preflight's rules: tests/test_launcher.py
+    from common.preflight import known_bad_torch
 
-    _refuse_known_bad_versions(1)
-    # torch 2.8 under FSDP2 on CPU: gloo's reduce-scatter sums where FSDP2 asks it to average (tests/test_fsdp.py
-    # runs the launch); under DDP, or with one process, there is no reduce-scatter
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.8.0" if name == "torch" else real(name))
-    _refuse_known_bad_versions(2)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(RecipeError, match=r"^torch 2.8.0 is installed, and with it FSDP2 on CPU trains on the sum "):
-        _refuse_known_bad_versions(2)
-    _refuse_known_bad_versions(1)
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0" if name == "torch" else real(name))
-    _refuse_known_bad_versions(2)
+    assert known_bad_torch(1, "2.7.1", fsdp_on_cpu=False) is None
+    assert known_bad_torch(2, "2.8.0", fsdp_on_cpu=False) is None
+    refusal = known_bad_torch(2, "2.8.0", fsdp_on_cpu=True)
+    assert str(refusal).startswith("torch 2.8.0 is installed, and with it FSDP2 on CPU trains on the sum ")
+    assert known_bad_torch(1, "2.8.0", fsdp_on_cpu=True) is None and known_bad_torch(2, "2.9.0", True) is None
 
 
 def test_only_torchs_wait_for_other_processes_is_a_stuck_collective(capsys):

@@ -3,6 +3,7 @@ command with credentials masked, accelerate configs read and checked, the parent
 signals (each process gets one SIGTERM, later signals wait, a stop under --max_restarts restarts nothing), and
 which exit code a failed or stopped launch ends with. launch.sh through real launches: tests/test_launch_sh.py."""
 
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -79,6 +80,140 @@ def test_bad_configs_are_named(tmp_path, capfd, text, message):
         launcher.read_config(path)
     said = capfd.readouterr().err
     assert said.startswith(f"launch.sh: error: {path}: ") and message in said and said.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the launch refusals (common.preflight), once
+
+
+def group(n: int, **more) -> dict:
+    """The environment a launcher gives each of `n` processes on one node, and `more` (the config's, passed on)."""
+    return {"WORLD_SIZE": str(n), "RANK": "0", "MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": str(n), **more}
+
+
+MESH = dict(ACCELERATE_USE_PARALLELISM_CONFIG="true")
+PASSES = "passes"
+# (environment, GPUs visible, versions installed, the subject of the first refusal, or PASSES)
+PREFLIGHT = {
+    "one process": ({}, 0, {}, PASSES),
+    "a group on CPU": (group(2), 0, {}, PASSES),
+    "stale WORLD_SIZE and RANK": ({"WORLD_SIZE": "4", "RANK": "2"}, 0, {}, "$WORLD_SIZE"),
+    "stale LOCAL_RANK": ({"LOCAL_RANK": "1"}, 0, {}, "$LOCAL_RANK"),
+    "ranks without MASTER_ADDR": ({"WORLD_SIZE": "1", "RANK": "0"}, 0, {}, "$WORLD_SIZE"),
+    "torch 2.7, several processes": (group(2), 0, {"torch": "2.7.1"}, None),
+    "torch 2.7, one process": ({}, 0, {"torch": "2.7.1"}, PASSES),
+    "torch 2.8, FSDP2 on CPU": (group(2, ACCELERATE_USE_FSDP="true"), 0, {"torch": "2.8.0"}, None),
+    "torch 2.8, FSDP2 on GPUs": (group(2, ACCELERATE_USE_FSDP="true"), 2, {"torch": "2.8.0"}, PASSES),
+    "torch 2.8, DDP on CPU": (group(2), 0, {"torch": "2.8.0"}, PASSES),
+    "context parallelism": (
+        group(4, **MESH, PARALLELISM_CONFIG_CP_SIZE="2", PARALLELISM_CONFIG_DP_SHARD_SIZE="2"),
+        0,
+        {},
+        "parallelism_config_cp_size",
+    ),  # fmt: skip
+    "a mesh short of the processes": (
+        group(4, **MESH, PARALLELISM_CONFIG_TP_SIZE="2"),
+        0,
+        {},
+        "--parallelism_config_dp_shard_size",
+    ),  # fmt: skip
+    "a mesh larger than the processes": (
+        group(2, **MESH, PARALLELISM_CONFIG_TP_SIZE="4"),
+        0,
+        {},
+        "--num_processes",
+    ),  # fmt: skip
+    "a mesh size not a number": (
+        group(2, **MESH, PARALLELISM_CONFIG_TP_SIZE="two"),
+        0,
+        {},
+        "parallelism_config_tp_size",
+    ),  # fmt: skip
+    "a 2-D mesh on accelerate 1.10": (
+        group(4, **MESH, PARALLELISM_CONFIG_TP_SIZE="2", PARALLELISM_CONFIG_DP_SHARD_SIZE="2"),
+        0,
+        {"accelerate": "1.10.0"},
+        None,
+    ),  # fmt: skip
+    "a 2-D mesh on accelerate 1.15": (
+        group(4, **MESH, PARALLELISM_CONFIG_TP_SIZE="2", PARALLELISM_CONFIG_DP_SHARD_SIZE="2"),
+        0,
+        {},
+        PASSES,
+    ),  # fmt: skip
+    "4 processes, 2 GPUs": (group(4), 2, {}, "--num_processes"),
+    "4 processes, 2 GPUs, on the CPU": (group(4, ACCELERATE_USE_CPU="true"), 2, {}, PASSES),
+    "2 processes, 2 GPUs": (group(2), 2, {}, PASSES),
+}
+
+
+@pytest.mark.parametrize("case", PREFLIGHT)
+def test_each_launch_refusal_names_its_subject(case):
+    """Each rule of common.preflight, a pure function of the environment, the GPUs and the versions: the first refusal
+    is one line, and names its subject (a variable as $NAME, an option, a config's key; none for a library's
+    version), which make_accelerator raises (preflight.check) before any process group forms."""
+    from common import preflight
+    from common.errors import RecipeError
+
+    environ, gpus, versions, subject = PREFLIGHT[case]
+    versions = {"torch": "2.9.0", "accelerate": "1.15.0", **versions}
+    found = preflight.refusals(environ, gpus, versions)
+    if subject == PASSES:
+        assert found == [] and preflight.check(environ, gpus, versions) is None
+        return
+    refusal = found[0]
+    line = str(refusal)
+    assert isinstance(refusal, RecipeError) and refusal.subject == subject and "\n" not in line
+    assert subject is None or subject.lstrip("$") in line
+    with pytest.raises(RecipeError) as raised:
+        preflight.check(environ, gpus, versions)
+    assert str(raised.value) == line
+
+
+def launched(argv: list[str], gpus: int, monkeypatch, capfd) -> str | None:
+    """launch.sh's launcher in this process (--dry_run: nothing starts), with `gpus` visible: its refusal's line
+    without its prefix, or None when it would launch."""
+    from unittest import mock
+
+    monkeypatch.setattr(launcher, "count_gpus", lambda: gpus)
+    capfd.readouterr()
+    with mock.patch.dict(os.environ):  # what it exports for the processes goes with the test
+        try:
+            assert launcher.main([*argv, "--dry_run"]) == 0
+            return None
+        except SystemExit as exit_:
+            assert exit_.code == 2
+    (line,) = [ln for ln in capfd.readouterr().err.splitlines() if "error" in ln]
+    return line.removeprefix("launch.sh: error: ")
+
+
+@pytest.mark.parametrize("per_node, gpus", [(4, 2), (2, 2), (1, 2), (8, 4), (3, 4), (5, 4)])
+def test_the_launcher_and_the_recipe_refuse_the_same_gpu_counts(per_node, gpus, monkeypatch, capfd):
+    """More processes on a node than GPUs: refused by launch.sh before it starts them and by the processes of a plain
+    accelerate launch, in the same line (one rule, common.preflight)."""
+    from common import preflight
+
+    said = launched(["cifar", "--config", "4gpu", "--num_processes", str(per_node)], gpus, monkeypatch, capfd)
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    refusals = preflight.refusals(group(per_node), gpus, versions)
+    assert said == (str(refusals[0]) if refusals else None)
+    assert (said is not None) == (per_node > gpus)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_launcher_and_the_recipe_refuse_the_same_mesh(cp, tmp_path, monkeypatch, capfd):
+    """Context parallelism in a config's mesh: launch.sh refuses it naming the config file, in the line the processes
+    of a plain accelerate launch say."""
+    from common import preflight
+
+    config = tmp_path / "cp.yaml"
+    config.write_text((REPO / "accelerate_configs/hsdp.yaml").read_text().replace("cp_size: 1", f"cp_size: {cp}"))
+    said = launched(["lm_finetune", "--config", str(config), "--num_processes", "8"], 0, monkeypatch, capfd)
+    sizes = {"DP_REPLICATE": "2", "DP_SHARD": str(4 // cp), "TP": "1", "CP": str(cp)}
+    environ = group(8, **MESH, **{f"PARALLELISM_CONFIG_{dim}_SIZE": size for dim, size in sizes.items()})
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    refusals = preflight.refusals(environ, 0, versions)
+    assert said == (f"{config.name}: {refusals[0]}" if refusals else None)
+    assert (said is not None) == (cp > 1)
 
 
 # ---------------------------------------------------------------- the parent-death signal (common.runtime's)

@@ -227,4 +227,7 @@ def test_code_size_counts_what_the_files_hold():
         # each name of common/ the recipe uses is read in full: at least one line a name more than the recipe
         assert counted["newcomer_lines"] >= counted["lines"] + counted["common_names"] > counted["lines"]
     assert 0 < result["common_refusal_lines"] < result["common_code_lines"]
+    assert 0 < result["edge_refusal_lines"] < result["common_refusal_lines"]
+    refused, at_edge, _ = code_size.refusal_lines(REPO / "common" / "preflight.py")  # refusals returned as data
+    assert refused == at_edge > 0
     assert result["wording_pinned"] == len(json.loads((REPO / "tests" / "golden_errors.json").read_text()))

@@ -20,7 +20,7 @@ from accelerate.utils import gather_object  # noqa: E402
 from conftest import load_recipe  # noqa: E402
 
 import common  # noqa: E402
-from common.data import epoch_batches  # noqa: E402
+from common.data import DeviceTensorDataset, epoch_batches  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 segments, current = [], []
@@ -37,10 +37,10 @@ record = {"world_size": accelerator.num_processes, "probes": []}
 for extra in [[], *segments[1:]]:
     args = cifar.parse_args([*segments[0], *extra])
     train_dl, eval_dl, _ = cifar.get_dataloaders(args, accelerator)
-    on_device = isinstance(train_dl.dataset, common.DeviceTensorDataset)
+    on_device = isinstance(train_dl.dataset, DeviceTensorDataset)
     # Label every sample with its index, so a batch's labels say which samples it holds.
     for dataset in (train_dl.dataset, eval_dl.dataset):
-        if isinstance(dataset, common.DeviceTensorDataset):  # --data_on_device: (images, labels) tensors
+        if isinstance(dataset, DeviceTensorDataset):  # --data_on_device: (images, labels) tensors
             dataset.tensors = (dataset.tensors[0], torch.arange(len(dataset), device=dataset.tensors[1].device))
         else:  # an ImageFolder, the training one inside its SeededTransform
             folder = getattr(dataset, "dataset", dataset)

@@ -1,0 +1,66 @@
+"""A LoRA adapter on a causal LM (peft), from the recipes' --lora_* options: the adapter's layers named, checked
+against the model's, and refused in one line where peft would fail in a traceback or train an adapter larger than its
+layers."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import RecipeError
+
+
+def add_lora(model, args):
+    """`model` with a LoRA adapter of rank --lora_r on --lora_target_modules (or all-linear: every linear layer but
+    the output head); with --gradient_checkpointing, the inputs' gradients enabled (the frozen embeddings give none,
+    and checkpointed layers would then have none to recompute from)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'", subject="--lora_r") from err
+    targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    head = model.get_output_embeddings()  # all-linear leaves it out: it is tied to the embeddings in many models
+    linear = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
+        }
+    )
+    try:
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    except ValueError as err:  # no module of those names, or one LoRA cannot wrap
+        found = (
+            "no module of that name"
+            if type(err).__name__ == "NoMatchingPeftModuleError"
+            else "not a layer LoRA can wrap"
+        )
+        raise RecipeError(
+            f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
+            f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
+            "all-linear",
+            subject="--lora_target_modules",
+        ) from err
+    from peft.tuners.lora import LoraLayer
+
+    a, b = min(((m.in_features, m.out_features) for m in model.modules() if isinstance(m, LoraLayer)), key=min)
+    rank = min(a, b)
+    if args.lora_r > rank:  # a rank above the layer's own adds weights and nothing else
+        raise RecipeError(
+            f"--lora_r {args.lora_r} is above the rank of the smallest adapted layer ({a} x {b}), so the adapter "
+            f"would hold more weights than it can use; pass --lora_r {rank} or less (8 to 64 is usual)",
+            subject="--lora_r",
+        )
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return model

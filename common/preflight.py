@@ -1,0 +1,117 @@
+"""The launch and environment refusals, written once: each rule is a pure function of what it reads (the environment
+mapping, the GPUs visible, the installed versions) that returns the refusal, a RecipeError naming its subject (the
+variable as "$RANK", the option, the config's key), or None. make_accelerator runs them all (`check`) before any
+process group forms; launch.sh's launcher (scripts/launcher.py) calls those that apply before it starts anything, so
+both refuse the same inputs with the same line. Imports no torch: the launcher answers in milliseconds."""
+
+from __future__ import annotations
+
+import re
+
+from . import mesh
+from .errors import RecipeError
+
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR")  # every launcher of a group sets them all
+
+
+def flag(environ, name: str) -> bool:
+    """An environment variable as accelerate reads a flag (parse_flag_from_env): 1, true, yes or on."""
+    return environ.get(name, "").lower() in ("1", "true", "yes", "y", "on", "t")
+
+
+def stale_ranks(environ) -> RecipeError | None:
+    """A rank's variables set with no launcher around them (left from another job): torch would fail, or wait for a
+    group that never forms."""
+    ranks = [f"{name}={environ[name]}" for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if name in environ]
+    missing = [name for name in LAUNCHER_VARIABLES if not environ.get(name)]
+    if not (ranks and missing):
+        return None
+    names = [rank.partition("=")[0] for rank in ranks]
+    return RecipeError(
+        f"{' '.join(ranks)} {'is' if len(ranks) == 1 else 'are'} set, but no launcher started this process as one of "
+        f"a group (no {' or '.join(missing)}): left from another job? unset {' and '.join(names)}, and start the "
+        "processes with ./launch.sh or accelerate launch",
+        subject=f"${names[0]}",
+        same_on_every_rank=False,  # RANK is as stale: no process takes itself for rank 0
+    )
+
+
+def known_bad_torch(processes: int, torch_version: str, fsdp_on_cpu: bool) -> RecipeError | None:
+    """A torch that would not fail but hang or train wrong, refused also when pip was told to ignore pyproject's
+    floors. FSDP2 asks gloo for a reduce-scatter with ReduceOp.AVG, which gloo sums without a word before torch 2.9:
+    on CPU every step would take N times the mean gradient (AdamW hides most of it: tests/test_fsdp.py's 2 x 2 run
+    ended 5.5e-4 of the update off in 6 steps). NCCL averages: on GPUs torch 2.8 trains right."""
+    from packaging.version import Version
+
+    release = Version(torch_version).release
+    if processes > 1 and release < (2, 8):
+        return RecipeError(
+            f"torch {torch_version} is installed, and with it a job of several processes hangs at exit in "
+            "destroy_process_group; pip install 'torch>=2.8' (pyproject.toml lists the tested versions)"
+        )
+    if processes > 1 and fsdp_on_cpu and release < (2, 9):
+        return RecipeError(
+            f"torch {torch_version} is installed, and with it FSDP2 on CPU trains on the sum of the processes' "
+            "gradients, not their mean (gloo's reduce-scatter ignores ReduceOp.AVG before torch 2.9); pip install "
+            "'torch>=2.9', or shard with DeepSpeed instead: ./launch.sh --config zero3"
+        )
+    return None
+
+
+def mesh_sizes(environ, processes: int, accelerate_version: str) -> RecipeError | None:
+    """The mesh accelerate launch passed on (an N-D parallelism_config): sizes that are numbers, a mesh these recipes
+    train right, covering the job's processes, on an accelerate it was tested with (accelerate would refuse the rest
+    only after the group formed, or fail)."""
+    try:
+        sizes = mesh.from_environment(environ)
+    except ValueError as err:  # a size that is not a number: accelerate's own int() would be a traceback
+        return RecipeError(str(err), subject=re.search(r"parallelism_config_\w+_size", str(err))[0])
+    if not sizes:
+        return None
+    if refusal := unbuilt_mesh(sizes):
+        return refusal
+    if problem := mesh.mismatch(sizes, processes):
+        return RecipeError(problem, subject=re.search(r"pass (--\S+)", problem)[1])  # the option its fix changes first
+    if problem := mesh.untested_accelerate(sizes, accelerate_version):
+        return RecipeError(problem)
+    return None
+
+
+def unbuilt_mesh(sizes: dict) -> RecipeError | None:
+    """A mesh these recipes do not train right (mesh.not_built: context parallelism)."""
+    problem = mesh.not_built(sizes)
+    return RecipeError(problem, subject="parallelism_config_cp_size") if problem else None
+
+
+def more_processes_than_gpus(processes: int, gpus: int, on_cpu: bool) -> RecipeError | None:
+    """More processes on this node than GPUs visible, where they are to run on GPUs: else each process past the last
+    GPU fails with 'invalid device ordinal', or a GPU config on a host without GPUs starts nothing useful."""
+    if on_cpu or processes <= gpus:
+        return None
+    fix = f"pass --num_processes {gpus} or a config for {gpus} GPU(s), or check CUDA_VISIBLE_DEVICES" if gpus else (
+        "use --config cpu"
+    )  # fmt: skip
+    return RecipeError(
+        f"{processes} processes requested on this node but only {gpus} GPU(s) are visible", fix,
+        subject="--num_processes",
+    )  # fmt: skip
+
+
+def refusals(environ, gpus: int, versions: dict) -> list[RecipeError]:
+    """Every refusal of a process about to join a job, as the launcher started it (`environ`), with `gpus` visible
+    and `versions` ({"torch": ..., "accelerate": ...}) installed; in the order they are said."""
+    processes = int(environ.get("WORLD_SIZE", "1"))
+    on_cpu = flag(environ, "ACCELERATE_USE_CPU") or gpus == 0  # the config's use_cpu, as accelerate launch passes it
+    found = [
+        known_bad_torch(processes, versions["torch"], flag(environ, "ACCELERATE_USE_FSDP") and gpus == 0),
+        stale_ranks(environ),
+        mesh_sizes(environ, processes, versions["accelerate"]),
+        more_processes_than_gpus(int(environ.get("LOCAL_WORLD_SIZE", "1")), gpus, on_cpu),
+    ]
+    return [refusal for refusal in found if refusal is not None]
+
+
+def check(environ, gpus: int, versions: dict) -> None:
+    """Raise the first of `refusals`."""
+    if found := refusals(environ, gpus, versions):
+        raise found[0]
