@@ -493,3 +493,28 @@ def pytest_collection_modifyitems(items):
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 0), -slow[item.path]))  # stable within a file
+
+
+def launcher_says(launcher, argv, env: dict, capfd) -> tuple:
+    """launch.sh's launcher (a module of scripts/launcher.py) deciding `argv` in the environment `env`, in this
+    process, as launch.sh starts it: (exit code, stdout, stderr). For refusals and --dry_run plans, which start
+    nothing: what would start the processes fails the test instead. This process's environment is as it was after."""
+
+    def started(cmd):
+        raise AssertionError(f"launch.sh would start {cmd}")
+
+    saved, real = dict(os.environ), launcher.run
+    capfd.readouterr()
+    os.environ.clear()
+    os.environ.update({k: str(v) for k, v in env.items()})
+    launcher.run = started
+    try:
+        code = launcher.main([str(a) for a in argv])
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        launcher.run = real
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capfd.readouterr()
+    return code, out, err
