@@ -791,34 +791,74 @@ def apply(argv, bad):
     return argv
 
 
+# Cases whose mistakes do not meet (each its own option), made in one command: one run, which trains once every fix
+# is followed, serves them all; each refused in turn in one line, its fix followed literally. The others alone.
+CHAINED = [
+    [
+        "unknown argument",
+        "a number out of range or not a number",
+        "training that would be empty",
+        "`--checkpointing_steps 0`",
+        "a schedule the recipe cannot drive",
+        "an attention implementation that is unknown or not installed",
+        "a LoRA rank above the rank of a layer it adapts",
+    ],
+    ["a batch larger than the dataset", "LoRA target modules the model does not have"],
+    ["more accumulation steps than batches", "an option that would do nothing with the others given"],
+    ["arguments that contradict each other", "images too small for the model"],
+]
+COMMANDS = CHAINED + [[c.row] for c in CASES if not any(c.row in rows for rows in CHAINED)]
+
+
+def test_every_case_is_in_one_command():
+    rows = [row for rows in COMMANDS for row in rows]
+    assert sorted(rows) == sorted(c.row for c in CASES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.row[:50])
+@pytest.mark.parametrize("rows", COMMANDS, ids=lambda rows: " + ".join(row[: 50 // len(rows)] for row in rows))
 def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(
-    case, digits, tiny_lm, tmp_path, two_step_run
+    rows, digits, tiny_lm, tmp_path, two_step_run
 ):
+    """The command with its cases' mistakes: refused in one line naming one case's fix, nothing it was given changed;
+    that fix followed, the next refusal is another case's, until the run trains its steps; each case met once."""
     ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm, two_steps=two_step_run)
+    cases = [c for row in rows for c in CASES if c.row == row]
+    runs = []
     try:
-        if case.before:
-            case.before(ctx)
-        argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
-        recipe = [*case.prefix(ctx), BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
-        refused = run(recipe + argv, env=env, check=False)
-        assert refused.returncode == 2, refused.stderr[-3000:]
-        (line,) = error_lines(refused.stderr)
-        assert snapshot(tmp_path) == held, "the refused run changed what it was given"
-        match = re.search(case.fix, line)
-        assert match, f"the line does not say the fix {case.fix!r}: {line}"
-        fixed = case.follow(match, argv, ctx)
-        proc = run(recipe + fixed, env=env, check=False)
-        assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
-        assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
+        for case in cases:
+            if case.before:
+                case.before(ctx)
+        argv = command(cases[0], ctx)
+        for case in cases[1:]:
+            argv = apply(argv, [a if a is None else a.format_map(ctx.paths) for a in case.bad])
+        env = user_env(**{k: v for case in cases for k, v in case.env(ctx).items()})
+        recipe = [*cases[0].prefix(ctx), BIN / "python", REPO / "recipes" / f"{cases[0].recipe}.py"]
+        left, said = list(cases), []
+        while left:
+            held = snapshot(tmp_path)
+            refused = run(recipe + argv, env=env, check=False)
+            runs.append(refused)
+            assert refused.returncode == 2, refused.stderr[-3000:]
+            (line,) = error_lines(refused.stderr)
+            assert snapshot(tmp_path) == held, "the refused run changed what it was given"
+            met = [(c, m) for c in left if (m := re.search(c.fix, line))]
+            assert len(met) == 1, f"the line says none of the fixes {[c.fix for c in left]}, or several: {line}"
+            ((case, match),) = met
+            left.remove(case)
+            said.append(line)
+            argv = case.follow(match, argv, ctx)
+        proc = run(recipe + argv, env=env, check=False)
+        runs.append(proc)
+        assert proc.returncode == 0, f"{said}\nfollowed: {argv}\n{proc.stderr[-3000:]}"
+        assert results(given(argv, "--output_dir"))["steps"] == int(given(argv, "--max_train_steps"))
     finally:
         if ctx.holder and ctx.holder.poll() is None:
             os.killpg(ctx.holder.pid, signal.SIGKILL)
             ctx.holder.wait()
-    if case.secret:  # in neither run's output, nor in any file of the case's folder
-        assert all(case.secret not in p.stdout + p.stderr for p in (refused, proc))
-        assert not [p for p in tmp_path.rglob("*") if p.is_file() and case.secret.encode() in p.read_bytes()]
+    for secret in [case.secret for case in cases if case.secret]:  # in no run's output, nor in any file of the folder
+        assert all(secret not in p.stdout + p.stderr for p in runs)
+        assert not [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
 # launch.sh's cases made in one command where they do not meet (each its own option, or its own key of the config),
