@@ -473,14 +473,11 @@ def sbatch_line(line):
     return dict(w[2:].split("=", 1) for w in words[1:at]), words[at], words[at + 1 :]
 
 
-# Seconds each file's tests took in a full run on 2 cores (2026-11-30, junit times, under some load; test_zero,
-# test_fixes and test_launch_sh less the runs they no longer make, timed one against the other on this machine;
-# test_zero, test_fsdp, test_tp, test_hsdp, test_readme, test_multinode and test_doctor timed alone under a load of
-# about 12, divided by 2.5, what test_selftest's unchanged runs took more so): the order files start in, longest
-# first. Only the order: a file missing here comes after them, by its number of slow tests.
+# Seconds each file's tests took in a full run on 2 cores (junit times): the order files start in, longest first.
+# Only the order: a file missing here comes after them, by its number of slow tests.
 FILE_SECONDS = {
-    "test_cifar.py": 520, "test_zero.py": 350, "test_fixes.py": 375, "test_fsdp.py": 380, "test_selftest.py": 350,
-    "test_rules.py": 340, "test_hang.py": 300, "test_lm_finetune.py": 270, "test_launch_sh.py": 195,
+    "test_cifar.py": 520, "test_zero.py": 350, "test_fixes.py": 300, "test_fsdp.py": 380, "test_selftest.py": 350,
+    "test_rules.py": 270, "test_hang.py": 300, "test_lm_finetune.py": 270, "test_launch_sh.py": 75,
     "test_fault.py": 185, "test_benchmarks.py": 165, "test_hsdp.py": 165, "test_prepared.py": 155,
     "test_readme.py": 160, "test_tp.py": 120, "test_compile.py": 95, "test_multinode.py": 95,
     "test_streaming.py": 80, "test_inputs.py": 50, "test_doctor.py": 40, "test_refusals.py": 30,
@@ -494,3 +491,28 @@ def pytest_collection_modifyitems(items):
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 0), -slow[item.path]))  # stable within a file
+
+
+def launcher_says(launcher, argv, env: dict, capfd) -> tuple:
+    """launch.sh's launcher (a module of scripts/launcher.py) deciding `argv` in the environment `env`, in this
+    process, as launch.sh starts it: (exit code, stdout, stderr). For refusals and --dry_run plans, which start
+    nothing: what would start the processes fails the test instead. This process's environment is as it was after."""
+
+    def started(cmd):
+        raise AssertionError(f"launch.sh would start {cmd}")
+
+    saved, real = dict(os.environ), launcher.run
+    capfd.readouterr()
+    os.environ.clear()
+    os.environ.update({k: str(v) for k, v in env.items()})
+    launcher.run = started
+    try:
+        code = launcher.main([str(a) for a in argv])
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        launcher.run = real
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capfd.readouterr()
+    return code, out, err

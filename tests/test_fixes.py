@@ -647,13 +647,17 @@ CASES = [
 
 
 def a_config(**values):
-    """A config file of the user's, {config}: one CPU process, with `values`."""
+    """A config file of the user's, {config}: one CPU process, with `values` (beside those another case of the same
+    command put there)."""
 
     def before(ctx):
+        path = ctx.tmp / "my_config.yaml"
         lines = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "num_processes": 1}
+        if path.exists():
+            lines |= dict(line.split(": ", 1) for line in path.read_text().splitlines())
         lines |= {"use_cpu": "true", **values}
-        (ctx.tmp / "my_config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in lines.items()))
-        ctx.paths["config"] = str(ctx.tmp / "my_config.yaml")
+        path.write_text("".join(f"{k}: {v}\n" for k, v in lines.items()))
+        ctx.paths["config"] = str(path)
 
     return before
 
@@ -726,7 +730,8 @@ LAUNCH_CASES = [
         "a config's value that accelerate launch",
         "lm_finetune",
         ["--config", "{config}", "--num_processes", None],
-        r"Unknown (mixed_precision) mode: fp32. Choose between \['(\w+)'.*; correct the config",
+        r"^launch\.sh: error: \S+my_config\.yaml: accelerate launch refuses it: Unknown (mixed_precision) mode: "
+        r"fp32\. Choose between \['(\w+)'.*; correct the config",
         lambda m, argv, ctx: config_set(m[1], m[2])(m, argv, ctx),
         before=a_config(mixed_precision="fp32"),
     ),
@@ -764,16 +769,18 @@ def test_every_row_of_the_table_is_followed_here_or_says_where():
     assert all(any(row.startswith(key) for row in TABLE) for key in NOT_FOLLOWED_HERE), "a key names no row"
 
 
-def command(case, ctx, launcher=()):
+def command(case, ctx):
     """The base command (the data, the output folder, one step) with the case's options."""
-    if launcher:
-        argv = ["--num_processes", "1", *lm_args(ctx.lm, ctx.out, "--max_train_steps", "1")]
-    elif case.recipe == "cifar":
+    if case.recipe == "cifar":
         argv = digits_args(ctx.digits, ctx.out, "--max_train_steps", "1", "--per_device_train_batch_size", "16")
         argv += ["--hflip", "0"]
     else:
         argv = lm_args(ctx.lm, ctx.out, "--max_train_steps", "1")
-    argv, bad = [str(a) for a in argv], [a if a is None else a.format_map(ctx.paths) for a in case.bad]
+    return apply([str(a) for a in argv], [a if a is None else a.format_map(ctx.paths) for a in case.bad])
+
+
+def apply(argv, bad):
+    """`argv` with a case's options: a value replaces the one given, None drops the option, a flag is added."""
     i = 0
     while i < len(bad):
         option, value = bad[i], bad[i + 1] if i + 1 < len(bad) else "--"
@@ -784,52 +791,116 @@ def command(case, ctx, launcher=()):
     return argv
 
 
+# Cases whose mistakes do not meet (each its own option), made in one command: one run, which trains once every fix
+# is followed, serves them all; each refused in turn in one line, its fix followed literally. The others alone.
+CHAINED = [
+    [
+        "unknown argument",
+        "a number out of range or not a number",
+        "training that would be empty",
+        "`--checkpointing_steps 0`",
+        "a schedule the recipe cannot drive",
+        "an attention implementation that is unknown or not installed",
+        "a LoRA rank above the rank of a layer it adapts",
+    ],
+    ["a batch larger than the dataset", "LoRA target modules the model does not have"],
+    ["more accumulation steps than batches", "an option that would do nothing with the others given"],
+    ["arguments that contradict each other", "images too small for the model"],
+]
+COMMANDS = CHAINED + [[c.row] for c in CASES if not any(c.row in rows for rows in CHAINED)]
+
+
+def test_every_case_is_in_one_command():
+    rows = [row for rows in COMMANDS for row in rows]
+    assert sorted(rows) == sorted(c.row for c in CASES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.row[:50])
+@pytest.mark.parametrize("rows", COMMANDS, ids=lambda rows: " + ".join(row[: 50 // len(rows)] for row in rows))
 def test_the_fix_the_error_line_names_followed_literally_lets_the_run_start(
-    case, digits, tiny_lm, tmp_path, two_step_run
+    rows, digits, tiny_lm, tmp_path, two_step_run
 ):
+    """The command with its cases' mistakes: refused in one line naming one case's fix, nothing it was given changed;
+    that fix followed, the next refusal is another case's, until the run trains its steps; each case met once."""
     ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=digits, lm=tiny_lm, two_steps=two_step_run)
+    cases = [c for row in rows for c in CASES if c.row == row]
+    runs = []
     try:
-        if case.before:
-            case.before(ctx)
-        argv, held, env = command(case, ctx), snapshot(tmp_path), user_env(**case.env(ctx))
-        recipe = [*case.prefix(ctx), BIN / "python", REPO / "recipes" / f"{case.recipe}.py"]
-        refused = run(recipe + argv, env=env, check=False)
-        assert refused.returncode == 2, refused.stderr[-3000:]
-        (line,) = error_lines(refused.stderr)
-        assert snapshot(tmp_path) == held, "the refused run changed what it was given"
-        match = re.search(case.fix, line)
-        assert match, f"the line does not say the fix {case.fix!r}: {line}"
-        fixed = case.follow(match, argv, ctx)
-        proc = run(recipe + fixed, env=env, check=False)
-        assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
-        assert results(given(fixed, "--output_dir"))["steps"] == int(given(fixed, "--max_train_steps"))
+        for case in cases:
+            if case.before:
+                case.before(ctx)
+        argv = command(cases[0], ctx)
+        for case in cases[1:]:
+            argv = apply(argv, [a if a is None else a.format_map(ctx.paths) for a in case.bad])
+        env = user_env(**{k: v for case in cases for k, v in case.env(ctx).items()})
+        recipe = [*cases[0].prefix(ctx), BIN / "python", REPO / "recipes" / f"{cases[0].recipe}.py"]
+        left, said = list(cases), []
+        while left:
+            held = snapshot(tmp_path)
+            refused = run(recipe + argv, env=env, check=False)
+            runs.append(refused)
+            assert refused.returncode == 2, refused.stderr[-3000:]
+            (line,) = error_lines(refused.stderr)
+            assert snapshot(tmp_path) == held, "the refused run changed what it was given"
+            met = [(c, m) for c in left if (m := re.search(c.fix, line))]
+            assert len(met) == 1, f"the line says none of the fixes {[c.fix for c in left]}, or several: {line}"
+            ((case, match),) = met
+            left.remove(case)
+            said.append(line)
+            argv = case.follow(match, argv, ctx)
+        proc = run(recipe + argv, env=env, check=False)
+        runs.append(proc)
+        assert proc.returncode == 0, f"{said}\nfollowed: {argv}\n{proc.stderr[-3000:]}"
+        assert results(given(argv, "--output_dir"))["steps"] == int(given(argv, "--max_train_steps"))
     finally:
         if ctx.holder and ctx.holder.poll() is None:
             os.killpg(ctx.holder.pid, signal.SIGKILL)
             ctx.holder.wait()
-    if case.secret:  # in neither run's output, nor in any file of the case's folder
-        assert all(case.secret not in p.stdout + p.stderr for p in (refused, proc))
-        assert not [p for p in tmp_path.rglob("*") if p.is_file() and case.secret.encode() in p.read_bytes()]
+    for secret in [case.secret for case in cases if case.secret]:  # in no run's output, nor in any file of the folder
+        assert all(secret not in p.stdout + p.stderr for p in runs)
+        assert not [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+# launch.sh's cases made in one command where they do not meet (each its own option, or its own key of the config),
+# so that one run, which trains once every fix is followed, serves them all: each refused in turn, in one line.
+LAUNCH_COMMANDS = [
+    ["a DeepSpeed config where DeepSpeed is not installed", "a bad `launch.sh` option"],
+    ["a malformed accelerate config", "a config's value that accelerate launch"],
+    ["unknown config"],
+]
+
+
+def test_every_launch_case_is_in_one_command():
+    rows = [row for rows in LAUNCH_COMMANDS for row in rows]
+    assert sorted(rows) == sorted(c.row for c in LAUNCH_CASES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", LAUNCH_CASES, ids=lambda c: c.row[:50])
-def test_launch_sh_s_fixes_followed_literally_let_the_run_start(case, tiny_lm, tmp_path):
+@pytest.mark.parametrize("rows", LAUNCH_COMMANDS, ids=lambda rows: " + ".join(row[:24] for row in rows))
+def test_launch_sh_s_fixes_followed_literally_let_the_run_start(rows, tiny_lm, tmp_path):
+    """The command with every case's mistake: refused in one line naming one case's fix, which followed, the next
+    refusal is another case's, until the run starts; each case met once."""
     ctx = Context(out=tmp_path / "out", tmp=tmp_path, digits=None, lm=tiny_lm)
-    if case.before:
-        case.before(ctx)
-    argv, launch = command(case, ctx, launcher=True), [REPO / "launch.sh", case.recipe]
-    env = user_env(**case.env(ctx))
+    cases = [c for row in rows for c in LAUNCH_CASES if c.row == row]
+    argv, env = [str(a) for a in ["--num_processes", "1", *lm_args(ctx.lm, ctx.out, "--max_train_steps", "1")]], {}
+    for case in cases:
+        if case.before:
+            case.before(ctx)
+        argv = apply(argv, [a if a is None else a.format_map(ctx.paths) for a in case.bad])
+        env |= case.env(ctx)
+    launch, env, left, said = [REPO / "launch.sh", cases[0].recipe], user_env(**env), list(cases), []
+    while left:
+        proc = run(launch + argv, env=env, check=False)
+        assert proc.returncode == 2 and not ctx.out.exists(), proc.stderr[-3000:]
+        (line,) = [line for line in proc.stderr.splitlines() if "error:" in line]
+        met = [(c, m) for c in left if (m := re.search(c.fix, line))]
+        assert len(met) == 1, f"the line says none of the fixes {[c.fix for c in left]}, or several: {line}"
+        (case, match) = met[0]
+        left.remove(case)
+        said.append(line)
+        argv = case.follow(match, argv, ctx)
     proc = run(launch + argv, env=env, check=False)
-    assert proc.returncode == 2 and not ctx.out.exists(), proc.stderr[-3000:]
-    (line,) = [line for line in proc.stderr.splitlines() if "error:" in line]
-    match = re.search(case.fix, line)
-    assert match, f"the line does not say the fix {case.fix!r}: {line}"
-    fixed = case.follow(match, argv, ctx)
-    proc = run(launch + fixed, env=env, check=False)
-    assert proc.returncode == 0, f"{line}\nfollowed: {fixed}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{said}\nfollowed: {argv}\n{proc.stderr[-3000:]}"
     assert results(ctx.out)["steps"] == 1
 
 
@@ -958,7 +1029,11 @@ def test_a_deepspeed_launchs_fixes_followed_train_and_its_checkpoint_under_ddp_i
         for a in lm_args(tiny_lm, ddp, "--max_train_steps", "2", "--resume_from_checkpoint", zero / "checkpoint-1")
     ]
     m = refused(
-        [*launch, *argv], env, r"use (distributed_type): (MULTI_GPU) with (use_cpu): (true) in the config", tmp_path
+        [*launch, *argv],
+        env,
+        r"launch\.sh asked accelerate launch for 2 processes and it started 1; for CPU processes use "
+        r"(distributed_type): (MULTI_GPU) with (use_cpu): (true) in the config",
+        tmp_path,
     )
     set_in_yaml(config, m[1], m[2])
     set_in_yaml(config, m[3], m[4])

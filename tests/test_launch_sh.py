@@ -3,15 +3,19 @@ the way the real one does), overrides, and every check of its own input; then re
 recipe's error is its one line and exit code, killing the launcher outright leaves nothing
 training, Ctrl-C before and during training, ZeRO on CPU."""
 
+import importlib.util
+import json
 import os
 import re
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 
+import launcher
 import psutil
 import pytest
 from conftest import (
@@ -21,6 +25,7 @@ from conftest import (
     digits_args,
     error_lines,
     free_port,
+    launcher_says,
     lm_args,
     preempted_at,
     results,
@@ -49,10 +54,19 @@ def gpus(tmp_path):
     return make
 
 
-def dry_run(env, *args):
-    proc = run([LAUNCH, "cifar", "--dry_run", *args], env=env)
-    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("+ ")]
-    return line
+@pytest.fixture
+def dry_run(capfd, monkeypatch):
+    """dry_run(env, *args) -> the command `./launch.sh cifar --dry_run args` prints in `env`: its launcher's decision,
+    made in this process, from the repository's folder as the runs here start it (launch.sh itself runs below)."""
+    monkeypatch.chdir(REPO)
+
+    def decide(env, *args):
+        code, _, err = launcher_says(launcher, ["cifar", "--dry_run", *args], env, capfd)
+        assert code == 0, err
+        (line,) = [ln for ln in err.splitlines() if ln.startswith("+ ")]
+        return line
+
+    return decide
 
 
 @pytest.mark.slow
@@ -94,23 +108,23 @@ def test_help():
         (3, "2gpu.yaml", "--num_processes 3"),
     ],
 )
-def test_config_follows_the_gpus_present(gpus, n, config, extra):
+def test_config_follows_the_gpus_present(gpus, n, config, extra, dry_run):
     line = dry_run(gpus(n), "--learning_rate", "0.2")
     assert f"accelerate_configs/{config}" in line and "ACCELERATE_USE_CPU" not in line
     assert extra in line and line.rstrip().endswith("recipes/cifar.py --learning_rate 0.2")
 
 
-def test_cuda_visible_devices_narrows_the_count(gpus):
+def test_cuda_visible_devices_narrows_the_count(gpus, dry_run):
     assert "accelerate_configs/2gpu.yaml" in dry_run(gpus(8, CUDA_VISIBLE_DEVICES="3,5"))
 
 
-def test_no_gpu_runs_cpu_processes_in_one_group(gpus):
+def test_no_gpu_runs_cpu_processes_in_one_group(gpus, dry_run):
     line = dry_run(gpus(0), "--num_processes", "3")
     assert line.startswith("+ ACCELERATE_USE_CPU=true ") and "accelerate_configs/cpu.yaml --num_processes 3" in line
     assert " --cpu " not in line
 
 
-def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
+def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus, dry_run):
     """--cpu: no DistributedDataParallel of one process (benchmarks/README.md); --max_restarts
     needs torchrun's agent, which forms the group."""
     line = dry_run(gpus(0), "--num_processes", "1")
@@ -118,7 +132,7 @@ def test_one_cpu_process_forms_no_group_unless_it_may_restart(gpus):
     assert " --cpu " not in dry_run(gpus(0), "--num_processes", "1", "--max_restarts", "2")
 
 
-def test_restarts_get_a_store_each_at_the_jobs_port(gpus):
+def test_restarts_get_a_store_each_at_the_jobs_port(gpus, dry_run):
     """--max_restarts: c10d rendezvous at MASTER_PORT, and a store of its own for each attempt (see launcher.py)."""
     env = gpus(2)
     line = dry_run(env, "--max_restarts", "2")
@@ -126,7 +140,7 @@ def test_restarts_get_a_store_each_at_the_jobs_port(gpus):
     assert line.endswith(" --rdzv_backend c10d --rdzv_conf is_host=1 --max_restarts 2 " + f"{REPO}/recipes/cifar.py")
 
 
-def test_a_config_by_its_path_and_launch_sh_by_a_link(gpus, tmp_path):
+def test_a_config_by_its_path_and_launch_sh_by_a_link(gpus, tmp_path, dry_run):
     """--config takes the path of a YAML file, the repo's or one of yours; launch.sh reached through a link to it
     finds its scripts; its stdout closed (>&-), it still ends with the recipe's code."""
     mine = tmp_path / "my.yaml"
@@ -152,7 +166,7 @@ def test_a_config_by_its_path_and_launch_sh_by_a_link(gpus, tmp_path):
     ), proc.stderr
 
 
-def test_overrides_and_master_port(gpus):
+def test_overrides_and_master_port(gpus, dry_run):
     line = dry_run(gpus(8, MASTER_PORT="29777"), "--config", "4gpu", "--num_processes", "2")
     assert "accelerate_configs/4gpu.yaml --num_processes 2 --main_process_port 29777" in line
     # Without MASTER_PORT a free port of the OS's, one for each launch: accelerate's own check of 29500 races with
@@ -166,6 +180,11 @@ def test_overrides_and_master_port(gpus):
     assert proc.stderr.rstrip().endswith(f" {REPO}/recipes/cifar.py")
 
 
+def said(decided):
+    """launcher_says's (exit code, stdout, stderr) as the finished process one_error reads."""
+    return subprocess.CompletedProcess([], decided[0], decided[1], decided[2])
+
+
 def one_error(proc, text):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
@@ -173,16 +192,16 @@ def one_error(proc, text):
     return lines[0]
 
 
-def test_more_processes_than_gpus_is_refused(gpus):
+def test_more_processes_than_gpus_is_refused(gpus, capfd):
     line = one_error(
-        run([LAUNCH, "cifar", "--num_processes", "4"], env=gpus(2), check=False),
+        said(launcher_says(launcher, ["cifar", "--num_processes", "4"], gpus(2), capfd)),
         "4 processes requested on this node but only 2 GPU(s) are visible",
     )
     assert "--num_processes 2" in line
 
 
-def test_gpu_config_on_a_cpu_host_is_refused(gpus):
-    one_error(run([LAUNCH, "cifar", "--config", "4gpu"], env=gpus(0), check=False), "use --config cpu")
+def test_gpu_config_on_a_cpu_host_is_refused(gpus, capfd):
+    one_error(said(launcher_says(launcher, ["cifar", "--config", "4gpu"], gpus(0), capfd)), "use --config cpu")
 
 
 def test_unknown_config_and_recipe():
@@ -306,14 +325,30 @@ INVALID = [
 ]
 
 
-def test_every_bad_input_of_launch_sh_is_one_error_line(tree, gpus):
+@pytest.fixture(scope="module")
+def tree_launcher(tree):
+    """The tree's scripts/launcher.py, launch.sh's launcher, imported in this process as a module of its own (its
+    folder, and so its configs, the tree's): its refusals read where they are made, without a process for each."""
+    path = list(sys.path)
+    spec = importlib.util.spec_from_file_location("tree_launcher", tree / "scripts" / "launcher.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path  # it puts its folder first: this process keeps importing this repository's modules
+    return module
+
+
+def test_every_bad_input_of_launch_sh_is_one_error_line(tree, tree_launcher, gpus, capfd):
     """Checked before anything starts, in --dry_run too (a key accelerate does not read: by accelerate launch, before
-    it starts a process, below the command): one `launch.sh: error:` line, exit 2."""
+    it starts a process, below the command): one `launch.sh: error:` line, exit 2. The launcher's main() with the
+    arguments and environment launch.sh hands it, in this process (launch.sh relays its line and exit code: the
+    tests above, through launch.sh)."""
     for args, env, message in INVALID:
         for dry in ([], ["--dry_run"]):
-            proc = run([tree / "launch.sh", *args, *dry], env=gpus(0, **env), check=False, timeout=60)
-            assert (proc.returncode, proc.stdout) == (2, ""), (args, env, proc.stderr[-2000:])
-            (line,) = proc.stderr.splitlines()
+            code, out, err = launcher_says(tree_launcher, [*args, *dry], gpus(0, **env), capfd)
+            assert (code, out) == (2, ""), (args, env, err[-2000:])
+            (line,) = err.splitlines()
             assert line.startswith("launch.sh: error: ") and message in line, (args, env, line)
     proc = run([tree / "launch.sh", "cifar", "--config", "typo"], env=gpus(0), check=False, timeout=60)
     command, line = proc.stderr.splitlines()  # the command it was to run, and why it did not
@@ -336,17 +371,13 @@ def test_a_node_of_a_multi_node_config_whose_head_never_comes_gives_up_in_rdzv_t
 
 
 @pytest.mark.slow
-def test_a_config_accelerate_starts_as_fewer_processes_is_refused(tree, gpus, tiny_lm, tmp_path):
+def test_a_config_accelerate_starts_as_fewer_processes_is_refused_by_hand_too(tree, tiny_lm, tmp_path):
     """accelerate config's answer for CPU processes (distributed_type MULTI_CPU) makes accelerate launch start one
-    process where the config asks for 2: it trained alone, exit 0. Now the process knows what launch.sh asked for."""
+    process where the config asks for 2: it trained alone, exit 0. Through launch.sh the process knows what launch.sh
+    asked for (refused, and its fix followed to a run: tests/test_fixes.py, the DeepSpeed launch's test); by hand (or
+    as accelerate's default config) the process reads what the config asked for."""
     out = tmp_path / "run"
     args = lm_args(tiny_lm, out, "--max_train_steps", "2")
-    proc = run([tree / "launch.sh", "lm_finetune", "--config", "mcpu", *args], env=gpus(0), check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    (line,) = error_lines(proc.stderr)
-    assert "for 2 processes and it started 1;" in line and "use_cpu: true in the config" in line
-    assert not out.exists()
-    # the same config by hand (or as accelerate's default config): the process reads what the config asked for
     cmd = [
         BIN / "accelerate",
         "launch",
@@ -368,21 +399,18 @@ def test_a_config_accelerate_starts_as_fewer_processes_is_refused(tree, gpus, ti
 
 @pytest.mark.slow
 def test_a_refusal_of_a_cpu_launch_names_the_fix_this_environment_still_lacks(tiny_lm, tmp_path):
-    """With ACCELERATE_USE_CPU=true already exported: `accelerate launch --num_processes 2` starting one process is
-    told to add --multi_gpu (not to export it again), and a ZeRO config, which Accelerate drops under the variable,
-    is told to unset it (DeepSpeed runs on CPU without it)."""
+    """With ACCELERATE_USE_CPU=true already exported, a ZeRO config, which Accelerate drops under the variable, is
+    told to unset it (DeepSpeed runs on CPU without it). (`accelerate launch --num_processes 2` starting one process
+    is told to add --multi_gpu whatever the environment, a check that reads none: tests/test_fixes.py follows it.)"""
     out = tmp_path / "run"
     env = cpu_env(ACCELERATE_USE_CPU="true")
     lm, args = REPO / "recipes/lm_finetune.py", lm_args(tiny_lm, out, "--max_train_steps", "2")
     zero3 = ["--config_file", REPO / "accelerate_configs/zero3.yaml", "--mixed_precision", "no"]
-    for launch, said in (
-        (["--num_processes", "2"], "on a host without GPUs pass --multi_gpu with ACCELERATE_USE_CPU=true exported"),
-        ([*zero3, "--num_processes", "2"], "the accelerate config asks for DEEPSPEED, which Accelerate leaves out"),
-    ):
-        proc = run([BIN / "accelerate", "launch", *launch, lm, *args], env=env, check=False)
-        lines = error_lines(proc.stderr)
-        assert proc.returncode != 0 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
-        assert not out.exists()
+    proc = run([BIN / "accelerate", "launch", *zero3, "--num_processes", "2", lm, *args], env=env, check=False)
+    lines = error_lines(proc.stderr)
+    said = "the accelerate config asks for DEEPSPEED, which Accelerate leaves out"
+    assert proc.returncode != 0 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
+    assert not out.exists()
 
 
 TOKEN, PASSWORD = "hf_" + "Qw3rty" * 5, "pa55w0rd-in-a-url"
@@ -492,9 +520,11 @@ def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_p
     """SIGKILL, which no process can catch, of launch.sh's process group (as `kill -9 -- -PGID`
     does; the launcher has a group of its own) or of the launcher alone: Linux's parent-death
     signal reaches the launcher, or the training processes, as SIGTERM, and they stop as on any
-    stop signal: at a step, with a complete checkpoint. Nothing keeps training."""
-    out = tmp_path / "run"
-    proc, _, err = start(["lm_finetune", "--num_processes", nproc, *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
+    stop signal: at a step, with a complete checkpoint. Nothing keeps training.
+    WORLD_SIZE and RANK left in the shell by another job: the processes train as the `nproc` launch.sh started (a
+    group's launcher sets them; launch.sh drops stale ones), their checkpoint says how many."""
+    out, env = tmp_path / "run", cpu_env(WORLD_SIZE="4", RANK="2")
+    proc, _, err = start(["lm_finetune", "--num_processes", nproc, *lm_args(tiny_lm, out, *LONG_RUN)], env)
     try:
         training(proc, out)
         ours = processes_of(out)
@@ -511,7 +541,7 @@ def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_p
         proc.wait()
     text = read(err)
     assert preempted_at(text) is not None, text[-3000:]
-    newest_checkpoint(out)
+    assert json.loads((newest_checkpoint(out) / "trainer_state.json").read_text())["world_size"] == nproc
     assert not (out / "results.json").exists()
 
 
@@ -558,22 +588,6 @@ def test_ctrl_c_before_training_is_one_line_saying_nothing_was_saved(tiny_lm, tm
     else:
         assert code == 75 and lines[-1].startswith("preempted: stopped by Ctrl-C after step "), text[-3000:]
         newest_checkpoint(out)
-
-
-@pytest.mark.slow
-def test_a_stop_that_comes_as_the_run_ends_reports_the_finished_run(tiny_lm, tmp_path):
-    """SIGTERM after the recipe wrote its results, while its processes exit: the run is complete, and
-    launch.sh says so with exit 0, not that it stopped without a checkpoint."""
-    out = tmp_path / "run"
-    written = lambda _: (out / "results.json").exists()  # noqa: E731
-    args = lm_args(tiny_lm, out, "--max_train_steps", "2")  # the end of a run, not its length (3 epochs: 225 steps)
-    code, text = stop_when(["lm_finetune", *args], out, written, signal.SIGTERM)
-    assert code == 0, text[-3000:]
-    assert results(out)["steps"] > 0
-    if "SIGTERM came" in text:  # the processes were still exiting when it arrived
-        assert text.rstrip().splitlines()[-1] == (
-            "launch.sh: the run had finished when SIGTERM came; its model and results.json are complete (exit 0)"
-        )
 
 
 @pytest.mark.floor
@@ -625,7 +639,9 @@ def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, t
     write there, before they record stop signals, and end at once on the SIGTERM passed on to them.
     None leaves a file of that check behind. The signal may also come later, once they record it:
     then they stop at a checkpoint. Either way the last line says which, the folder holds just that,
-    and the same command with --resume_from_checkpoint latest finishes the run."""
+    and the same command with --resume_from_checkpoint latest finishes the run. SIGTERM to that run after it wrote
+    its results, while its processes exit: the run is complete, and launch.sh says so with exit 0, not that it stopped
+    without a checkpoint."""
     out = tmp_path / "run"
     args = [
         "lm_finetune",
@@ -643,8 +659,14 @@ def test_ctrl_c_as_the_run_claims_its_folder_leaves_nothing_half_done(tiny_lm, t
         assert code == 75 and last.startswith("preempted: stopped by Ctrl-C after step "), text[-3000:]
         newest_checkpoint(out)
         assert {p.name for p in out.iterdir() if not p.name.startswith("checkpoint-")} <= {".run.lock"}
-    run([LAUNCH, *args, "--resume_from_checkpoint", "latest"], env=cpu_env())
+    written = lambda _: (out / "results.json").exists()  # noqa: E731
+    code, text = stop_when([*args, "--resume_from_checkpoint", "latest"], out, written, signal.SIGTERM)
+    assert code == 0, text[-3000:]
     assert results(out)["steps"] == 4
+    if "SIGTERM came" in text:  # the processes were still exiting when it arrived
+        assert text.rstrip().splitlines()[-1] == (
+            "launch.sh: the run had finished when SIGTERM came; its model and results.json are complete (exit 0)"
+        )
 
 
 @pytest.mark.slow
@@ -712,17 +734,10 @@ def test_a_stop_sent_to_the_training_processes_as_they_start_is_a_stop(tiny_lm, 
     assert code == 75 and "killed by" not in text, text[-3000:]
 
 
-@pytest.mark.slow
 def test_variables_left_from_another_job_do_not_make_a_process_of_one_a_rank(tiny_lm, tmp_path):
-    """WORLD_SIZE and RANK left in the shell by another job: launch.sh's process of one trains alone (a group's
-    launcher sets them; launch.sh drops stale ones), and the recipe started by hand with them says so in one line."""
+    """WORLD_SIZE and RANK left in the shell by another job: the recipe started by hand with them says so in one line.
+    (launch.sh's process of one trains alone with them: the launcher-kill test's runs.)"""
     env = cpu_env(WORLD_SIZE="4", RANK="2")
-    out = tmp_path / "run"
-    run(
-        [REPO / "launch.sh", "lm_finetune", "--num_processes", "1", *lm_args(tiny_lm, out, "--max_train_steps", "1")],
-        env=env,
-    )
-    assert results(out)["world_size"] == 1
     by_hand = tmp_path / "by_hand"
     proc = run([BIN / "python", REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, by_hand)], env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (

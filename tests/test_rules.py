@@ -357,45 +357,111 @@ def test_an_input_inside_the_output_dir_is_refused_before_anything_is_deleted(ac
     outputs.OutputDir(acc[0], options(out, overwrite_output_dir=True, report_to="t", lr_scheduler_type="t"))
 
 
-@pytest.mark.slow
-def test_weights_inside_the_output_dir_through_launch_sh_are_one_line_and_left_as_they_were(digits, tmp_path):
-    """In 2 processes, with --overwrite_output_dir: refused before the folder is claimed, nothing deleted."""
+# Mistakes every process of a 2-process launch meets (or the main one, while the other waits for it): each launched
+# once (the first test that needs it), for the test of its line and for the race between the processes' ends.
+
+
+def _weights_inside_the_output_dir(folder, lm, digits):
+    """--pretrained_path in the --output_dir, with --overwrite_output_dir: refused before the folder is claimed."""
     import torchvision
     from safetensors.torch import save_file
 
-    out = tmp_path / "run"
+    out = folder / "run"
     out.mkdir()
-    save_file(
-        {k: v.contiguous() for k, v in torchvision.models.resnet18().state_dict().items()}, out / "w.safetensors"
-    )
-    before = snapshot(out)
-    extra = [
-        *FAST_MODEL,
-        "--pretrained_path",
-        out / "w.safetensors",
-        "--overwrite_output_dir",
-        "--max_train_steps",
-        "1",
-    ]
-    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "2", *digits_args(digits, out, *extra)],
-               env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)  # fmt: skip
-    lines = error_lines(proc.stderr)
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"--pretrained_path {out / 'w.safetensors'} lies inside --output_dir {out}, where the run saves" in lines[0]
-    assert snapshot(out) == before
+    weights = {k: v.contiguous() for k, v in torchvision.models.resnet18().state_dict().items()}
+    save_file(weights, out / "w.safetensors")
+    extra = [*FAST_MODEL, "--pretrained_path", out / "w.safetensors", "--overwrite_output_dir"]
+    extra += ["--max_train_steps", "1"]
+    return ["cifar", "--num_processes", "2", *digits_args(digits, out, *extra)], {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _a_model_folder_as_output_dir(folder, lm, digits):
+    model = folder / "model"
+    shutil.copytree(lm["model"], model)
+    args = lm_args(lm, model, "--model_name_or_path", model, "--resume_from_checkpoint", "latest")
+    return ["lm_finetune", *args], {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _a_cache_that_is_a_file(folder, lm, digits):
+    (folder / "file").write_text("not a folder")
+    args = ["lm_finetune", "--config", "cpu", *lm_args(lm, folder / "run")]
+    return args, {"HF_DATASETS_CACHE": str(folder / "file")}
+
+
+def _a_path_under_a_file(folder, lm, digits):
+    (folder / "file").write_text("not a folder")
+    argv = [*lm_args(lm, folder / "run"), "--prepared_data_dir", folder / "file" / "prepared"]
+    return ["lm_finetune", "--config", "cpu", *argv, "--max_train_steps", "1"], {}
+
+
+def _a_block_size_the_model_does_not_take(folder, lm, digits):
+    return ["lm_finetune", *lm_args(lm, folder / "run", "--block_size", "65")], {}
+
+
+REFUSED_IN_TWO = {
+    "weights inside the output_dir": _weights_inside_the_output_dir,
+    "a model folder as output_dir": _a_model_folder_as_output_dir,
+    "a cache that is a file": _a_cache_that_is_a_file,
+    "a path under a file": _a_path_under_a_file,
+    "a block_size the model does not take": _a_block_size_the_model_does_not_take,
+}
+
+
+@pytest.fixture(scope="module")
+def refused_in_two(tiny_lm, digits, tmp_path_factory):
+    """refused_in_two(name) -> (the finished ./launch.sh of REFUSED_IN_TWO[name], its folder, the folder's files
+    before it): each launched once."""
+    done = {}
+
+    def launched(name):
+        if name not in done:
+            folder = tmp_path_factory.mktemp(name.replace(" ", "_"))
+            args, env = REFUSED_IN_TWO[name](folder, tiny_lm, digits)
+            before = snapshot(folder)
+            proc = run([REPO / "launch.sh", *args], env=user_env(**env), check=False, timeout=240)
+            done[name] = proc, folder, before
+        return done[name]
+
+    return launched
 
 
 @pytest.mark.slow
-def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(tiny_lm, tmp_path):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_lm["model"], model)
-    before = snapshot(model)
-    args = lm_args(tiny_lm, model, "--model_name_or_path", model, "--resume_from_checkpoint", "latest")
-    proc = run([REPO / "launch.sh", "lm_finetune", *args], env=user_env(CUDA_VISIBLE_DEVICES=""), check=False)
+def test_weights_inside_the_output_dir_through_launch_sh_are_one_line_and_left_as_they_were(refused_in_two):
+    """In 2 processes, with --overwrite_output_dir: refused before the folder is claimed, nothing deleted."""
+    proc, folder, before = refused_in_two("weights inside the output_dir")
+    out = folder / "run"
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"--pretrained_path {out / 'w.safetensors'} lies inside --output_dir {out}, where the run saves" in lines[0]
+    assert snapshot(folder) == before
+
+
+@pytest.mark.slow
+def test_a_model_folder_as_output_dir_through_launch_sh_is_one_line_and_left_as_it_was(refused_in_two):
+    proc, folder, before = refused_in_two("a model folder as output_dir")
+    model = folder / "model"
     lines = error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert f"--output_dir {model} is --model_name_or_path {model}, which the run reads" in lines[0]
-    assert snapshot(model) == before
+    assert snapshot(folder) == before
+
+
+@pytest.mark.slow
+def test_a_mistake_every_process_meets_is_one_line_and_exit_2_whichever_process_ends_first(refused_in_two):
+    """Each process meets the mistake on its own (or the one waiting for the main process meets its error); torch's
+    agent sends SIGTERM to the others once the first exits (2): the stop is not the cause, whoever it reached. Every
+    launch of REFUSED_IN_TWO, as the order varies from one to the next (before: 3 of 7 ended in exit 75 and
+    "preempted", no error line)."""
+    for name in REFUSED_IN_TWO:
+        proc, _, _ = refused_in_two(name)
+        said = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "preempted:", "stopped:"))]
+        assert proc.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), (name, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+    proc, _, _ = refused_in_two("a block_size the model does not take")
+    assert error_lines(proc.stderr) == [
+        "error: --block_size 65 is larger than the model accepts (64, its config's max_position_embeddings); "
+        "pass --block_size 64 or less"
+    ], proc.stderr[-3000:]
 
 
 # 3. A checkpoint resumes only what produced it, and a refusal names what differs ------------------
@@ -459,29 +525,36 @@ def test_another_norm_layer_is_another_model(digits, tmp_path):
 # 4. What the user asked for runs, or nothing runs -------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "config, extra, message",
-    [
-        ("cpu", ["--mixed_precision", "fp16"], "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32"),
-        (
-            "zero2",
-            ["--mixed_precision", "fp16"],
-            "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 "
-            "and would still report fp16; pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the "
-            "config",
-        ),  # fmt: skip  (DeepSpeed's ValueError else)
-    ],
-)
-def test_a_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path, config, extra, message):
-    """fp16 on CPU trains fp32 while reporting fp16: one line instead. (An FSDP config on CPU, which Accelerate would
-    train as DDP, trains FSDP2 here: tests/test_fsdp.py.)"""
-    env = user_env(**({"ACCELERATE_USE_CPU": "true"} if config == "cpu" else {}))  # DeepSpeed's CPU path: without
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / f"accelerate_configs/{config}.yaml", *extra]
-    cmd += ["--num_processes", "2", "--main_process_port", env["MASTER_PORT"], LM, *lm_args(tiny_lm, tmp_path / "r")]
-    proc = run(cmd, env=env, check=False)
+def test_fp16_on_cpu_which_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path):
+    """fp16 on CPU trains fp32 while reporting fp16: one line instead. What `accelerate launch --mixed_precision fp16`
+    gives each process (ACCELERATE_MIXED_PRECISION) given to one: the check reads the Accelerator it set up, which one
+    process shows (the DeepSpeed path, whose Accelerator differs: the next test, 2 processes). (An FSDP config on
+    CPU, which Accelerate would train as DDP, trains FSDP2 here: tests/test_fsdp.py.)"""
+    env = user_env(ACCELERATE_USE_CPU="true", ACCELERATE_MIXED_PRECISION="fp16")
+    proc = run([BIN / "python", LM, *lm_args(tiny_lm, tmp_path / "r")], env=env, check=False)
     lines = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32"), lines
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_deepspeed_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path):
+    """fp16 under zero2.yaml on CPU, in 2 processes: one line, not DeepSpeed's ValueError."""
+    env = user_env()  # DeepSpeed's CPU path: without ACCELERATE_USE_CPU
+    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/zero2.yaml"]
+    cmd += ["--mixed_precision", "fp16", "--num_processes", "2", "--main_process_port", env["MASTER_PORT"]]
+    proc = run([*cmd, LM, *lm_args(tiny_lm, tmp_path / "r")], env=env, check=False)
+    lines = error_lines(proc.stderr)
+    assert (
+        proc.returncode != 0
+        and len(lines) == 1
+        and (
+            "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; pass "
+            "--mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+        )
+        in lines[0]
+    ), proc.stderr[-3000:]
     assert not (tmp_path / "r").exists()
 
 
@@ -530,19 +603,18 @@ def test_torch_compile_without_a_cpp_compiler_is_one_line_and_nothing_is_written
 @pytest.mark.parametrize(
     "config, change, said",
     [  # accelerate launch refuses it, Accelerate's plugin does, DeepSpeed's config model does
-        ("cpu", {"dynamo_config": {"dynamo_backend": "FOO"}}, "launch.sh: error: {config}: accelerate launch "
-         "refuses it: Unknown dynamo backend: FOO"),
         ("fsdp", {"fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": "sometimes"}}, "error: Accelerate "
          "cannot set up the accelerate config's settings here (ValueError: invalid truth value sometimes)"),
         ("zero2", {"deepspeed_config": {"zero_stage": 2, "offload_param_device": "gpu0"}}, "error: DeepSpeed "
          "refuses its config (DeepSpeedZeroConfig: offload_param.device: Input should be 'none', 'cpu' or 'nvme' "
          "(got 'gpu0'))"),  # offload_param: an optimizer offload would load DeepSpeed's CPU Adam first (6 s)
     ],
-    ids=["accelerate launch", "fsdp plugin", "deepspeed"],
+    ids=["fsdp plugin", "deepspeed"],
 )  # fmt: skip
 def test_a_config_value_a_library_refuses_is_one_line_and_nothing_is_written(tiny_lm, tmp_path, config, change, said):
-    """A value of the accelerate config that accelerate, Accelerate's plugins or DeepSpeed refuse is one line
-    naming the value, wherever the library meets it, not a traceback."""
+    """A value of the accelerate config that Accelerate's plugins or DeepSpeed refuse is one line naming the value,
+    wherever the library meets it, not a traceback. (One accelerate launch itself refuses: launch.sh relays it in one
+    line, tests/test_launch_sh.py's typo.yaml, and tests/test_fixes.py follows its fix to a run.)"""
     import yaml
 
     path = tmp_path / "mine.yaml"
@@ -732,22 +804,6 @@ def test_a_stop_while_the_main_process_prepares_the_data_ends_every_process_in_o
 
 
 @pytest.mark.slow
-def test_a_mistake_every_process_meets_is_one_line_and_exit_2_whichever_process_ends_first(tiny_lm, tmp_path):
-    """Each process meets --block_size 65 on its own; torch's agent sends SIGTERM to the others once the first exits
-    (2): the stop is not the cause, whoever it reached. Three runs, as the order varies (before: 3 of 7 ended in exit
-    75 and "preempted", no error line)."""
-    for attempt in range(3):
-        out = tmp_path / f"run{attempt}"
-        cmd = [REPO / "launch.sh", "lm_finetune", *lm_args(tiny_lm, out, "--block_size", "65")]
-        proc = run(cmd, env=user_env(), check=False, timeout=180)
-        said = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "preempted:", "stopped:"))]
-        assert proc.returncode == 2 and said == [
-            "error: --block_size 65 is larger than the model accepts (64, its config's max_position_embeddings); "
-            "pass --block_size 64 or less"
-        ], proc.stderr[-3000:]
-
-
-@pytest.mark.slow
 def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_one_line(tiny_lm, tmp_path):
     """One process suspended (SIGSTOP, as `scontrol suspend` does to a job's processes) for longer than --ddp_timeout:
     the other stops waiting for it in bounded time, one line says why and what to do, exit 124; the checkpoints
@@ -920,30 +976,25 @@ def test_a_main_process_lost_while_it_prepares_the_data_is_named_by_the_one_wait
 
 
 @pytest.mark.slow
-def test_a_cache_that_cannot_be_created_is_named_with_its_variable(tiny_lm, tmp_path):
+def test_a_cache_that_cannot_be_created_is_named_with_its_variable(refused_in_two):
     """HF_DATASETS_CACHE a file itself: the one line names the variable, the path and what is wrong with it, not the
     folder beneath it the run was making; in 2 processes the same line, whichever process says it. (A cache under a
     file: the next test.)"""
-    (tmp_path / "file").write_text("not a folder")
-    env = user_env(HF_DATASETS_CACHE=str(tmp_path / "file"))
-    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", *lm_args(tiny_lm, tmp_path / "run")], env=env,
-               check=False)  # fmt: skip
+    proc, folder, before = refused_in_two("a cache that is a file")
     assert proc.returncode != 0 and error_lines(proc.stderr) == [
-        f"error: $HF_DATASETS_CACHE {tmp_path / 'file'}: file exists; it is a file where a folder must be: remove it "
+        f"error: $HF_DATASETS_CACHE {folder / 'file'}: file exists; it is a file where a folder must be: remove it "
         "or use another path"
     ], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists(), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (folder / "run").exists(), proc.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_a_path_under_a_file_is_named_with_its_option_in_two_processes(tiny_lm, tmp_path):
+def test_a_path_under_a_file_is_named_with_its_option_in_two_processes(refused_in_two):
     """--prepared_data_dir under a file, in 2 processes: the main process prepares the data while the other waits for
     it, and fails; the one line names the option the path came from (the arguments the failing code ran with carry
     their parse's values: common.args.ParsedArgs), whichever process says it."""
-    (blocked := tmp_path / "file").write_text("not a folder")
-    prepared = blocked / "prepared"
-    argv = [*lm_args(tiny_lm, tmp_path / "run"), "--prepared_data_dir", prepared, "--max_train_steps", "1"]
-    proc = run([REPO / "launch.sh", "lm_finetune", "--config", "cpu", *argv], check=False)
+    proc, folder, _ = refused_in_two("a path under a file")
+    blocked, prepared = folder / "file", folder / "file" / "prepared"
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         f"error: {blocked} (on the path of --prepared_data_dir {prepared}): file exists; it is a file where a folder "
         "must be: remove it or use another path"

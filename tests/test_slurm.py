@@ -8,10 +8,10 @@ import signal
 import subprocess
 import time
 
+import launcher
 import pytest
-from conftest import JOB_ID, PORT, REPO, commands, directives, executable, run, sbatch, slurm_env
+from conftest import JOB_ID, PORT, REPO, commands, directives, executable, launcher_says, run, sbatch, slurm_env
 
-LAUNCH = REPO / "launch.sh"
 TEMPLATES = sorted((REPO / "slurm").glob("*.sbatch"))
 
 
@@ -28,8 +28,17 @@ def step_env(env, node, nodes) -> dict:
     }
 
 
-def dry_run(env, *args) -> str:
-    (line,) = commands(run([LAUNCH, *args, "--dry_run"], env=env).stderr)
+@pytest.fixture
+def says(capfd):
+    """says(env, *argv) -> (exit code, stdout, stderr) of `./launch.sh argv` in `env`: its launcher's decision, made
+    in this process (the templates below run launch.sh itself, under the fake srun)."""
+    return lambda env, *argv: launcher_says(launcher, argv, env, capfd)
+
+
+def dry_run(says, env, *args) -> str:
+    code, _, err = says(env, *args, "--dry_run")
+    assert code == 0, err
+    (line,) = commands(err)
     return line
 
 
@@ -37,10 +46,10 @@ def dry_run(env, *args) -> str:
 
 
 @pytest.mark.parametrize("node", [0, 1, 2, 3])
-def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node):
+def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node, says):
     env = step_env(slurm_env(tmp_path, 4, SLURM_JOB_NODELIST="gpu-[01-03,07]"), node, 4)
     del env["SLURM_STEP_NODELIST"]
-    line = dry_run(env, "cifar", "--learning_rate", "0.2")
+    line = dry_run(says, env, "cifar", "--learning_rate", "0.2")
     assert "accelerate_configs/8gpu.yaml --num_processes 32 --num_machines 4 " in line
     assert f"--machine_rank {node} --main_process_ip gpu-01 --main_process_port {PORT} --rdzv_backend c10d " in line
     assert f"--rdzv_conf is_host={int(node == 0)},join_timeout=60 " in line
@@ -58,87 +67,88 @@ def test_each_node_resolves_its_own_rank_and_the_same_head(tmp_path, node):
         ("gpu[001-128]", "gpu001"),
     ],
 )
-def test_head_node_from_slurm_compressed_node_list(tmp_path, nodelist, head):
+def test_head_node_from_slurm_compressed_node_list(tmp_path, nodelist, head, says):
     env = step_env(slurm_env(tmp_path, 2, SLURM_JOB_NODELIST=nodelist), 1, 2)
     del env["SLURM_STEP_NODELIST"]
-    assert f"--main_process_ip {head} " in dry_run(env, "cifar")
+    assert f"--main_process_ip {head} " in dry_run(says, env, "cifar")
 
 
-def test_scontrol_expands_the_node_list_when_present(tmp_path):
+def test_scontrol_expands_the_node_list_when_present(tmp_path, says):
     env = step_env(slurm_env(tmp_path, 2), 1, 2)
     executable(
         tmp_path / "fakebin/scontrol",
         '#!/bin/sh\n[ "$*" = "show hostnames gpu-[01-02]" ] && printf "gpu-01.cluster\\ngpu-02.cluster\\n"\n',
     )
-    assert "--main_process_ip gpu-01.cluster " in dry_run(env, "cifar")
+    assert "--main_process_ip gpu-01.cluster " in dry_run(says, env, "cifar")
 
 
-def test_master_addr_and_port_override_and_timeout(tmp_path):
+def test_master_addr_and_port_override_and_timeout(tmp_path, says):
     env = step_env(slurm_env(tmp_path, 2, MASTER_ADDR="10.1.2.3", MASTER_PORT="29555", RDZV_TIMEOUT="300"), 1, 2)
-    line = dry_run(env, "cifar")
+    line = dry_run(says, env, "cifar")
     assert "--main_process_ip 10.1.2.3 --main_process_port 29555 --rdzv_backend c10d " in line
     assert "--rdzv_conf is_host=0,join_timeout=300 " in line
 
 
-def test_num_processes_counts_one_node(tmp_path):
-    line = dry_run(step_env(slurm_env(tmp_path, 3), 2, 3), "cifar", "--num_processes", "4")
+def test_num_processes_counts_one_node(tmp_path, says):
+    line = dry_run(says, step_env(slurm_env(tmp_path, 3), 2, 3), "cifar", "--num_processes", "4")
     assert "accelerate_configs/8gpu.yaml --num_processes 12 --num_machines 3 --machine_rank 2 " in line
 
 
-def test_gpus_slurm_gave_the_node_choose_the_config(tmp_path):
-    line = dry_run(step_env(slurm_env(tmp_path, 2, SLURM_GPUS_ON_NODE="4"), 0, 2), "cifar")
+def test_gpus_slurm_gave_the_node_choose_the_config(tmp_path, says):
+    line = dry_run(says, step_env(slurm_env(tmp_path, 2, SLURM_GPUS_ON_NODE="4"), 0, 2), "cifar")
     assert "accelerate_configs/4gpu.yaml --num_processes 8 --num_machines 2 " in line
 
 
-def test_cpu_only_nodes_keep_the_cpu_path(tmp_path):
-    line = dry_run(step_env(slurm_env(tmp_path, 2, gpus=0), 1, 2), "cifar")
+def test_cpu_only_nodes_keep_the_cpu_path(tmp_path, says):
+    line = dry_run(says, step_env(slurm_env(tmp_path, 2, gpus=0), 1, 2), "cifar")
     assert line.startswith("+ ACCELERATE_USE_CPU=true ")
     assert "accelerate_configs/cpu.yaml --num_processes 4 --num_machines 2 " in line
 
 
-def test_deepspeed_configs_use_the_standard_multinode_launcher(tmp_path):
-    line = dry_run(step_env(slurm_env(tmp_path, 2), 0, 2), "cifar", "--config", "zero2")
+def test_deepspeed_configs_use_the_standard_multinode_launcher(tmp_path, says):
+    line = dry_run(says, step_env(slurm_env(tmp_path, 2), 0, 2), "cifar", "--config", "zero2")
     assert "accelerate_configs/zero2.yaml --num_processes 16 --num_machines 2 " in line
     assert "--deepspeed_multinode_launcher standard " in line
 
 
-def test_one_node_job_is_a_single_node_launch_on_the_job_port(tmp_path):
-    line = dry_run(step_env(slurm_env(tmp_path, 1), 0, 1), "cifar")
+def test_one_node_job_is_a_single_node_launch_on_the_job_port(tmp_path, says):
+    line = dry_run(says, step_env(slurm_env(tmp_path, 1), 0, 1), "cifar")
     assert f"accelerate_configs/8gpu.yaml --main_process_port {PORT} " in line and "--num_machines" not in line
 
 
-def one_error(proc, text):
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and text in lines[0], proc.stderr
+def one_error(said, text):
+    code, _, err = said
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and text in lines[0], err
 
 
-def test_outside_srun_and_several_tasks_per_node_are_refused(tmp_path):
+def test_outside_srun_and_several_tasks_per_node_are_refused(tmp_path, says):
     env = slurm_env(tmp_path, 3)  # the batch script's own environment: no step
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "outside srun, on one node")
+    one_error(says(env, "cifar"), "outside srun, on one node")
     env = {**step_env(env, 1, 3), "SLURM_STEP_NUM_TASKS": "24"}
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "use srun --ntasks-per-node=1")
+    one_error(says(env, "cifar"), "use srun --ntasks-per-node=1")
     env = {**step_env(slurm_env(tmp_path, 2), 1, 2), "RDZV_TIMEOUT": "soon"}
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "RDZV_TIMEOUT must be a positive number")
+    one_error(says(env, "cifar"), "RDZV_TIMEOUT must be a positive number")
 
 
-def test_a_launcher_a_gpu_a_job_without_a_node_list_and_a_rank_past_the_nodes_are_refused(tmp_path):
+def test_a_launcher_a_gpu_a_job_without_a_node_list_and_a_rank_past_the_nodes_are_refused(tmp_path, says):
     env = {**step_env(slurm_env(tmp_path, 1), 0, 1), "SLURM_STEP_NUM_TASKS": "8"}  # --ntasks-per-node=8 on one node
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "SLURM_STEP_NUM_TASKS must be 1, one launch.sh a node")
+    one_error(says(env, "cifar"), "SLURM_STEP_NUM_TASKS must be 1, one launch.sh a node")
     env = step_env(slurm_env(tmp_path, 2), 1, 2)
     for name in ("SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST"):
         del env[name]
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "no head node: SLURM_JOB_NODELIST is empty")
+    one_error(says(env, "cifar"), "no head node: SLURM_JOB_NODELIST is empty")
     env = {**step_env(slurm_env(tmp_path, 2), 0, 2), "SLURM_NODEID": "2"}
-    one_error(run([LAUNCH, "cifar"], env=env, check=False), "SLURM_NODEID must be 0 to 1, got '2'")
+    one_error(says(env, "cifar"), "SLURM_NODEID must be 0 to 1, got '2'")
 
 
-def test_nodes_without_slurm_meet_as_under_it(tmp_path):
+def test_nodes_without_slurm_meet_as_under_it(tmp_path, says):
     """torchrun's NNODES and NODE_RANK, or a filled-in multi-node config: the command Slurm's nodes get (c10d, the
     head hosting it, RDZV_TIMEOUT), one CPU process a node included (not a lone `--cpu` process)."""
     env = slurm_env(tmp_path, 1, gpus=0, MASTER_ADDR="127.0.0.1", RDZV_TIMEOUT="7")
     del env["SLURM_JOB_ID"]
-    line = dry_run({**env, "NNODES": "2", "NODE_RANK": "1"}, "cifar", "--num_processes", "1")
+    line = dry_run(says, {**env, "NNODES": "2", "NODE_RANK": "1"}, "cifar", "--num_processes", "1")
     assert "cpu.yaml --num_processes 2 --num_machines 2 --machine_rank 1 --main_process_ip 127.0.0.1 " in line
     assert "--rdzv_backend c10d --rdzv_conf is_host=0,join_timeout=7 " in line and " --cpu " not in line
     config = tmp_path / "mine.yaml"
@@ -148,7 +158,7 @@ def test_nodes_without_slurm_meet_as_under_it(tmp_path):
         .replace("use_cpu: false", "use_cpu: true")
         .replace("num_processes: 16", "num_processes: 2")
     )
-    line = dry_run(env, "cifar", "--config", config)
+    line = dry_run(says, env, "cifar", "--config", config)
     assert "--num_processes 2 --num_machines 2 --machine_rank 0 --main_process_ip 127.0.0.1 " in line
     assert "--rdzv_conf is_host=1,join_timeout=7 " in line and " --cpu " not in line
     # in a Slurm job of one node (an interactive allocation), on their own port, not the job's
@@ -158,15 +168,15 @@ def test_nodes_without_slurm_meet_as_under_it(tmp_path):
         "NODE_RANK": "1",
         "MASTER_ADDR": "10.0.0.1",
     }
-    line = dry_run(job, "cifar", "--num_processes", "1")
+    line = dry_run(says, job, "cifar", "--num_processes", "1")
     assert "--num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500 " in line
     del env["MASTER_ADDR"]
     one_error(
-        run([LAUNCH, "cifar", "--dry_run"], env={**env, "NNODES": "2", "NODE_RANK": "0"}, check=False),
+        says({**env, "NNODES": "2", "NODE_RANK": "0"}, "cifar", "--dry_run"),
         "NNODES=2 needs MASTER_ADDR",
     )
-    one_error(run([LAUNCH, "--config", "cpu", "cifar"], env=env, check=False), "the recipe comes first")
-    one_error(run([LAUNCH, "cifar"], env={**env, "NODE_RANK": "1"}, check=False), "NODE_RANK=1 is set but not NNODES")
+    one_error(says(env, "--config", "cpu", "cifar"), "the recipe comes first")
+    one_error(says({**env, "NODE_RANK": "1"}, "cifar"), "NODE_RANK=1 is set but not NNODES")
 
 
 def test_requeue_template_names_a_flag_without_its_value(tmp_path):
@@ -193,13 +203,13 @@ def test_templates_exist_and_pass_bash_n():
 
 
 @pytest.mark.parametrize("template, nodes", [("single_node", 1), ("multi_node", 2), ("multi_node", 4), ("requeue", 3)])
-def test_template_runs_one_launcher_per_node_as_launch_sh_resolves(tmp_path, template, nodes):
+def test_template_runs_one_launcher_per_node_as_launch_sh_resolves(tmp_path, template, nodes, says):
     args = ["cifar", "--checkpointing_steps", "500", "--output_dir", "outputs/cifar"]
     lines, env = sbatch(REPO / f"slurm/{template}.sbatch", args, tmp_path, nodes=nodes)
     assert len(lines) == nodes, lines
     extra = ["--resume_from_checkpoint", "latest"] if template == "requeue" else []
     for node, line in enumerate(lines):
-        assert line == dry_run(step_env(env, node, nodes), *args, *extra)
+        assert line == dry_run(says, step_env(env, node, nodes), *args, *extra)
         if nodes > 1:
             assert f"--machine_rank {node} --main_process_ip gpu-01 --main_process_port {PORT} " in line
     srun_options = (tmp_path / "srun.log").read_text().split()
@@ -268,17 +278,20 @@ def test_requeue_template_resumes_the_users_checkpoint_first_and_latest_once_req
         assert f"--resume_from_checkpoint {expected}" in line, (restarts, line)
 
 
-@pytest.mark.slow
 def test_a_recipe_srun_starts_as_several_tasks_is_refused_not_trained_as_copies(digits, tmp_path):
     """`srun --ntasks-per-node=2 python recipes/cifar.py` (no launcher): two copies that never form a group, each
-    training its own model into one folder; each task says so in one line, exit 2, nothing written."""
+    training its own model into one folder; each task says so in one line, exit 2, nothing written. The first task
+    as srun starts it: `python recipes/cifar.py` with the variables srun gives a task of such a step (FAKE_SRUN's)."""
     from conftest import BIN, digits_args
 
     env = slurm_env(tmp_path, nodes=1, gpus=0, CUDA_VISIBLE_DEVICES="")
+    env |= {"SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_NODELIST": env["SLURM_JOB_NODELIST"], "SLURM_NODEID": "0", "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0"}  # fmt: skip
     out = tmp_path / "run"
     args = [*digits_args(digits, out), "--max_train_steps", "1"]
-    proc = run(["srun", "--ntasks-per-node=2", BIN / "python", REPO / "recipes/cifar.py", *args], env=env, check=False)
+    proc = run([BIN / "python", REPO / "recipes/cifar.py", *args], env=env, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]  # fake srun: the first task's exit ends it
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: srun started this command as 2 processes (SLURM_STEP_NUM_TASKS) and none")
     assert "srun --ntasks-per-node=1 ./launch.sh" in lines[0] and not out.exists()
