@@ -181,7 +181,8 @@ class ArgumentParser(argparse.ArgumentParser):
         """Refuse `option` in effect ("--flag", "--flag value", or None: any run) where `holds(args)` is false, as
         `problem` and `fix` (texts, or functions of the arguments that return them); the subject is `option`'s flag
         unless given."""
-        subject = (option or "").partition(" ")[0] or None if subject == "" else subject
+        if subject == "":  # not given: the option's own flag, if the relation names one
+            subject = (option or "").partition(" ")[0] or None
         self.relations = [*self.relations, (option, holds, problem, fix, subject)]
 
     def excludes(self, option: str, other: str, problem, fix=None, *, subject: str | None = "") -> None:
