@@ -9,6 +9,8 @@ import math
 import os
 from typing import NamedTuple
 
+from .errors import RecipeError
+
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp")  # accelerate's ParallelismConfig sizes, outermost first
 TESTED_ACCELERATE = (1, 15)  # HSDP and TP on parallelism_config: 1.10's FSDP2 cannot load weights on a 2-D mesh
 LAUNCH_OPTION = "--parallelism_config_{}_size"  # accelerate launch's option for a dimension (it overrides the YAML's)
@@ -29,9 +31,11 @@ def from_environment(environ=os.environ) -> dict | None:
         return None
     sizes = {dim: environ.get(ENV.format(dim.upper()), "1") or "1" for dim in DIMENSIONS}
     if bad := [dim for dim, size in sizes.items() if not size.isdigit() or int(size) < 1]:
-        raise ValueError(
+        # refused here, before accelerate's own int() would be a traceback
+        raise RecipeError(
             f"the accelerate config's parallelism_config_{bad[0]}_size is {sizes[bad[0]]!r}: its sizes must be whole "
-            "numbers of processes, as accelerate_configs/tp.yaml sets them"
+            "numbers of processes, as accelerate_configs/tp.yaml sets them",
+            subject=f"parallelism_config_{bad[0]}_size",
         )
     return {dim: int(size) for dim, size in sizes.items()}
 

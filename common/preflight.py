@@ -64,8 +64,8 @@ def mesh_sizes(environ, processes: int, accelerate_version: str) -> RecipeError 
     only after the group formed, or fail)."""
     try:
         sizes = mesh.from_environment(environ)
-    except ValueError as err:  # a size that is not a number: accelerate's own int() would be a traceback
-        return RecipeError(str(err), subject=re.search(r"parallelism_config_\w+_size", str(err))[0])
+    except RecipeError as refusal:  # a size that is not a number
+        return refusal
     if not sizes:
         return None
     if refusal := unbuilt_mesh(sizes):
