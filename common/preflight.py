@@ -72,9 +72,14 @@ def mesh_sizes(environ, processes: int, accelerate_version: str) -> RecipeError 
         return refusal
     if problem := mesh.mismatch(sizes, processes):
         return RecipeError(problem, subject=re.search(r"pass (--\S+)", problem)[1])  # the option its fix changes first
-    if problem := mesh.untested_accelerate(sizes, accelerate_version):
-        return RecipeError(problem)
-    return None
+    return untested_mesh(sizes, accelerate_version)
+
+
+def untested_mesh(sizes: dict, accelerate_version: str) -> RecipeError | None:
+    """A 2-D mesh on an accelerate older than the one it was tested with (mesh.untested_accelerate): launch.sh says it
+    before it starts the job, the processes of a plain accelerate launch before the model loads."""
+    problem = mesh.untested_accelerate(sizes, accelerate_version)
+    return RecipeError(problem) if problem else None
 
 
 def unbuilt_mesh(sizes: dict) -> RecipeError | None:

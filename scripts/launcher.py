@@ -17,6 +17,7 @@ SIGTERM, SIGUSR1, SIGHUP or Ctrl-C: the processes save a checkpoint and launch.s
 """
 
 import glob
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -311,6 +312,8 @@ def main(argv: list[str]) -> int:
         sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
         if problem:
             die(f"{config_file.name}: {problem}; pass --num_processes {fits}")
+        if refusal := preflight.untested_mesh(sizes, importlib.metadata.version("accelerate")):
+            die(f"{config_file.name}: {refusal}")
         cmd += mesh.options(sizes)
         say(f"{config_file.name}: a mesh of {mesh.describe(sizes)} over {nodes} node(s) x {per_node} process(es)")
     if nodes > 1:
