@@ -22,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+ACCELERATE_LAUNCH = BIN / "accelerate-launch"  # `accelerate launch` without the CLI's imports of its other commands
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
@@ -135,8 +136,7 @@ def accelerate_config(nproc: int, config: str | None = None) -> tuple[list, dict
         config = ("1gpu" if nproc == 1 else "2gpu") if has_cuda() else "cpu"
     env = env_for(nproc, **({"ACCELERATE_USE_CPU": "true"} if config == "cpu" else {}))
     args = [
-        BIN / "accelerate",
-        "launch",
+        ACCELERATE_LAUNCH,
         "--config_file",
         REPO / "accelerate_configs" / f"{config}.yaml",
         "--num_processes",

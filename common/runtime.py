@@ -674,19 +674,25 @@ def _cache_missing_optional_packages() -> None:
 
 
 def _started_by_accelerate_launch(expected: int) -> bool:
-    """Whether `accelerate launch` is this process's parent (Linux: its command line). It runs `--num_processes N`
-    as one process, without a word, unless it has several GPUs, --multi_gpu or a multi-process config: refused."""
+    """Whether `accelerate launch` (or `accelerate-launch`, its entry point of its own) is this process's parent
+    (Linux: its command line). It runs `--num_processes N` as one process, without a word, unless it has several
+    GPUs, --multi_gpu or a multi-process config: refused."""
     try:
         parent = [os.fsdecode(a) for a in Path(f"/proc/{_PARENT}/cmdline").read_bytes().split(b"\0")]
     except OSError:
         return False
-    if not any(Path(arg).name == "accelerate" for arg in parent[:2]) or "launch" not in parent:
+    names = [Path(arg).name for arg in parent[:2]]  # [python,] accelerate launch ... or accelerate-launch ...
+    if "accelerate-launch" in names:
+        launch_args = parent[names.index("accelerate-launch") + 1 :]
+    elif "accelerate" in names and "launch" in parent:
+        launch_args = parent[parent.index("launch") + 1 :]
+    else:
         return False
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
     with contextlib.suppress(SystemExit):  # options this accelerate does not know: not ours to judge
-        given = launch_command_parser().parse_known_args(parent[parent.index("launch") + 1 :])[0]
+        given = launch_command_parser().parse_known_args(launch_args)[0]
         asked, why = given.num_processes, "--multi_gpu, a multi-process --config_file or more than one GPU"
         if not asked and expected == 1:  # the config's (accelerate's default file without --config_file)
             with contextlib.suppress(Exception):

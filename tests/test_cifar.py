@@ -16,6 +16,7 @@ import torchvision
 from accelerate import PartialState
 from accelerate.utils import set_seed
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     FAST_MODEL,
     NO_NETWORK,
@@ -264,7 +265,7 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
     out = tmp_path / "run"
     env = user_env()
     launch = ["--config_file", REPO / "accelerate_configs/cpu.yaml", "--main_process_port", env["MASTER_PORT"]]
-    proc = run([BIN / "accelerate", "launch", *launch, RECIPE, *digits_args(digits, out, *FAST_MODEL)], env=env,
+    proc = run([ACCELERATE_LAUNCH, *launch, RECIPE, *digits_args(digits, out, *FAST_MODEL)], env=env,
                check=False)  # fmt: skip
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
@@ -304,11 +305,13 @@ def test_multi_gpu_without_cpu_setting_starts_the_processes_the_refused_cpu_conf
     assert flag[1]["nproc_per_node"] == "2" and "ACCELERATE_USE_CPU" not in flag[0]
 
 
-def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(digits, tmp_path, monkeypatch):
+@pytest.mark.parametrize("launcher", ["accelerate launch", "accelerate-launch"])
+def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(launcher, digits, tmp_path, monkeypatch):
     """`accelerate launch --num_processes 2` without --multi_gpu starts one process (accelerate says nothing): the
-    process reads its parent's command line (/proc) and refuses. Here the parent is a process with that very command
-    line, and the recipe's check runs with the environment accelerate's one-process launcher gives. (The refusal
-    through a real launch: tests/test_launch_sh.py's refusals of a cpu launch.)"""
+    process reads its parent's command line (/proc) and refuses; so does one under `accelerate-launch`, accelerate's
+    entry point for the same command. Here the parent is a process with that very command line, and the recipe's
+    check runs with the environment accelerate's one-process launcher gives. (The refusal through a real launch:
+    tests/test_launch_sh.py's refusals of a cpu launch.)"""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_simple_launcher_cmd_env
 
@@ -324,9 +327,14 @@ def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(dig
         monkeypatch.delenv(name, raising=False)
     for name, value in prepare_simple_launcher_cmd_env(launched)[1].items():
         monkeypatch.setenv(name, value)
-    (tmp_path / "launch").write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")  # python runs it
-    parent = subprocess.Popen([str(BIN / "accelerate"), "launch", *argv], executable=sys.executable, cwd=tmp_path,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    script = "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
+    if launcher == "accelerate launch":  # python runs ./launch, under the command line [accelerate, launch, ...]
+        (tmp_path / "launch").write_text(script)
+        cmd = [str(BIN / "accelerate"), "launch", *argv]
+    else:  # as its shebang runs it: [python, .../accelerate-launch, ...]
+        (tmp_path / "accelerate-launch").write_text(script)
+        cmd = [sys.executable, str(tmp_path / "accelerate-launch"), *argv]
+    parent = subprocess.Popen(cmd, executable=sys.executable, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout.readline() == "started\n"  # its command line is in /proc (empty while it starts)
         monkeypatch.setattr(runtime, "_PARENT", parent.pid)

@@ -3,7 +3,7 @@ train what the eager model trains and save weights that load with their plain na
 seconds (a ResNet-18 about a minute, cold)."""
 
 import pytest
-from conftest import BIN, FAST_MODEL, REPO, digits_args, eval_loss, lm_args, results, run, user_env
+from conftest import ACCELERATE_LAUNCH, BIN, FAST_MODEL, REPO, digits_args, eval_loss, lm_args, results, run, user_env
 from safetensors.torch import load_file
 
 LM = REPO / "recipes" / "lm_finetune.py"
@@ -23,8 +23,7 @@ def test_a_compiled_lm_trains_as_the_eager_one_and_saves_loadable_weights_either
     and that gives the reported loss."""
     env = user_env(ACCELERATE_USE_CPU="true")
     base = [
-        BIN / "accelerate",
-        "launch",
+        ACCELERATE_LAUNCH,
         "--config_file",
         REPO / "accelerate_configs/cpu.yaml",
         "--num_processes",

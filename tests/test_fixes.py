@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     NO_NETWORK,
     REPO,
@@ -1053,7 +1054,7 @@ def test_accelerate_launchs_refusals_of_processes_that_would_not_train_as_one_ar
     two that form no group. Each fix, followed, gives the same command, which trains in 2 processes."""
     env, out = cpu_env(), tmp_path / "run"
     args = [REPO / "recipes/lm_finetune.py", *lm_args(tiny_lm, out, "--max_train_steps", "1")]
-    accelerate = [BIN / "accelerate", "launch", "--main_process_port", env["MASTER_PORT"], "--num_processes", "2"]
+    accelerate = [ACCELERATE_LAUNCH, "--main_process_port", env["MASTER_PORT"], "--num_processes", "2"]
     m = refused([*accelerate, *args], env, r"pass (--multi_gpu) with (ACCELERATE_USE_CPU)=(true) exported", tmp_path)
     one = [*accelerate, m[1], *args], {**env, m[2]: m[3]}
     multi_gpu = [*accelerate, "--multi_gpu", *args]

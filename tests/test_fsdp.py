@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 from conftest import (
-    BIN,
+    ACCELERATE_LAUNCH,
     LM_INTERRUPTED_ARGS,
     REPO,
     chat_args,
@@ -48,7 +48,7 @@ def test_accelerate_still_leaves_the_cpu_out_of_its_fsdp_branch():
 
 def fsdp(nproc, *args, mixed_precision="no", check=True):
     env = user_env(ACCELERATE_USE_CPU="true")
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/fsdp.yaml"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs/fsdp.yaml"]
     cmd += ["--num_processes", nproc, "--mixed_precision", mixed_precision, "--main_process_port", env["MASTER_PORT"]]
     return run([*cmd, LM, *args], env=env, check=check)
 

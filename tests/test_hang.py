@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import BIN, FAST_MODEL, REPO, digits_args, error_lines, user_env
+from conftest import ACCELERATE_LAUNCH, BIN, FAST_MODEL, REPO, digits_args, error_lines, user_env
 from PIL import Image
 
 from common import checkpoint as ckpt
@@ -111,7 +111,7 @@ def launch(args, out, until=None, then=None, timeout=240, **env_extra):
     """2 CPU processes of cifar.py; `until(out)` polled, then `then(proc)`. Returns the exit code, stderr, the seconds
     from `then` to the end, and any process of the run left behind."""
     env = user_env(ACCELERATE_USE_CPU="true", **env_extra)
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
     cmd += ["--main_process_port", env["MASTER_PORT"], CIFAR, *args]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stderr=err, stdout=subprocess.DEVNULL)

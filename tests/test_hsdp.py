@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from conftest import (
-    BIN,
+    ACCELERATE_LAUNCH,
     LM_INTERRUPTED_ARGS,
     REPO,
     chat_args,
@@ -140,7 +140,7 @@ def test_launch_sh_sizes_the_hsdp_mesh_to_the_job_and_refuses_a_count_that_does_
 
 def hsdp(nproc, *args, options=(), check=True):
     env = user_env(ACCELERATE_USE_CPU="true")
-    cmd = [BIN / "accelerate", "launch", "--config_file", HSDP, "--num_processes", nproc, "--mixed_precision", "no"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", HSDP, "--num_processes", nproc, "--mixed_precision", "no"]
     return run([*cmd, *options, "--main_process_port", env["MASTER_PORT"], LM, *args], env=env, check=check)
 
 

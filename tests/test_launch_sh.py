@@ -19,6 +19,7 @@ import launcher
 import psutil
 import pytest
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     REPO,
     cpu_env,
@@ -379,8 +380,7 @@ def test_a_config_accelerate_starts_as_fewer_processes_is_refused_by_hand_too(tr
     out = tmp_path / "run"
     args = lm_args(tiny_lm, out, "--max_train_steps", "2")
     cmd = [
-        BIN / "accelerate",
-        "launch",
+        ACCELERATE_LAUNCH,
         "--config_file",
         tree / "accelerate_configs/mcpu.yaml",
         REPO / "recipes/lm_finetune.py",
@@ -406,7 +406,7 @@ def test_a_refusal_of_a_cpu_launch_names_the_fix_this_environment_still_lacks(ti
     env = cpu_env(ACCELERATE_USE_CPU="true")
     lm, args = REPO / "recipes/lm_finetune.py", lm_args(tiny_lm, out, "--max_train_steps", "2")
     zero3 = ["--config_file", REPO / "accelerate_configs/zero3.yaml", "--mixed_precision", "no"]
-    proc = run([BIN / "accelerate", "launch", *zero3, "--num_processes", "2", lm, *args], env=env, check=False)
+    proc = run([ACCELERATE_LAUNCH, *zero3, "--num_processes", "2", lm, *args], env=env, check=False)
     lines = error_lines(proc.stderr)
     said = "the accelerate config asks for DEEPSPEED, which Accelerate leaves out"
     assert proc.returncode != 0 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]

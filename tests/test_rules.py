@@ -21,6 +21,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     FAST_MODEL,
     REPO,
@@ -542,7 +543,7 @@ def test_fp16_on_cpu_which_accelerate_would_quietly_replace_is_refused(tiny_lm, 
 def test_a_deepspeed_config_accelerate_would_quietly_replace_is_refused(tiny_lm, tmp_path):
     """fp16 under zero2.yaml on CPU, in 2 processes: one line, not DeepSpeed's ValueError."""
     env = user_env()  # DeepSpeed's CPU path: without ACCELERATE_USE_CPU
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/zero2.yaml"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs/zero2.yaml"]
     cmd += ["--mixed_precision", "fp16", "--num_processes", "2", "--main_process_port", env["MASTER_PORT"]]
     proc = run([*cmd, LM, *lm_args(tiny_lm, tmp_path / "r")], env=env, check=False)
     lines = error_lines(proc.stderr)
@@ -568,7 +569,7 @@ def test_fp16_a_deepspeed_config_file_enables_on_cpu_is_refused_naming_that_file
         )
     )
     env = user_env()
-    cmd = [BIN / "accelerate", "launch", "--use_deepspeed", "--deepspeed_config_file", ds, "--num_processes", "2"]
+    cmd = [ACCELERATE_LAUNCH, "--use_deepspeed", "--deepspeed_config_file", ds, "--num_processes", "2"]
     cmd += [
         "--mixed_precision",
         "no",
@@ -812,7 +813,7 @@ def test_a_process_stopped_longer_than_the_collective_timeout_ends_the_job_with_
 
     out = tmp_path / "run"
     env = user_env(ACCELERATE_USE_CPU="true")
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs/cpu.yaml", "--num_processes", "2"]
     cmd += ["--main_process_port", env["MASTER_PORT"], LM]
     cmd += lm_args(tiny_lm, out, "--max_train_steps", "1000", "--checkpointing_steps", "2", "--ddp_timeout", "5")
     cmd += ["--hang_timeout", "0"]  # the watch off: the collective's own timeout is what this tries

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from accelerate import PartialState
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     REPO,
     error_lines,
@@ -251,7 +252,7 @@ def test_zero_py_under_zero3_streams_chats_as_one_process_of_the_whole_batch_doe
     args = [*STREAM, "--gradient_accumulation_steps", "1", "--max_train_steps", "6", "--max_grad_norm", "0"]
     one, zero3 = tmp_path / "one", tmp_path / "zero3"
     run([BIN / "python", RECIPE, *lm_args(tiny_lm, one, *args, "--per_device_train_batch_size", "4", data=data)])
-    cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / "zero3.yaml"]
+    cmd = [ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs" / "zero3.yaml"]
     cmd += ["--num_processes", "2", "--mixed_precision", "no", REPO / "recipes" / "zero.py"]
     run(cmd + lm_args(tiny_lm, zero3, *args, "--per_device_train_batch_size", "2", data=data))
     a, b = results(one), results(zero3)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     REPO,
     chat_args,
@@ -44,8 +45,7 @@ def deepspeed(config, nproc, *args, recipe=RECIPE, check=True, command=False):
             config if str(config).endswith(".yaml") else REPO / f"accelerate_configs/{config}.yaml",
         ]
     cmd = [
-        BIN / "accelerate",
-        "launch",
+        ACCELERATE_LAUNCH,
         *config_args,
         "--num_processes",
         nproc,
