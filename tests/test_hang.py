@@ -55,6 +55,7 @@ def test_the_phase_is_read_from_the_stack_and_a_save_waits_longer(tmp_path):
     assert list(dog._reports()) == [0]
 
 
+@pytest.mark.slow
 def test_the_time_a_slow_save_took_is_not_counted_against_the_step_after_it(tmp_path):
     """A save gets --ddp_timeout less the time to report; the step after it gets --hang_timeout of its own, not what
     is left of it after the save (a save of 6 s, then a step of 2 s, --hang_timeout 4: no hang)."""
@@ -79,6 +80,7 @@ def test_the_time_a_slow_save_took_is_not_counted_against_the_step_after_it(tmp_
     assert (proc.returncode, proc.stdout) == (0, "no hang\n"), proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_step_is_not_a_stall_before_it_has_taken_three_of_the_runs_median_steps(tmp_path):
     """--ddp_timeout 10 gives --hang_timeout 5: a run whose steps take 4 s had one take 6 under load, and the watch
     ended it as a hang (exit 124, which a scheduler does not requeue). Steps of 1.2 s against --hang_timeout 2: one

@@ -185,6 +185,8 @@ def test_a_mistyped_flag_is_answered_before_transformers_models_and_schedules_lo
     assert "unrecognized arguments: --no_such_flag" in proc.stderr
 
 
+@pytest.mark.slow  # the cold half starts recipes in fresh interpreters
+@pytest.mark.floor  # the floor's fast tier forks from the warm process too
 def test_a_recipe_run_forked_from_the_warm_process_ends_as_a_fresh_interpreter_does(tiny_lm, tmp_path):
     """conftest.run forks `python <recipe>` from a process that imported the libraries (tests/warm.py): a refusal
     and a finished run end with the same exit code, lines and files as in a new interpreter; an environment with

@@ -318,6 +318,7 @@ except preemption.Preempted as stop:
 """
 
 
+@pytest.mark.slow
 def test_a_stop_while_a_resumed_stream_is_placed_ends_the_run_there(tiny_lm, tmp_path):
     """Placing a resumed stream at its position reads the epoch up to it (minutes, deep into a large corpus): a stop
     signal that comes meanwhile ends the run at the next 1000 rows, nothing trained, not after the whole placing."""
