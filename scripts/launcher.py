@@ -474,11 +474,14 @@ def said_code() -> int | None:
 def first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the process that failed first. torch stamps whole seconds, and a process whose peer left
     often fails in the same one: then the one that said why is the cause (2: a user mistake, before 75: stopped,
-    as torch's agent stops the others once one exits), then one that did not lose its peer (124), then one that
-    exited rather than was killed."""
+    as torch's agent stops the others once one exits, unless one was SIGKILLed that second: their stop followed the
+    kill), then one that did not lose its peer (124), then one that exited rather than was killed."""
     by_rank = sorted(failures.items())  # min() keeps the first of equals: the lowest rank
-    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode != 2, rf[1].exitcode != 75,
-                                        rf[1].exitcode == 124, rf[1].exitcode < 0))  # fmt: skip
+    # a process SIGKILLed (the OOM killer) in the second its peers stopped: their stop was torch's agent's, after it
+    stopped = {failure.timestamp for _, failure in by_rank if failure.exitcode == 75}
+    return min(by_rank, key=lambda rf: (rf[1].timestamp, rf[1].exitcode != 2,
+                                        not (rf[1].exitcode == -signal.SIGKILL and rf[1].timestamp in stopped),
+                                        rf[1].exitcode != 75, rf[1].exitcode == 124, rf[1].exitcode < 0))  # fmt: skip
 
 
 def exit_code(exitcode: int, who: str) -> int:

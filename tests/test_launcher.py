@@ -295,6 +295,9 @@ def test_the_first_failure_is_the_cause():
     assert launcher.first_failure({0: failure(124, 10), 1: failure(-9, 10)})[0] == 1
     # a mistake is the cause, the stop the same second torch's agent sending the others SIGTERM once it exited
     assert launcher.first_failure({0: failure(75, 10), 1: failure(2, 10)})[0] == 1
+    # killed (the OOM killer) while the other waited: torch's agent then stopped the other (75), in the same second
+    assert launcher.first_failure({0: failure(-9, 10), 1: failure(75, 10)})[0] == 0
+    assert launcher.first_failure({0: failure(75, 10), 1: failure(-9, 11)})[0] == 0
 
 
 def test_exit_codes(capfd):
