@@ -39,7 +39,7 @@ class TrainingLoop:
         self.checkpointing_steps = args.checkpointing_steps  # None, "epoch" or N optimizer steps
         self.checkpoint_every = self.checkpointing_steps if self.checkpointing_steps != "epoch" else None
         self.eval_steps = getattr(args, "eval_steps", None)
-        self.accumulation = args.gradient_accumulation_steps
+        self.accumulation, self.batch = args.gradient_accumulation_steps, plan.effective_batch_size  # per step
         # signals agreed on by every process; a stalled process named (the watchdog)
         self.stop = StopOnSignal(accelerator, start_watchdog(accelerator, args))
         self.beats = self.stop.watchdog.beats if self.stop.watchdog is not None else None  # appended at each step
@@ -53,7 +53,7 @@ class TrainingLoop:
         if self._evaluation_due():  # resumed from a stop at an evaluation point
             self._evaluate()
         groups = optimizer.param_groups if optimizer is not None and scheduler is None else ()
-        accumulation, lr = self.accumulation, None
+        accumulation, lr, peak, schedule = self.accumulation, None, plan.learning_rate, plan.schedule
         while position.step < plan.max_train_steps:
             batches, ended = epoch_batches(train_dl, position.epoch, position.sample), False
             while position.step < plan.max_train_steps:
@@ -72,7 +72,7 @@ class TrainingLoop:
                         )
                     break
                 if scheduler is None:
-                    lr = plan.lr_at(position.seen)  # the schedule counts samples: exact on any layout, resumed or not
+                    lr = peak * schedule(position.seen)  # plan.lr_at: by samples, exact on any layout, resumed or not
                     for group in groups:
                         group["lr"] = lr * group.get("lr_scale", 1.0)
                 yield Step(self, window)
@@ -89,7 +89,7 @@ class TrainingLoop:
     def _stepped(self, waited: float, lr: float | None) -> None:
         """After the recipe's update: the position, the log, the watchdog's beat, the agreed stop, an evaluation, a
         checkpoint."""
-        position, batch, now = self.position, self.plan.effective_batch_size, time.perf_counter()
+        position, batch, now = self.position, self.batch, time.perf_counter()
         position.step += 1
         position.sample += batch
         position.seen += batch
