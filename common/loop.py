@@ -12,7 +12,11 @@ run's position, the log, the stop every process agrees on, checkpoints and evalu
     metrics = loop.finish()
 
 Between steps a recipe may do what its update needs (clipping, EMA, a second optimizer): the loop moves the position
-only once the body of `for step in ...` is done."""
+only once the body of `for step in ...` is done.
+
+Its machinery is paid at every step (benchmarks/step_cost.py), so a step that neither logs, checkpoints, evaluates nor
+stops runs code of this file and the TrainLog alone: the loop reads its batches, the rate's schedule, the signal
+flags and the watchdog's beats as data (in several processes StopOnSignal.agreed() also all-reduces the flags)."""
 
 from __future__ import annotations
 
