@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import time
 
@@ -89,17 +90,20 @@ class EpochSampler(Sampler):
         return self._resume[1] if self.epoch == self._resume[0] else 0
 
     def __iter__(self):
-        # in slices: the whole order as a list of Python ints would cost about 36 bytes a sample (60 MB at 1.7 M)
-        for part in self.order(self.epoch)[self._start() :].split(65536):
-            yield from part.tolist()
+        # in slices: the whole order as a list of Python ints would cost about 36 bytes a sample (60 MB at 1.7 M);
+        # chained by itertools, so that drawing a batch's indices runs no Python code of this file
+        return itertools.chain.from_iterable(
+            map(torch.Tensor.tolist, self.order(self.epoch)[self._start() :].split(65536))
+        )
 
     def __len__(self) -> int:
         return self.num_samples - self._start()
 
 
 def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
-    """The batches of `epoch` from sample `first_sample` of its order on. The dataset's epoch is set here:
-    Accelerate passes set_epoch on to our sampler, and then not to the dataset."""
+    """An iterator over the batches of `epoch` from sample `first_sample` of its order on (an error it raises:
+    `reading_failed`). The dataset's epoch is set here: Accelerate passes set_epoch on to our sampler, and then not
+    to the dataset."""
     dataloader.set_epoch(epoch)  # Accelerate's loader counts its iterations by it, and passes it to our sampler
     sampler = dataloader.dataset if isinstance(dataloader.dataset, StreamOfBlocks) else dataloader
     while not isinstance(sampler, (EpochSampler, StreamOfBlocks)):  # DataLoaderShard -> BatchSamplerShard -> ours
@@ -114,30 +118,17 @@ def epoch_batches(dataloader, epoch: int, first_sample: int = 0):
         ]
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
-    return _Waited(iter(dataloader))
+    return iter(dataloader)
 
 
-class _Waited:
-    """An iterator that adds up, in `waited`, the seconds its user spent waiting for the next item (data loading)."""
-
-    def __init__(self, items):
-        self.items, self.waited = items, 0.0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        tic = time.perf_counter()
-        try:
-            return next(self.items)
-        except RecipeError as err:  # met by a loader worker: its own line, not torch's report around it
-            raise RecipeError(worker_error_line(str(err))) from None
-        except ValueError as err:
-            if dispatched_nothing(err):
-                raise StopIteration from None
-            raise
-        finally:
-            self.waited += time.perf_counter() - tic
+def reading_failed(err: Exception) -> list:
+    """What an error met reading the training batches (`epoch_batches`) means: the end of a stream Accelerate
+    dispatches (no more batches: []); a loader worker's RecipeError as its own line; anything else, itself."""
+    if isinstance(err, RecipeError):  # met by a loader worker: its own line, not torch's report around it
+        raise RecipeError(worker_error_line(str(err))) from None
+    if isinstance(err, ValueError) and dispatched_nothing(err):
+        return []
+    raise err
 
 
 def worker_error_line(message: str) -> str:

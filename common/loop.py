@@ -12,14 +12,19 @@ run's position, the log, the stop every process agrees on, checkpoints and evalu
     metrics = loop.finish()
 
 Between steps a recipe may do what its update needs (clipping, EMA, a second optimizer): the loop moves the position
-only once the body of `for step in ...` is done."""
+only once the body of `for step in ...` is done.
+
+Its machinery is paid at every step (benchmarks/step_cost.py), so a step that neither logs, checkpoints, evaluates nor
+stops runs code of this file and the TrainLog alone: the loop reads its batches, the rate's schedule, the signal
+flags and the watchdog's beats as data (in several processes StopOnSignal.agreed() also all-reduces the flags)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 
-from .data import epoch_batches
+from .data import epoch_batches, reading_failed
 from .metrics import TrainLog
 from .preemption import StopOnSignal
 from .runtime import RecipeError
@@ -36,10 +41,12 @@ class TrainingLoop:
         self.accelerator, self.plan, self.position, self.out, self.model = accelerator, plan, start, out, model
         self.evaluate, self.metrics = evaluate, {}
         self.checkpointing_steps = args.checkpointing_steps  # None, "epoch" or N optimizer steps
+        self.checkpoint_every = self.checkpointing_steps if self.checkpointing_steps != "epoch" else None
         self.eval_steps = getattr(args, "eval_steps", None)
-        self.accumulation = args.gradient_accumulation_steps
+        self.accumulation, self.batch = args.gradient_accumulation_steps, plan.effective_batch_size  # per step
         # signals agreed on by every process; a stalled process named (the watchdog)
         self.stop = StopOnSignal(accelerator, start_watchdog(accelerator, args))
+        self.beats = self.stop.watchdog.beats if self.stop.watchdog is not None else None  # appended at each step
         self.optimizer = None  # the one steps() updates
         self.log = TrainLog(accelerator, plan, start, args.logging_steps, out.resume_from, loader_fixes(args))
 
@@ -49,12 +56,18 @@ class TrainingLoop:
         position, plan, self.optimizer = self.position, self.plan, optimizer  # a TP checkpoint saves it by itself
         if self._evaluation_due():  # resumed from a stop at an evaluation point
             self._evaluate()
+        groups = optimizer.param_groups if optimizer is not None and scheduler is None else ()
+        accumulation, lr, peak, schedule = self.accumulation, None, plan.learning_rate, plan.schedule
         while position.step < plan.max_train_steps:
             batches, ended = epoch_batches(train_dl, position.epoch, position.sample), False
             while position.step < plan.max_train_steps:
-                waited = batches.waited
-                window = list(itertools.islice(batches, self.accumulation))
-                if ended := len(window) < self.accumulation:  # the epoch's remainder: too few for a whole step
+                asked = time.perf_counter()  # the data wait: from here until the step's batches are in hand
+                try:
+                    window = list(itertools.islice(batches, accumulation))
+                except (RecipeError, ValueError) as err:
+                    window = reading_failed(err)  # a stream's end, or an error raised as what it means
+                waited = time.perf_counter() - asked
+                if ended := len(window) < accumulation:  # the epoch's remainder: too few for a whole step
                     if position.sample == 0:  # a stream (a dataset's size was checked by the plan)
                         raise RecipeError(
                             f"the training data holds fewer samples than one step trains ({plan.effective_batch_size}"
@@ -63,11 +76,11 @@ class TrainingLoop:
                         )
                     break
                 if scheduler is None:
-                    lr = plan.lr_at(position.seen)  # the schedule counts samples: exact on any layout, resumed or not
-                    for group in optimizer.param_groups if optimizer is not None else ():
+                    lr = peak * schedule(position.seen)  # plan.lr_at: by samples, exact on any layout, resumed or not
+                    for group in groups:
                         group["lr"] = lr * group.get("lr_scale", 1.0)
                 yield Step(self, window)
-                self._stepped(batches.waited - waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
+                self._stepped(waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
             if self._evaluates_at_epoch_end():
                 self._evaluate()
             if ended or plan.epoch_done(
@@ -78,18 +91,22 @@ class TrainingLoop:
                 self._save_checkpoint()
 
     def _stepped(self, waited: float, lr: float | None) -> None:
-        """After the recipe's update: the position, the log, the agreed stop, an evaluation, a checkpoint."""
-        position, plan = self.position, self.plan
+        """After the recipe's update: the position, the log, the watchdog's beat, the agreed stop, an evaluation, a
+        checkpoint."""
+        position, batch, now = self.position, self.batch, time.perf_counter()
         position.step += 1
-        position.sample += plan.effective_batch_size
-        position.seen += plan.effective_batch_size
-        self.log.step(position.step, position.seen, lr, waited)
-        if self.stop.requested(position.step):  # on every process at the same step
+        position.sample += batch
+        position.seen += batch
+        self.log.step(position.step, position.seen, lr, waited, now)
+        if self.beats is not None:
+            self.beats.append((position.step, now))  # what watchdog.beat(step) records, without the call
+        # on every process at the same step; in one process a signal received here is the stop
+        if (self.stop.agreeing or self.stop.received) and self.stop.agreed():
             saved = self._save_checkpoint()
             raise self.stop.preempted(position.step, saved)
-        if self._evaluation_due():
+        if self.eval_steps and self._evaluation_due():
             self._evaluate()
-        if self.checkpointing_steps not in (None, "epoch") and position.step % self.checkpointing_steps == 0:
+        if self.checkpoint_every and position.step % self.checkpoint_every == 0:
             self._save_checkpoint()  # after the evaluation: it records its metrics
 
     def _save_checkpoint(self):
@@ -156,6 +173,12 @@ class Step:
         """Each batch, inside the context its backward needs: the gradients are reduced across processes after the
         last micro-batch's backward only (the others run under no_sync)."""
         accelerator, last = self.loop.accelerator, len(self.batches) - 1
+        if not last:  # one micro-batch: its backward syncs; a list, no generator to step through
+            accelerator.sync_gradients = True
+            return self.batches
+        return self._under_no_sync(accelerator, last)
+
+    def _under_no_sync(self, accelerator, last: int):
         for i, batch in enumerate(self.batches):
             accelerator.sync_gradients = i == last
             with contextlib.nullcontext() if i == last else accelerator.no_sync(self.loop.model):

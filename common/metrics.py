@@ -33,7 +33,9 @@ class TrainLog:
         self.accelerator, self.plan, self.logging_steps = accelerator, plan, logging_steps
         self.loader_fixes, self._logs = loader_fixes, 0  # said with a run whose steps wait for their data
         self.hosts = gather_object([socket.gethostname()])
-        self.train_loss, self.history, self._added = None, [], []  # (loss, items, per): no host sync per step
+        # each micro-batch's loss (on its device), its weight and its items since the last log: a log sums them,
+        # so a step adds three list entries and makes no host sync and no tensor
+        self.train_loss, self.history, self._losses, self._weights, self._items = None, [], [], [], []
         self.eval_history = []  # each evaluation's metrics, at its step
         self.window, self._offset = [0.0, 0.0], 0.0  # (loss x per, items) since the last log, all processes
         if resume_from is not None:
@@ -43,7 +45,7 @@ class TrainLog:
             self.train_loss = self.history[-1]["train_loss"] if self.history else None  # if nothing is left to train
             if items:  # every process's sums, added once; the others add nothing, as every process must log then
                 share = items if accelerator.is_main_process else 0
-                self._added.append((torch.tensor(loss / items), share, share))
+                self.add(torch.tensor(loss / items, device=accelerator.device), share)
             self._offset = state.get("train_seconds", self.history[-1]["train_seconds"] if self.history else 0.0)
         self._start = self._at = (start.step, start.seen, None)  # this run's start, its last step: (step, seen, lr)
         self._first = None  # (train_seconds, seen) after the first step
@@ -61,12 +63,15 @@ class TrainLog:
     def add(self, loss: torch.Tensor, items, per=None) -> None:
         """A micro-batch's loss, a mean over `per` items (default `items`; an LM's is a share of the step's mean
         over every process's target tokens)."""
-        self._added.append((loss.detach(), items, items if per is None else per))
+        self._losses.append(loss.detach())
+        self._weights.append(items if per is None else per)
+        self._items.append(items)
 
-    def step(self, step: int, seen: int, lr: float | None = None, waited: float = 0.0) -> None:
+    def step(self, step: int, seen: int, lr: float | None = None, waited: float = 0.0, now: float | None = None):
         """After each optimizer step: the clock, the bar, and every --logging_steps a log. `lr`: a DeepSpeed
-        config's own scheduler's rate (else the plan's); `waited`: the seconds this step waited for its data."""
-        now = time.perf_counter()
+        config's own scheduler's rate (else the plan's); `waited`: the seconds this step waited for its data; `now`:
+        time.perf_counter() as the step ended (the loop's, which also beats the watchdog with it)."""
+        now = time.perf_counter() if now is None else now
         self.train_seconds += now - self._clock
         self.data_seconds += waited
         self._clock, self._at = now, (step, seen, lr)
@@ -85,11 +90,12 @@ class TrainLog:
     def _flush(self) -> None:
         """The loss since the last log into the history; train_seconds is read after the loss reached the host (a
         device sync), so consecutive logs time the steps between them."""
-        if not self._added:
+        if not self._losses:
             return
         step, seen, lr = self._at
         sums, times = self._sums()
-        self._added, self.train_loss = [], float(sums[0] / sums[1]) if sums[1] > 0 else None  # no items: no mean
+        self._losses, self._weights, self._items = [], [], []
+        self.train_loss = float(sums[0] / sums[1]) if sums[1] > 0 else None  # no items: no mean
         if self.train_loss is not None and not math.isfinite(self.train_loss):
             raise _diverged(step, f"the training loss became {self.train_loss}")
         record = {"step": step, "samples_seen": seen, "train_loss": self.train_loss}
@@ -103,11 +109,10 @@ class TrainLog:
         process's (steps, step seconds, data seconds) since the last gather: one all-gather."""
         times = [self._at[0] - self._start[0], self.train_seconds, self.data_seconds]
         local = torch.tensor([0, 0, extra, *times], dtype=torch.float64, device=self.accelerator.device)
-        if self._added:
-            loss, items, per = (
-                torch.stack([torch.as_tensor(v, device=local.device) for v in c]).double() for c in zip(*self._added)
-            )
-            local[0], local[1] = (loss * per).sum(), items.sum()
+        if self._losses:
+            losses = torch.stack(self._losses).double()
+            local[0] = (losses * as_column(self._weights, local.device)).sum()
+            local[1] = as_column(self._items, local.device).sum()
         everyone = self.accelerator.gather(local).view(-1, 6).cpu()
         since, self.per_rank = everyone[:, 3:] - self.per_rank, everyone[:, 3:]
         return everyone[:, :3].sum(0), since
@@ -208,6 +213,14 @@ class TrainLog:
             summary["tokens_per_second"] = rate * tokens_per_sample if rate else None
             summary["steady_tokens_per_second"] = steady * tokens_per_sample if steady else None
         return summary
+
+
+def as_column(values: list, device) -> torch.Tensor:
+    """Numbers (a batch's samples) or tensors (an LM's target tokens, counted on the device) as one float64 tensor:
+    numbers in one call, not one tensor each."""
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return torch.tensor(values, dtype=torch.float64, device=device)
+    return torch.stack([torch.as_tensor(v, device=device).double() for v in values])
 
 
 def _diverged(step: int, what: str) -> RecipeError:

@@ -103,11 +103,12 @@ class TrainingPlan:
 
     def lr_at(self, seen: int) -> float:
         """The learning rate of the step that follows `seen` trained samples."""
-        return self.learning_rate * self._schedule(seen)
+        return self.learning_rate * self.schedule(seen)
 
     @functools.cached_property
-    def _schedule(self):
-        """transformers' schedule (its LambdaLR's function) built over samples instead of steps."""
+    def schedule(self):
+        """The rate's fraction of `learning_rate` after a number of trained samples: transformers' schedule (its
+        LambdaLR's function) built over samples instead of steps."""
         import torch
         from transformers import get_scheduler  # here: a parse error need not wait for transformers
 

@@ -127,26 +127,33 @@ def _end_loader_workers() -> None:
 
 
 class StopOnSignal:
-    """`requested()`, called by every process once per step (and evaluation batch), returns the signal's name on
-    every process at the same call, one call after any received one: the flags are all-reduced over a gloo group of
-    their own, started at one call and read at the next (no device sync). Each call is progress for the watchdog
-    (`watchdog`'s, common.watchdog.start_watchdog). `progress_only` is the stop check of a final evaluation, which a
-    signal does not cut short (its metrics are what the run saves next): its `requested()` tells the watchdog the
-    process is alive and never asks to stop."""
+    """`requested()`, called by every process once per evaluation batch, and `agreed()`, once per optimizer step,
+    return the signal's name on every process at the same call, one call after any received one: the flags are
+    all-reduced over a gloo group of their own, started at one call and read at the next (no device sync). In one
+    process there is nothing to agree on: the training loop reads `received` itself and calls `agreed()` only when
+    it holds a signal or when `agreeing` (several processes). Each `requested()` is progress for the watchdog
+    (`watchdog`'s, common.watchdog.start_watchdog; the loop beats it at each step's end). `progress_only` is the stop
+    check of a final evaluation, which a signal does not cut short (its metrics are what the run saves next): its
+    `requested()` tells the watchdog the process is alive and never asks to stop."""
 
     def __init__(self, accelerator, watchdog=None):
         global _in_loop
         self._flag, self._pending, self.signal = torch.zeros(1, dtype=torch.int32), None, None
         spans = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if spans else None
+        self.agreeing, self.received = self._group is not None, _received  # the signal flags, read by the loop
         self.watchdog = watchdog
         self.progress_only = SimpleNamespace(requested=self.watchdog.beat if self.watchdog else lambda: None)
         _in_loop = True
 
     def requested(self, step: int | None = None) -> str | None:
-        """The agreed stop signal's name, or None; `step`: the optimizer steps taken (for the watchdog's report)."""
+        """The agreed stop signal's name, or None; progress for the watchdog (`step`: the optimizer steps taken)."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
+        return self.agreed()
+
+    def agreed(self) -> str | None:
+        """The agreed stop signal's name, or None."""
         local = _received[0] if _received else 0
         agreed = local if self._group is None else 0
         if self._pending is not None:

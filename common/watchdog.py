@@ -1,8 +1,9 @@
-"""A stalled process named, not waited on: after --hang_timeout seconds without progress (StopOnSignal.requested),
-every process that can still run writes its stacks to <output_dir>/hang/rank-<r>.txt, the lowest of them prints one
-line naming the ranks that stalled and those waiting for them, and the job ends with exit 124. The ranks meet in the
-output folder, which every node sees: no collective is added to a step. Phases slow by nature (saves, loads, the
-first step) get as long as the collectives around them can wait (--ddp_timeout), less the time to report."""
+"""A stalled process named, not waited on: after --hang_timeout seconds without progress (the beats: each training
+step's end, each evaluation batch), every process that can still run writes its stacks to
+<output_dir>/hang/rank-<r>.txt, the lowest of them prints one line naming the ranks that stalled and those waiting for
+them, and the job ends with exit 124. The ranks meet in the output folder, which every node sees: no collective is
+added to a step. Phases slow by nature (saves, loads, the first step) get as long as the collectives around them can
+wait (--ddp_timeout), less the time to report."""
 
 import collections
 import faulthandler
@@ -65,47 +66,58 @@ class Watchdog:
         self.slow_timeout = max(hang_timeout, ddp_timeout - 2 * MARGIN)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.ranks = gather_object([(socket.gethostname(), os.getpid())])  # who each rank is, for the report
-        self.step, self.last, self._main = 0, time.monotonic(), threading.main_thread().ident
-        self.steps = collections.deque(maxlen=32)  # the last steps' durations (beat to beat, no evaluation between)
-        self._stepped = False  # whether the last beat ended a step
+        self._main, self._continued = threading.main_thread().ident, time.perf_counter()
+        # (step, time.perf_counter()) of the last beats: the training loop appends one as each step ends (data, no
+        # call: a step runs no code of this module); an evaluation's beat is (None, time), at most one in a row.
+        # The last steps' durations are those of consecutive steps with no other beat between.
+        self.beats = collections.deque([(None, self._continued)], maxlen=33)
+        self.step = 0  # the last step beaten, as this thread last looked
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
-    def beat(self, step=None) -> None:
-        now = time.monotonic()
-        if step is not None and step == self.step + 1 and self._stepped:
-            self.steps.append(now - self.last)
-        self.last, self._stepped = now, step is not None
-        self.step = self.step if step is None else step
+    def beat(self, step: int | None = None) -> None:
+        """Progress: the end of optimizer step `step` (what the training loop appends itself), or with None one that
+        is not a step's end (an evaluation's batch)."""
+        if step is None and self.beats[-1][0] is None:
+            self.beats[-1] = (None, time.perf_counter())
+        else:
+            self.beats.append((step, time.perf_counter()))
 
-    def limit(self) -> float:
-        """Seconds without progress that make a stall: --hang_timeout, or more where the run's steps are long for it
-        (--ddp_timeout 10 gives 5 s; a step of 4 s under load took 6 and was killed as a hang)."""
-        steps = sorted(self.steps)
-        return max(self.timeout, STEPS_OF_NO_PROGRESS * steps[len(steps) // 2]) if steps else self.timeout
+    def _looked(self) -> tuple[float, float]:
+        """(the last progress, the seconds without progress that make a stall) from the beats so far; sets `step`.
+        The limit is --hang_timeout, or more where the run's steps are long for it (--ddp_timeout 10 gives 5 s; a
+        step of 4 s under load took 6 and was killed as a hang)."""
+        beats = list(self.beats)  # a copy made at once: the main thread appends meanwhile
+        self.step = next((step for step, _ in reversed(beats) if step is not None), self.step)
+        steps = sorted(
+            t - before for (one, before), (other, t) in zip(beats, beats[1:]) if one is not None and other == one + 1
+        )
+        limit = max(self.timeout, STEPS_OF_NO_PROGRESS * steps[len(steps) // 2]) if steps else self.timeout
+        return max(beats[-1][1], self._continued), limit
 
     def _watch(self) -> None:
         """Until the main thread stalls; then this rank's report, the line, and the exit. Not once the run has ended:
         a main() called from a user's script returns to it, which may take its time."""
         slow_seen = 0.0  # when a slow phase was last seen: the time it took is not the next phase's
         period = min(5.0, self.timeout / 4)
-        woke = time.monotonic()
+        woke = time.perf_counter()
         while True:
             time.sleep(period)
             if run_ended():
                 return
             phase, waiting = phase_of(traceback.extract_stack(sys._current_frames()[self._main]))
+            last, steps_limit = self._looked()
             slow = phase in SLOW_PHASES or self.step == 0  # before the first step ends: compiling, warming up
-            now = time.monotonic()
+            now = time.perf_counter()
             slept, woke = now - woke, now
             if slept > period + max(period, 2.0):  # this process did not run meanwhile: stopped (SIGSTOP, a job
-                self.last = max(self.last, now)  # suspended by its scheduler) and continued; its time is not idle
+                self._continued = now  # suspended by its scheduler) and continued; its time is not idle
                 continue
             slow_seen = now if slow else slow_seen
-            idle = now - (self.last if slow else max(self.last, slow_seen))
-            if idle >= (self.slow_timeout if slow else self.limit()):
+            idle = now - (last if slow else max(last, slow_seen))
+            if idle >= (self.slow_timeout if slow else steps_limit):
                 break
         limit = f"--ddp_timeout less {2 * MARGIN:.0f} s, for a {phase}" if slow else "--hang_timeout"
-        if not slow and self.limit() > self.timeout:
+        if not slow and steps_limit > self.timeout:
             limit = f"{STEPS_OF_NO_PROGRESS} of the run's median steps, above --hang_timeout"
         self.folder.mkdir(parents=True, exist_ok=True)
         host, pid = self.ranks[self.rank]

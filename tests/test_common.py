@@ -559,6 +559,71 @@ def test_a_resumed_log_goes_on_with_the_checkpoints_history_and_window(tmp_path)
     assert TrainLog(accelerator, plan, Position(8, 1, 0, 8), 4, tmp_path / "checkpoint-8").train_loss == 6.5
 
 
+def test_a_log_is_the_weighted_mean_of_the_micro_batch_losses_since_the_last_one_numbers_or_device_counts():
+    """The loss at a logging step is sum(loss x weight) / sum(items) over the micro-batches since the last log: a
+    batch's samples as numbers, an LM's target tokens as tensors (its loss a share of the step's mean over `per`)."""
+    accelerator = Accelerator(cpu=True)
+    plan = SimpleNamespace(max_train_steps=4, lr_at=lambda seen: 0.1, epochs=lambda at: 1.0)
+    log = TrainLog(accelerator, plan, Position(), 2)
+    log.add(torch.tensor(1.0), 2), log.add(torch.tensor(4.0), 1)
+    log.step(1, 3)
+    log.add(torch.tensor(0.5), torch.tensor(3), per=torch.tensor(6)), log.add(torch.tensor(0.25), 3, per=6)
+    log.step(2, 9)
+    log.add(torch.tensor(2.0, dtype=torch.bfloat16), 4)
+    log.step(3, 13)
+    log.add(torch.tensor(3.0), torch.tensor(4))
+    log.step(4, 17)
+    assert [h["train_loss"] for h in log.history] == [pytest.approx(10.5 / 9), pytest.approx(2.5)]
+
+
+def test_the_loop_times_each_steps_wait_for_its_data_beats_the_watchdog_and_stops_on_a_signal(tmp_path):
+    """One process: the seconds each step waited for its batches are the log's data seconds; each step's end is a
+    beat the watchdog reads (its steps' durations set its patience); a signal received during step 3 stops the run
+    after it, with a checkpoint."""
+    import signal
+    import time
+
+    from common import preemption
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            time.sleep(0.01)
+            return torch.ones(2)
+
+    parser = common.training_parser("t", "t")
+    parser.set_defaults(**shared_defaults(parser))
+    argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    args = parser.parse_args([*argv, "--logging_steps", "1", "--hang_timeout", "3000", "--ddp_timeout", "6000"])
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    train_dl = accelerator.prepare(common.make_dataloader(Slow(), 2, train=True, seed=0, num_workers=0))
+    plan, position = common.plan_run(args, Slow(), accelerator.num_processes)
+    saved = []
+    out = SimpleNamespace(resume_from=None, save_checkpoint=lambda model, plan, at, log, opt: saved.append(at.step))
+    handlers = {sig: signal.getsignal(sig) for sig in preemption.STOP_SIGNALS}
+    try:
+        preemption.install_stop_handlers()
+        loop = TrainingLoop(accelerator, args, plan, position, out, torch.nn.Linear(1, 1), lambda stop: {})
+        with pytest.raises(preemption.Preempted) as stopped:
+            for step in loop.steps(train_dl):
+                for x in step.micro_batches():
+                    step.backward(x.sum(1).mean().requires_grad_(), len(x))
+                if position.step == 2:  # the body of step 3
+                    signal.raise_signal(signal.SIGUSR1)
+    finally:
+        preemption._received.clear()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert stopped.value.step == 3 and saved == [3] and position.step == 3
+    assert 3 * 4 * 0.01 <= loop.log.data_seconds < loop.log.train_seconds  # 4 samples of 10 ms each step
+    beats = list(loop.stop.watchdog.beats)
+    assert [step for step, _ in beats] == [None, 1, 2, 3]
+    assert loop.stop.watchdog._looked() == (beats[-1][1], 3000)  # steps of milliseconds: --hang_timeout stands
+    assert loop.stop.watchdog.step == 3
+
+
 @pytest.mark.parametrize("waits, said", [(0.03, True), (0.002, False)])
 def test_steps_that_wait_for_their_data_are_said_once_with_the_fixes_this_run_has(caplog, waits, said):
     """A step that spends more than a fifth of its time waiting for its batch (every rank: the loader is too slow
