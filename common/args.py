@@ -377,6 +377,10 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
         ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant" or not warmup(a),
         "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
     )  # fmt: skip
+    p.requires(  # transformers' inverse_sqrt decays over its warmup: without one, over its own 10,000 steps
+        "--lr_scheduler_type inverse_sqrt", warmup, "--lr_scheduler_type inverse_sqrt decays over its warmup's "
+        "length, and there is no warmup", "pass --warmup_steps or --warmup_ratio above 0",
+    )  # fmt: skip
     p.does_nothing_unless(
         ["--reference_batch_size"], lambda a: a.lr_scaling != "none",
         "with --lr_scaling none (no rate is scaled from it)", ", or pass --lr_scaling linear or sqrt",

@@ -74,6 +74,8 @@ SHARED = [
     (["--dataloader_num_workers", "-1"], "--dataloader_num_workers"),
     (["--warmup_steps", "-1"], "--warmup_steps"),
     (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "--warmup_ratio"),
+    (["--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"], "--lr_scheduler_type"),
+    (["--lr_scheduler_type", "inverse_sqrt", "--warmup_steps", "0"], "--lr_scheduler_type"),
     (["--hang_timeout", "-1"], "--hang_timeout"),
     (["--hang_timeout", "600"], "--hang_timeout"),
     (["--seed", "-1"], "--seed"),
@@ -335,8 +337,6 @@ SETUPS = {  # name: (setup(folder) -> the refused call, its subject)
                                  "run"))))[1], "--output_dir"),  # the system's refusal, named by the option
     "more accumulation than batches": (lambda f: planned("--gradient_accumulation_steps", "30"),
                                        "--gradient_accumulation_steps"),
-    "inverse_sqrt without warmup": (lambda f: planned("--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"),
-                                    "--lr_scheduler_type"),
     "a schedule transformers refuses": (lambda f: planned("--lr_scheduler_type", "polynomial", "--learning_rate",
                                                           "1e-9"), "--lr_scheduler_type"),
     "warmup as long as the run": (lambda f: planned("--max_train_steps", "50", "--warmup_steps", "50", samples=1000),
