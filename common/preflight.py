@@ -6,7 +6,9 @@ both refuse the same inputs with the same line. Imports no torch: the launcher a
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from . import mesh
 from .errors import RecipeError
@@ -102,16 +104,63 @@ def more_processes_than_gpus(processes: int, gpus: int, on_cpu: bool) -> RecipeE
     )  # fmt: skip
 
 
+def sharding_left_out_on_cpu(environ, gpus: int) -> RecipeError | None:
+    """A DeepSpeed or FSDP config under ACCELERATE_USE_CPU=true, which Accelerate would set up as plain CPU processes
+    without a word: it applies DeepSpeed only off the CPU flag, and FSDP there only on a host without GPUs (where
+    runtime.fsdp_on_cpu presents the gloo group as a GPU group)."""
+    if not flag(environ, "ACCELERATE_USE_CPU"):
+        return None
+    for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if flag(environ, asked) and (name == "DEEPSPEED" or gpus):
+            return RecipeError(  # the variable runtime's "formed no group" line sends users to set
+                f"the accelerate config asks for {name}, which Accelerate leaves out under ACCELERATE_USE_CPU=true; "
+                f"unset it: {name} runs on CPU without it (./launch.sh --config "
+                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})",
+                subject="$ACCELERATE_USE_CPU",
+            )
+    return None
+
+
+def fp16_on_cpu(precision: str, on_cpu: bool, deepspeed_file: str | None) -> RecipeError | None:
+    """Mixed precision fp16 on the CPU, which Accelerate trains in fp32 while reporting fp16. `precision` is what
+    accelerate launch passed on (--mixed_precision, the config's); under DeepSpeed a config file's fp16 section
+    (`deepspeed_file`) decides instead, unless it leaves it to --mixed_precision ("auto")."""
+    enabled = _deepspeed_fp16(deepspeed_file) if deepspeed_file else None
+    if not on_cpu or not (enabled is True or (enabled in (None, "auto") and precision == "fp16")):
+        return None
+    if enabled is True:  # the file decides: --mixed_precision cannot turn it off
+        fix = f'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {deepspeed_file}'
+    else:
+        fix = "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
+    return RecipeError(
+        f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}",
+        subject=deepspeed_file if enabled is True else "--mixed_precision",
+    )
+
+
+def _deepspeed_fp16(path: str):
+    """A DeepSpeed JSON config file's fp16 "enabled" (True, False or "auto"), or None where it says none (or the file
+    cannot be read: DeepSpeed's own refusal is said later)."""
+    try:
+        return json.loads(Path(path).read_text()).get("fp16", {}).get("enabled")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def refusals(environ, gpus: int, versions: dict) -> list[RecipeError]:
     """Every refusal of a process about to join a job, as the launcher started it (`environ`), with `gpus` visible
     and `versions` ({"torch": ..., "accelerate": ...}) installed; in the order they are said."""
     processes = int(environ.get("WORLD_SIZE", "1"))
     on_cpu = flag(environ, "ACCELERATE_USE_CPU") or gpus == 0  # the config's use_cpu, as accelerate launch passes it
+    deepspeed = flag(environ, "ACCELERATE_USE_DEEPSPEED") and not flag(environ, "ACCELERATE_USE_CPU")
+    deepspeed_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if deepspeed else None  # its fp16 decides
     found = [
         known_bad_torch(processes, versions["torch"], flag(environ, "ACCELERATE_USE_FSDP") and gpus == 0),
         stale_ranks(environ),
         mesh_sizes(environ, processes, versions["accelerate"]),
         more_processes_than_gpus(int(environ.get("LOCAL_WORLD_SIZE", "1")), gpus, on_cpu),
+        sharding_left_out_on_cpu(environ, gpus),
+        fp16_on_cpu(environ.get("ACCELERATE_MIXED_PRECISION", "no"), on_cpu, deepspeed_file),
     ]
     return [refusal for refusal in found if refusal is not None]
 

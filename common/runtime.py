@@ -750,8 +750,8 @@ def _gpus_nvidia_smi_lists() -> int:
 
 def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
     """Refuse what Accelerate did not set up as asked: the `expected` processes in one group that syncs gradients,
-    and the config's FSDP, DeepSpeed and fp16 (it falls back without a word: FSDP on CPU to DDP, fp16 on CPU to fp32
-    while reporting fp16)."""
+    and the config's FSDP and DeepSpeed (it falls back without a word: FSDP on CPU to DDP). What the environment
+    alone shows (fp16 on the CPU, DeepSpeed under ACCELERATE_USE_CPU) common.preflight refused before."""
     kind = accelerator.distributed_type.value
     asked = int(os.environ.get(_args.WORLD_SIZE_ENV, accelerator.num_processes))
     if accelerator.num_processes != asked:  # accelerate launch starts one process for some configs (MULTI_CPU)
@@ -792,36 +792,11 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             "ACCELERATE_USE_CPU=true before accelerate launch (accelerate_configs/cpu.yaml)"
         )
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
-        if parse_flag_from_env(asked) and kind != name and parse_flag_from_env("ACCELERATE_USE_CPU"):
-            raise RecipeError(  # the variable the refusal below sends users to set (launch.sh sets it for cpu.yaml)
-                f"the accelerate config asks for {name}, which Accelerate leaves out under ACCELERATE_USE_CPU=true; "
-                f"unset it: {name} runs on CPU without it (./launch.sh --config "
-                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})",
-                subject="$ACCELERATE_USE_CPU",
-            )
-        if parse_flag_from_env(asked) and kind != name:
+        if parse_flag_from_env(asked) and kind != name:  # under ACCELERATE_USE_CPU: preflight.sharding_left_out_on_cpu
             raise RecipeError(
                 f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "
                 f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"
             )
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        fix = "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
-        if (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) and _enables_fp16(path):  # the file decides
-            fix = f'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {path}'
-        raise RecipeError(
-            f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}",
-            subject=path if "DeepSpeed config file" in fix else "--mixed_precision",
-        )
-
-
-def _enables_fp16(deepspeed_config_file: str) -> bool:
-    """Whether a DeepSpeed JSON config sets fp16 on itself (not "auto", which --mixed_precision fills in)."""
-    import json
-
-    try:
-        return json.loads(Path(deepspeed_config_file).read_text()).get("fp16", {}).get("enabled") is True
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def library_versions() -> dict:

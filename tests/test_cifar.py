@@ -32,6 +32,7 @@ from conftest import (
     results,
     run,
     snapshot,
+    started_by_accelerate_launch,
     uploaded,
     user_env,
 )
@@ -276,22 +277,6 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
         "before accelerate launch"
     ), lines[0]
     assert not out.exists(), "a refused run must not write output"
-
-
-def started_by_accelerate_launch(monkeypatch, port, *launch) -> tuple:
-    """(environment, torchrun's arguments) the processes of `accelerate launch <launch> recipes/cifar.py` start with:
-    accelerate's own launcher, run in this process as a user's shell runs it, up to torchrun's start of them."""
-    import torch.distributed.run as distrib_run
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
-    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:  # as user_env()
-        monkeypatch.delenv(name)
-    started = []
-    monkeypatch.setattr(distrib_run, "run", lambda args: started.append((dict(os.environ), vars(args))))
-    argv = [*launch, "--main_process_port", port, RECIPE, "--output_dir", "run"]
-    launch_command(launch_command_parser().parse_args([str(a) for a in argv]))
-    (processes,) = started
-    return processes
 
 
 def test_multi_gpu_without_cpu_setting_starts_the_processes_the_refused_cpu_config_starts(monkeypatch):
