@@ -876,7 +876,6 @@ def load_causal_lm(args, **model_kwargs):
 
     source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
     flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
-    tensor_parallel.refuse_what_cannot_split(args)  # under tp.yaml: what it cannot train, before anything loads
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)  # first: the tokenizer reads it too
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)

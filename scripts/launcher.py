@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
     if sizes:  # the config's mesh for this job's nodes and processes (accelerate takes the options over the YAML's)
-        if refusal := preflight.unbuilt_mesh(sizes):
+        if refusal := preflight.unbuilt_mesh(sizes) or preflight.unsplittable(sizes, kind == "FSDP"):
             die(f"{config_file.name}: {refusal}")
         sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
         if problem:

@@ -251,6 +251,72 @@ def test_what_accelerate_launch_passes_on_is_refused_before_the_group_forms(case
     assert [str(refusal) for refusal in found] == ([] if line == PASSES else [line.replace("{file}", str(file))])
 
 
+SETTINGS = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+GATHER, STAGE_2 = "stage3_gather_16bit_weights_on_model_save", {"zero_optimization": {"stage": 2}}
+# (the accelerate config: zero3.yaml with a replacement, or a DeepSpeed file's settings; --max_grad_norm; the subject)
+DEEPSPEED = {
+    "zero3.yaml": (("zero3", "", ""), 1.0, PASSES),
+    "zero3.yaml clipping at another norm, without the gather": (
+        ("zero3", "zero3_save_16bit_model: true", "gradient_clipping: 0.01"), 1.0, "--max_grad_norm",
+    ),
+    "zero3.yaml without the gather": (
+        ("zero3", "zero3_save_16bit_model: true", "gradient_clipping: 0.01"), 0.01, "zero3_save_16bit_model",
+    ),
+    "zero2.yaml accumulating 4": (("zero2", "zero_stage: 2", "zero_stage: 2\n  gradient_accumulation_steps: 4"), 1.0,
+                                  "--gradient_accumulation_steps"),
+    "a file's micro-batch": ({**STAGE_2, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 4}, 1.0,
+                             "--per_device_train_batch_size"),
+    "a file's total batch": ({**STAGE_2, "gradient_accumulation_steps": 2, "train_batch_size": 64}, 1.0,
+                             "train_batch_size"),
+    "a file without accumulation (Accelerate's 1)": (STAGE_2, 1.0, "--gradient_accumulation_steps"),
+    "a file of auto": ({**STAGE_2, **dict.fromkeys(SETTINGS, "auto")}, 1.0, PASSES),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEEPSPEED)
+def test_a_deepspeed_config_at_odds_with_the_flags_is_refused_before_the_group_forms(case, tmp_path, monkeypatch):
+    """The DeepSpeed config as accelerate launch passes it on (an accelerate config's deepspeed_config, or a DeepSpeed
+    file it names), read by common.preflight as Accelerate's DeepSpeedPlugin reads it (the same settings, compared
+    here); where its batch, accumulation or clipping is not the flags' (per device 8, accumulation 2, 2 processes),
+    or ZeRO-3 lacks the 16-bit gather, refused before the group forms, naming the flag or the config's key. Through
+    launch.sh in 2 DeepSpeed processes, each fix followed: tests/test_fixes.py."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from common import preflight
+
+    config, max_grad_norm, subject = DEEPSPEED[case]
+    if isinstance(config, tuple):  # an accelerate config
+        name, old, new = config
+        path = tmp_path / f"{name}.yaml"
+        text = (REPO / f"accelerate_configs/{name}.yaml").read_text()
+        path.write_text(text.replace(old, new) if old else text)
+        launch = ["--config_file", path]
+    else:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(config))
+        launch = ["--use_deepspeed", "--deepspeed_config_file", path]
+    launch += ["--mixed_precision", "no", "--num_processes", "2"]
+    environ = started_by_accelerate_launch(monkeypatch, free_port(), *launch)[0]
+    ours = preflight.deepspeed_config(environ)
+    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    theirs = DeepSpeedPlugin().deepspeed_config  # what Accelerate's plugin holds, "auto" not yet filled
+    assert {key: ours.get(key, "auto") for key in SETTINGS} == {key: theirs.get(key, "auto") for key in SETTINGS}
+    assert ours["zero_optimization"]["stage"] == theirs["zero_optimization"]["stage"]
+    assert (ours["zero_optimization"].get(GATHER) is True) == (theirs["zero_optimization"].get(GATHER) is True)
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=max_grad_norm)
+    environ = {**environ, **group(2)}
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    found = preflight.refusals(environ, 0, versions, args)
+    if subject == PASSES:
+        assert found == [] and preflight.refusals(environ, 0, versions) == []
+        return
+    assert found[-1].subject == subject and subject in str(found[-1]) and "\n" not in str(found[-1])
+    assert list(map(str, preflight.refusals(environ, 0, versions))) == list(map(str, found[:-1]))  # the arguments'
+
+
 def launched(argv: list[str], gpus: int, monkeypatch, capfd) -> str | None:
     """launch.sh's launcher in this process (--dry_run: nothing starts), with `gpus` visible: its refusal's line
     without its prefix, or None when it would launch."""
@@ -327,6 +393,21 @@ def test_the_launcher_and_the_recipe_refuse_the_same_mesh(cp, tmp_path, monkeypa
     assert said == (f"{config.name}: {refusals[0]}" if refusals else None)
     tested = Version(versions["accelerate"]).release >= mesh.TESTED_ACCELERATE  # else a 2-D mesh is refused too
     assert (said is not None) == (cp > 1 or not tested)
+
+
+def test_the_launcher_and_the_recipe_refuse_tensor_parallelism_in_an_fsdp_config(tmp_path, monkeypatch, capfd):
+    """hsdp.yaml (FSDP) with a TP size: launch.sh refuses it naming the config file, in the line the processes of a
+    plain accelerate launch say (common.preflight.unsplittable)."""
+    from common import preflight
+
+    config = tmp_path / "hsdp_tp.yaml"
+    config.write_text((REPO / "accelerate_configs/hsdp.yaml").read_text().replace("tp_size: 1", "tp_size: 2"))
+    said = launched(["lm_finetune", "--config", str(config), "--num_processes", "8"], 0, monkeypatch, capfd)
+    sizes = {"DP_REPLICATE": "2", "DP_SHARD": "2", "TP": "2", "CP": "1"}
+    environ = group(8, **MESH, **{f"PARALLELISM_CONFIG_{dim}_SIZE": size for dim, size in sizes.items()})
+    versions = {"torch": "2.9.0", "accelerate": "1.15.0"}
+    (refusal,) = preflight.refusals({**environ, "ACCELERATE_USE_FSDP": "true"}, 0, versions)
+    assert said == f"{config.name}: {refusal}" and refusal.subject == "parallelism_config_tp_size"
 
 
 # ---------------------------------------------------------------- the parent-death signal (common.runtime's)
