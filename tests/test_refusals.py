@@ -10,6 +10,7 @@ import io
 import json
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,16 @@ def test_a_bad_argument_is_one_line_naming_its_option(capsys, in_a_folder_with_d
     err, line = parse_refusal(capsys, recipe, argv)
     assert_names(err, line, subject, OPTIONS[recipe] | set(argv))
     assert contents(in_a_folder_with_data) == before
+
+
+def test_an_option_whose_package_is_missing_is_refused_when_parsed(capsys, in_a_folder_with_data, monkeypatch):
+    """--lora_r without peft (an optional dependency): one line naming the option and the pip command, at parsing.
+    (sys.modules' None is how Python marks a module that cannot be imported.)"""
+    monkeypatch.setitem(sys.modules, "peft", None)
+    err, line = parse_refusal(capsys, "lm_finetune", ["--lora_r", "8"])
+    assert_names(err, line, "--lora_r", OPTIONS["lm_finetune"])
+    assert line == "error: --lora_r needs peft: pip install -e '.[lora]'"
+    RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"]])  # without --lora_r, no peft is needed
 
 
 # After parsing, in a small setup: (id, setup(folder) -> the refused call, the subject, "{folder}" standing for the
