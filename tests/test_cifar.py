@@ -338,7 +338,7 @@ def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(lau
 def initial_weights(*model_args, seed=42):
     """The weights a run starts from: the recipe seeds every process before it builds the model."""
     set_seed(seed)
-    model = vision.set_norm_layer(vision.new_model(*model_args), "group", on_gpu=False)
+    model = vision.set_norm_layer(vision.new_model(*model_args), "group")
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -617,7 +617,7 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
     activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
     efficientnet = vision.new_model("timm/efficientnet_b0", 10)
-    grouped = vision.set_norm_layer(vision.new_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    grouped = vision.set_norm_layer(vision.new_model("timm/efficientnet_b0", 10), "group")
     assert activations(grouped) == activations(efficientnet) > 40 and not any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules()
     )

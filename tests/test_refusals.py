@@ -251,6 +251,16 @@ def test_an_option_whose_package_is_missing_is_refused_when_parsed(capsys, in_a_
     RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"]])  # without --lora_r, no peft is needed
 
 
+def test_sync_batch_norm_where_the_processes_run_on_the_cpu_is_refused_when_parsed(capsys, monkeypatch):
+    """--norm_layer sync_batch (torch's SyncBatchNorm is GPUs' only) where make_accelerator puts the processes on
+    the CPU (ACCELERATE_USE_CPU=true, or no GPU): refused by the parse, before any model or data loads."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    err, line = parse_refusal(capsys, "cifar", ["--norm_layer", "sync_batch"])
+    assert_names(err, line, "--norm_layer", OPTIONS["cifar"])
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert RECIPES["cifar"].parse_args(["--norm_layer", "group"]).norm_layer == "group"
+
+
 # After parsing, in a small setup: (id, setup(folder) -> the refused call, the subject, "{folder}" standing for the
 # case's folder). Each setup parses the shared options as a recipe does.
 
