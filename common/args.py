@@ -316,6 +316,15 @@ def at_least(low: int):
     return _ranged(int, at_least=low)
 
 
+def key_value_pairs(text):
+    """key=value pairs, comma-separated, as transformers' update_from_string reads them (--config_overrides)."""
+    if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
+        )
+    return text
+
+
 TYPES = {  # registered with every training_parser: a recipe names them, add_argument("--hflip", type="probability")
     "positive_int": _ranged(int, at_least=1),
     "non_negative_int": _ranged(int, at_least=0),
@@ -326,6 +335,7 @@ TYPES = {  # registered with every training_parser: a recipe names them, add_arg
     "seed": _ranged(int, at_least=0, below=2**32),  # what numpy's and torch's generators accept
     "percentage": _ranged(float, greater_than=0, below=100),  # a held-out split: neither side empty
     "seconds": _ranged(float, greater_than=0, at_most=365 * 86400),  # a wait: torch's timers hold a year, not 1e30
+    "key_value_pairs": key_value_pairs,  # --config_overrides
 }
 
 
@@ -376,6 +386,10 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     p.does_nothing_unless(
         ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant" or not warmup(a),
         "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
+    )  # fmt: skip
+    p.requires(  # transformers' inverse_sqrt decays over its warmup: without one, over its own 10,000 steps
+        "--lr_scheduler_type inverse_sqrt", warmup, "--lr_scheduler_type inverse_sqrt decays over its warmup's "
+        "length, and there is no warmup", "pass --warmup_steps or --warmup_ratio above 0",
     )  # fmt: skip
     p.does_nothing_unless(
         ["--reference_batch_size"], lambda a: a.lr_scaling != "none",

@@ -4,19 +4,24 @@ layers."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .errors import RecipeError
+
+
+def peft_installed(args=None) -> bool:
+    """Whether peft, which --lora_r trains an adapter with, is installed: asked when the arguments are parsed."""
+    return importlib.util.find_spec("peft") is not None
 
 
 def add_lora(model, args):
     """`model` with a LoRA adapter of rank --lora_r on --lora_target_modules (or all-linear: every linear layer but
     the output head); with --gradient_checkpointing, the inputs' gradients enabled (the frozen embeddings give none,
     and checkpointed layers would then have none to recompute from)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:
-        raise RecipeError("--lora_r needs peft: pip install -e '.[lora]'", subject="--lora_r") from err
+    from peft import LoraConfig, get_peft_model  # installed: the parse refused --lora_r without it (peft_installed)
+
     targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
 

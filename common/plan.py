@@ -138,12 +138,6 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
     warmup_steps = args.warmup_steps
     if warmup_steps is None:
         warmup_steps = math.ceil(args.warmup_ratio * max_train_steps)
-    if args.lr_scheduler_type == "inverse_sqrt" and not warmup_steps:  # transformers' 10,000 of its steps: ours?
-        raise RecipeError(
-            "--lr_scheduler_type inverse_sqrt decays over its warmup's length, and there is no warmup",
-            "pass --warmup_steps or --warmup_ratio above 0",
-            subject="--lr_scheduler_type",
-        )
     if args.lr_scheduler_type == "constant":  # transformers' constant has none (constant_with_warmup has)
         warmup_steps = 0
     plan = replace(

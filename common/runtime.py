@@ -477,7 +477,8 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     (DeepSpeed's CPU path needs it to see the world size)."""
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    preflight.check(os.environ, gpus, {name: importlib.metadata.version(name) for name in ("torch", "accelerate")})
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    preflight.check(os.environ, gpus, versions, args)
     launch = _started_by_accelerate_launch(expected)
     # torchrun's workers, launch.sh's processes, or the one process `accelerate launch` starts alone
     if "TORCHELASTIC_RUN_ID" in os.environ or _args.STATUS_FILE_ENV in os.environ or launch:
@@ -518,38 +519,15 @@ def make_accelerator(args, **kwargs) -> Accelerator:
     _cache_missing_optional_packages()
     _check_what_formed(accelerator, expected)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's and ours
-        agree_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, args, accelerator.num_processes)
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, args, accelerator.num_processes)
     return accelerator
 
 
-def agree_deepspeed_config(config: dict, args, num_processes: int) -> None:
-    """A DeepSpeed config's batch, accumulation and clipping made the recipe's flags' (filled in where "auto" or
-    absent), or refused where it sets another value: DeepSpeed's own settings win over Accelerate's, so one would
-    train what the other reported. ZeRO-3 without the 16-bit gather is refused too: the training would run to its
-    end, and then accelerate would refuse to gather the weights to save them."""
-    batch, k, n = args.per_device_train_batch_size, args.gradient_accumulation_steps, num_processes
-    for key, value, flag in (  # a value the config sets is the recipe's flag's, or the two would train apart
-        ("gradient_accumulation_steps", k, "--gradient_accumulation_steps"),
-        ("train_micro_batch_size_per_gpu", batch, "--per_device_train_batch_size"),
-        ("train_batch_size", batch * n * k, f"batch ({batch} per device x {n} processes x {k} accumulation)"),
-        ("gradient_clipping", args.max_grad_norm, "--max_grad_norm"),
-    ):
-        if config.get(key, "auto") not in ("auto", value):
-            fix = f"pass {flag} {config[key]}" if flag.startswith("--") else "pass flags that make it"
-            raise RecipeError(
-                f"the DeepSpeed config sets {key}={config[key]} but the recipe's {flag} is {value}; remove it "
-                f'from the config or set it to "auto" (the recipe\'s value is then used), or {fix}',
-                subject=flag if flag.startswith("--") else key,
-            )
+def fill_deepspeed_config(config: dict, args, num_processes: int) -> None:
+    """A DeepSpeed config's batch, accumulation and clipping made the recipe's flags' where it leaves them "auto" or
+    unset (where it sets others, common.preflight refused it before the group formed: deepspeed_against_arguments)."""
+    for key, value, _ in preflight.deepspeed_settings(args, num_processes):
         config[key] = value
-    zero = config.get("zero_optimization", {})
-    if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
-        raise RecipeError(
-            "under ZeRO-3 the final save gathers the weights only with zero3_save_16bit_model: true in the "
-            "accelerate config's deepspeed_config (stage3_gather_16bit_weights_on_model_save in a DeepSpeed "
-            "config file); set it, as accelerate_configs/zero3.yaml does",
-            subject="zero3_save_16bit_model",
-        )
 
 
 def agree_deepspeed_optimizer(ds_config: dict, args, plan, position) -> None:
@@ -750,8 +728,8 @@ def _gpus_nvidia_smi_lists() -> int:
 
 def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
     """Refuse what Accelerate did not set up as asked: the `expected` processes in one group that syncs gradients,
-    and the config's FSDP, DeepSpeed and fp16 (it falls back without a word: FSDP on CPU to DDP, fp16 on CPU to fp32
-    while reporting fp16)."""
+    and the config's FSDP and DeepSpeed (it falls back without a word: FSDP on CPU to DDP). What the environment
+    alone shows (fp16 on the CPU, DeepSpeed under ACCELERATE_USE_CPU) common.preflight refused before."""
     kind = accelerator.distributed_type.value
     asked = int(os.environ.get(_args.WORLD_SIZE_ENV, accelerator.num_processes))
     if accelerator.num_processes != asked:  # accelerate launch starts one process for some configs (MULTI_CPU)
@@ -792,36 +770,11 @@ def _check_what_formed(accelerator: Accelerator, expected: int) -> None:
             "ACCELERATE_USE_CPU=true before accelerate launch (accelerate_configs/cpu.yaml)"
         )
     for name, asked in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
-        if parse_flag_from_env(asked) and kind != name and parse_flag_from_env("ACCELERATE_USE_CPU"):
-            raise RecipeError(  # the variable the refusal below sends users to set (launch.sh sets it for cpu.yaml)
-                f"the accelerate config asks for {name}, which Accelerate leaves out under ACCELERATE_USE_CPU=true; "
-                f"unset it: {name} runs on CPU without it (./launch.sh --config "
-                f"{'zero3' if name == 'DEEPSPEED' else 'fsdp'})",
-                subject="$ACCELERATE_USE_CPU",
-            )
-        if parse_flag_from_env(asked) and kind != name:
+        if parse_flag_from_env(asked) and kind != name:  # under ACCELERATE_USE_CPU: preflight.sharding_left_out_on_cpu
             raise RecipeError(
                 f"the accelerate config asks for {name}, and Accelerate set up {kind} instead (on this host it does "
                 f"not apply {name}); use a config this host runs, such as accelerate_configs/cpu.yaml without a GPU"
             )
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        fix = "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config"
-        if (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) and _enables_fp16(path):  # the file decides
-            fix = f'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {path}'
-        raise RecipeError(
-            f"mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; {fix}",
-            subject=path if "DeepSpeed config file" in fix else "--mixed_precision",
-        )
-
-
-def _enables_fp16(deepspeed_config_file: str) -> bool:
-    """Whether a DeepSpeed JSON config sets fp16 on itself (not "auto", which --mixed_precision fills in)."""
-    import json
-
-    try:
-        return json.loads(Path(deepspeed_config_file).read_text()).get("fp16", {}).get("enabled") is True
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def library_versions() -> dict:

@@ -43,8 +43,14 @@ def add_sample_args(parser) -> None:
 
 
 def _check_sample_args(parser, args) -> None:
-    if args.sample_prompts and args.max_new_tokens:
-        read_prompts(args.sample_prompts, args.data_format)  # its RecipeError is the parse's error
+    if not (args.sample_prompts and args.max_new_tokens):
+        return
+    allowed = (".jsonl",) if args.data_format == "chat" else (".txt", ".jsonl")  # by its name: before it is read
+    if Path(args.sample_prompts).suffix.lower() not in allowed:
+        fix = FIX_CHAT if args.data_format == "chat" else FIX_TEXT
+        parser.error(f"--sample_prompts {args.sample_prompts}: not a {' or '.join(allowed)} file", fix,
+                     subject="--sample_prompts")  # fmt: skip
+    read_prompts(args.sample_prompts, args.data_format)  # its RecipeError is the parse's error
 
 
 def read_prompts(path, data_format: str) -> list:
@@ -53,10 +59,7 @@ def read_prompts(path, data_format: str) -> list:
     from .text import check_conversation
 
     flag, fix = f"--sample_prompts {path}", FIX_CHAT if data_format == "chat" else FIX_TEXT
-    check_path("--sample_prompts", path)
-    allowed = (".jsonl",) if data_format == "chat" else (".txt", ".jsonl")
-    if Path(path).suffix.lower() not in allowed:
-        raise RecipeError(f"{flag}: not a {' or '.join(allowed)} file", fix, subject="--sample_prompts")
+    check_path("--sample_prompts", path)  # a .txt or .jsonl file: the parse checked its name (_check_sample_args)
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:

@@ -2,8 +2,9 @@
 processes seeing the same batches. Accelerate reads the TP degree from the config's `parallelism_config:` keys
 (`accelerate launch` passes them on as PARALLELISM_CONFIG_* variables) and transformers splits the model as it loads
 it (`from_pretrained(tp_plan="auto", device_mesh=...)`, the model's own `base_model_tp_plan`). What the recipes'
-bookkeeping needs to know is here: the degree asked, the refusals before anything loads, how many processes see
-different data, the saved weights made whole, and checkpoints of the split model and its optimizer.
+bookkeeping needs to know is here: the degree asked, how many processes see different data, the saved weights made
+whole, and checkpoints of the split model and its optimizer (what TP cannot train here is refused before the group
+forms: common.preflight.unsplittable).
 
 With more processes than the degree (the 2-D case: a mesh of dp_shard x tp, `./launch.sh --config tp --num_processes
 4` gives 2 x 2) each TP group of a node is one data-parallel rank, and FSDP2 shards the split model across the groups
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 
-from accelerate.utils import parse_flag_from_env
-
 from . import mesh
 from .runtime import RecipeError
 
@@ -26,42 +25,6 @@ from .runtime import RecipeError
 def degree() -> int:
     """The tensor-parallel degree the accelerate config asks for (1: none)."""
     return (mesh.from_environment() or {}).get("tp", 1)  # a size that is not a number: refused there
-
-
-def refuse_what_cannot_split(args) -> None:
-    """Before any data or model loads: the mesh is tp or dp_shard x tp without an FSDP config, the model comes
-    from_pretrained, and it has no LoRA adapter."""
-    tp = degree()
-    if tp == 1:
-        return
-    if parse_flag_from_env("ACCELERATE_USE_FSDP"):  # see the module's note
-        raise RecipeError(
-            "an FSDP accelerate config with parallelism_config_tp_size: Accelerate 1.15's FSDP2 preparation of a "
-            "tensor-parallel model fails (it imports transformers' ReplicateParallel, gone in transformers 5.24); "
-            "use accelerate_configs/tp.yaml, whose runs shard the model with FSDP2 across the TP groups themselves",
-            subject="parallelism_config_tp_size",
-        )
-    sizes = mesh.from_environment()  # context parallelism: refused for every mesh by make_accelerator (not_built)
-    if sizes["dp_replicate"] > 1:  # only dp_shard x tp is built and tested here
-        raise RecipeError(
-            f"the accelerate config's mesh is {mesh.describe(sizes)}: with tensor parallelism only FSDP2 across the "
-            "TP groups (dp_shard x tp) runs here; set parallelism_config_dp_replicate_size to 1, or use hsdp.yaml "
-            "without tensor parallelism",
-            subject="parallelism_config_dp_replicate_size",
-        )
-    if getattr(args, "config_name", None) and not getattr(args, "model_name_or_path", None):
-        raise RecipeError(
-            "--config_name under tensor parallelism: transformers splits a model as from_pretrained loads it, and "
-            "a new model is built from its config; save the new model once (save_pretrained) and pass its folder "
-            "as --model_name_or_path, or use fsdp.yaml",
-            subject="--config_name",
-        )
-    if getattr(args, "lora_r", 0):
-        raise RecipeError(
-            "--lora_r under tensor parallelism: peft's adapters do not fit the layers transformers splits (their "
-            "first forward fails on the split shapes); train the whole model under tp.yaml, or LoRA with fsdp.yaml",
-            subject="--lora_r",
-        )
 
 
 def load_kwargs(config, source: str) -> dict:

@@ -4,7 +4,6 @@ becomes one RecipeError naming the file and the fix; an error about a path is le
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import difflib
@@ -51,7 +50,7 @@ def add_lm_args(parser):
     m = group.add_argument
     m("--model_name_or_path", help="pretrained weights: a hub id or a local folder")
     m("--config_name", help="or a new model, randomly initialized: the config of a hub id or local folder")
-    m("--config_overrides", type=config_overrides, help="with --config_name, e.g. hidden_size=64,num_hidden_layers=2")
+    m("--config_overrides", type="key_value_pairs", help="with --config_name, e.g. hidden_size=64,num_hidden_layers=2")
     m("--tokenizer_name", help="default: --model_name_or_path or --config_name")
     m("--resize_token_embeddings", action="store_true", help="grow the embeddings to a larger tokenizer")
     m("--trust_remote_code", action="store_true", help="run the model repo's own code")
@@ -126,15 +125,6 @@ def local_format(path) -> str | None:
     if suffixes and suffixes[-1] in COMPRESSED:
         suffixes.pop()
     return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
-
-
-def config_overrides(text):
-    """An argparse type: key=value pairs, comma-separated, as transformers' update_from_string reads them."""
-    if not all(key and eq and value for key, eq, value in (pair.partition("=") for pair in text.split(","))):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not key=value pairs separated by commas, such as hidden_size=4096,num_hidden_layers=32"
-        )
-    return text
 
 
 # Data ---------------------------------------------------------------------------------------------
@@ -876,7 +866,6 @@ def load_causal_lm(args, **model_kwargs):
 
     source, trust, tokenizer, config = args.model_name_or_path or args.config_name, args.trust_remote_code, None, None
     flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"  # the option `source` came from
-    tensor_parallel.refuse_what_cannot_split(args)  # under tp.yaml: what it cannot train, before anything loads
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)  # first: the tokenizer reads it too
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or source, trust_remote_code=trust)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torchvision
 from accelerate import PartialState
+from accelerate.utils import parse_flag_from_env
 from PIL import Image
 from safetensors.torch import load_file
 from torchvision import transforms
@@ -350,6 +351,11 @@ def add_model_args(parser) -> None:
         help="BatchNorm (statistics per process), synced across processes (GPUs only), or GroupNorm (per sample)",
     )  # fmt: skip
     parser.checks.append(_check_model_args)
+    parser.requires(  # the device make_accelerator will give: a GPU unless there is none or ACCELERATE_USE_CPU is set
+        "--norm_layer sync_batch",
+        lambda a: torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU"),
+        "--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU",
+    )  # fmt: skip
 
 
 def _check_model_args(parser, args) -> None:
@@ -466,12 +472,12 @@ def build_model(args, num_classes: int, on_gpu: bool):
     with prepare_data_first(PartialState(), args.ddp_timeout) if args.pretrained else contextlib.nullcontext():
         model = new_model(args.model, num_classes, pretrained=args.pretrained)
     group = args.norm_layer == "group"  # before --pretrained_path: a run with --norm_layer group saved GroupNorm's
-    model = set_norm_layer(model, "group", on_gpu) if group else model
+    model = set_norm_layer(model, "group") if group else model
     if args.pretrained_path:
         load_weights(model, args.pretrained_path, args.model)
     if args.freeze_backbone:
         model = freeze_backbone(model)
-    model = model if group else set_norm_layer(model, args.norm_layer, on_gpu)
+    model = model if group else set_norm_layer(model, args.norm_layer)
     return model.to(memory_format=torch.channels_last) if on_gpu else model
 
 
@@ -610,15 +616,10 @@ def freeze_backbone(model):
     return model
 
 
-def set_norm_layer(model, kind: str, on_gpu: bool):
+def set_norm_layer(model, kind: str):
     """BatchNorm normalizes each process's micro-batch by its own statistics, so N processes x batch b do not train
     as 1 x Nb: sync_batch all-reduces them (GPUs only in torch); group (GroupNorm) needs no batch statistics."""
-    if kind == "sync_batch":
-        if not on_gpu:
-            raise RecipeError(
-                "--norm_layer sync_batch needs GPUs (torch's SyncBatchNorm); use group or batch on CPU",
-                subject="--norm_layer",
-            )
+    if kind == "sync_batch":  # on GPUs: the parse refused it elsewhere (add_model_args)
         if hasattr(model, "get_classifier"):  # timm's converter keeps the activation of its BatchNormAct2d
             import timm
 

@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 
 import common
 from common import RecipeError
-from common.lora import add_lora
+from common.lora import add_lora, peft_installed
 from common.samples import add_sample_args, with_samples
 from common.text import (
     add_lm_args,
@@ -90,6 +90,7 @@ def parse_args(argv=None):
     p.excludes("--torch_dtype auto", "--config_name", "--torch_dtype auto is the dtype of pretrained weights, and "
                "--config_name has none: pass float32 (with a bf16 accelerate config for mixed precision), bfloat16 or "
                "float16")  # fmt: skip
+    p.requires("--lora_r", peft_installed, "--lora_r needs peft: pip install -e '.[lora]'")
     p.excludes("--lora_r", "--config_name", "--lora_r trains an adapter on pretrained weights, and --config_name "
                "makes a new, random model: pass --model_name_or_path, or drop --lora_r")  # fmt: skip
     p.excludes("--resize_token_embeddings", "--lora_r", "--resize_token_embeddings adds embeddings that a LoRA "

@@ -302,12 +302,24 @@ def main(argv: list[str]) -> int:
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
     elif refusal := preflight.more_processes_than_gpus(per_node, gpus, on_cpu=False):  # GPUs' processes, as theirs
         die(str(refusal))
+    cpu_flag = use_cpu or preflight.flag(os.environ, "ACCELERATE_USE_CPU")  # the processes' ACCELERATE_USE_CPU
+    deepspeed_file = (yaml_config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    for refusal in (  # what the processes' preflight would refuse of this config and environment, said before them
+        preflight.sharding_left_out_on_cpu({"ACCELERATE_USE_CPU": str(cpu_flag), f"ACCELERATE_USE_{kind}": "1"}, gpus),
+        preflight.fp16_on_cpu(
+            precision or str(yaml_config.get("mixed_precision") or "no"),
+            cpu_flag or gpus == 0,
+            deepspeed_file if kind == "DEEPSPEED" and not cpu_flag else None,
+        ),
+    ):
+        if refusal:
+            die(str(refusal))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if gpus == 0 and per_node > 4 * cores:  # a typo: processes that would take turns on the cores for ever
         die(f"{per_node} CPU processes requested on this node, which has {cores} cores; pass --num_processes {cores}")
     cmd += ["--mixed_precision", precision] if precision else []
     if sizes:  # the config's mesh for this job's nodes and processes (accelerate takes the options over the YAML's)
-        if refusal := preflight.unbuilt_mesh(sizes):
+        if refusal := preflight.unbuilt_mesh(sizes) or preflight.unsplittable(sizes, kind == "FSDP"):
             die(f"{config_file.name}: {refusal}")
         sizes, problem, fits = mesh.fitted(sizes, nodes, per_node)
         if problem:

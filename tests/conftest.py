@@ -55,6 +55,25 @@ def user_env(**extra) -> dict:
     return env
 
 
+def started_by_accelerate_launch(monkeypatch, port, *launch, recipe=REPO / "recipes/cifar.py", **exported) -> tuple:
+    """(environment, torchrun's arguments) the processes of `accelerate launch <launch> <recipe>` start with, in a
+    shell that exported `exported`: accelerate's own launcher, run in this process as a user's shell runs it, up to
+    torchrun's start of them."""
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:  # as user_env()
+        monkeypatch.delenv(name)
+    for name, value in exported.items():
+        monkeypatch.setenv(name, value)
+    started = []
+    monkeypatch.setattr(distrib_run, "run", lambda args: started.append((dict(os.environ), vars(args))))
+    argv = [*launch, "--main_process_port", port, recipe, "--output_dir", "run"]
+    launch_command(launch_command_parser().parse_args([str(a) for a in argv]))
+    (processes,) = started
+    return processes
+
+
 def run(cmd, env=None, cwd=REPO, timeout=420, check=True):
     """Run a command as a user would; on an unexpected exit code show its output. `python <a recipe>` runs forked
     from a process that has its libraries imported (tests/warm.py) when its environment allows."""

@@ -32,6 +32,7 @@ from conftest import (
     results,
     run,
     snapshot,
+    started_by_accelerate_launch,
     uploaded,
     user_env,
 )
@@ -278,22 +279,6 @@ def test_launch_without_cpu_setting_refuses_instead_of_training_copies(digits, t
     assert not out.exists(), "a refused run must not write output"
 
 
-def started_by_accelerate_launch(monkeypatch, port, *launch) -> tuple:
-    """(environment, torchrun's arguments) the processes of `accelerate launch <launch> recipes/cifar.py` start with:
-    accelerate's own launcher, run in this process as a user's shell runs it, up to torchrun's start of them."""
-    import torch.distributed.run as distrib_run
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
-    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:  # as user_env()
-        monkeypatch.delenv(name)
-    started = []
-    monkeypatch.setattr(distrib_run, "run", lambda args: started.append((dict(os.environ), vars(args))))
-    argv = [*launch, "--main_process_port", port, RECIPE, "--output_dir", "run"]
-    launch_command(launch_command_parser().parse_args([str(a) for a in argv]))
-    (processes,) = started
-    return processes
-
-
 def test_multi_gpu_without_cpu_setting_starts_the_processes_the_refused_cpu_config_starts(monkeypatch):
     """`accelerate launch --multi_gpu --num_processes 2` starts its 2 processes with the environment and torchrun
     arguments of cpu.yaml without ACCELERATE_USE_CPU, byte for byte: the refusal launched above is theirs. (Should
@@ -353,7 +338,7 @@ def test_num_processes_alone_is_refused_by_the_one_process_accelerate_starts(lau
 def initial_weights(*model_args, seed=42):
     """The weights a run starts from: the recipe seeds every process before it builds the model."""
     set_seed(seed)
-    model = vision.set_norm_layer(vision.new_model(*model_args), "group", on_gpu=False)
+    model = vision.set_norm_layer(vision.new_model(*model_args), "group")
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -632,7 +617,7 @@ def test_timm_models_by_name_from_scratch_from_the_hub_cache_and_normalized_as_t
     # timm's BatchNormAct2d normalizes and activates: GroupNorm in its place keeps the activation
     activations = lambda model: sum(isinstance(m, torch.nn.SiLU) for m in model.modules())  # noqa: E731
     efficientnet = vision.new_model("timm/efficientnet_b0", 10)
-    grouped = vision.set_norm_layer(vision.new_model("timm/efficientnet_b0", 10), "group", on_gpu=False)
+    grouped = vision.set_norm_layer(vision.new_model("timm/efficientnet_b0", 10), "group")
     assert activations(grouped) == activations(efficientnet) > 40 and not any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in grouped.modules()
     )

@@ -992,7 +992,7 @@ def weight_files(tmp_path_factory):
     torch.save([torch.zeros(3)], root / "list.pt")
     torch.save({"model": resnet18, "epoch": 3}, root / "nested.pt")  # a training checkpoint of the user's
     torch.save({**resnet18, "layer3.0.conv1.weight": resnet18["layer3.0.conv1.weight"] / 0}, root / "nan.pt")
-    group = vision.set_norm_layer(torchvision.models.resnet18(num_classes=10), "group", False).state_dict()
+    group = vision.set_norm_layer(torchvision.models.resnet18(num_classes=10), "group").state_dict()
     save_file({k: v.contiguous() for k, v in group.items()}, root / "group.safetensors")  # --norm_layer group's
     (root / "folder.pt").mkdir()
     return root

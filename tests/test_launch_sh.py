@@ -397,22 +397,6 @@ def test_a_config_accelerate_starts_as_fewer_processes_is_refused_by_hand_too(tr
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_a_refusal_of_a_cpu_launch_names_the_fix_this_environment_still_lacks(tiny_lm, tmp_path):
-    """With ACCELERATE_USE_CPU=true already exported, a ZeRO config, which Accelerate drops under the variable, is
-    told to unset it (DeepSpeed runs on CPU without it). (`accelerate launch --num_processes 2` starting one process
-    is told to add --multi_gpu whatever the environment, a check that reads none: tests/test_fixes.py follows it.)"""
-    out = tmp_path / "run"
-    env = cpu_env(ACCELERATE_USE_CPU="true")
-    lm, args = REPO / "recipes/lm_finetune.py", lm_args(tiny_lm, out, "--max_train_steps", "2")
-    zero3 = ["--config_file", REPO / "accelerate_configs/zero3.yaml", "--mixed_precision", "no"]
-    proc = run([ACCELERATE_LAUNCH, *zero3, "--num_processes", "2", lm, *args], env=env, check=False)
-    lines = error_lines(proc.stderr)
-    said = "the accelerate config asks for DEEPSPEED, which Accelerate leaves out"
-    assert proc.returncode != 0 and len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
-    assert not out.exists()
-
-
 TOKEN, PASSWORD = "hf_" + "Qw3rty" * 5, "pa55w0rd-in-a-url"
 
 

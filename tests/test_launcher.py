@@ -4,6 +4,7 @@ signals (each process gets one SIGTERM, later signals wait, a stop under --max_r
 which exit code a failed or stopped launch ends with. launch.sh through real launches: tests/test_launch_sh.py."""
 
 import importlib.metadata
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import launcher
 import psutil
 import pytest
-from conftest import REPO, cpu_env
+from conftest import REPO, cpu_env, free_port, started_by_accelerate_launch
 from packaging.version import Version
 
 TOKEN = "hf_" + "Zx9" * 10
@@ -144,6 +145,32 @@ PREFLIGHT = {
     "4 processes, 2 GPUs": (group(4), 2, {}, "--num_processes"),
     "4 processes, 2 GPUs, on the CPU": (group(4, ACCELERATE_USE_CPU="true"), 2, {}, PASSES),
     "2 processes, 2 GPUs": (group(2), 2, {}, PASSES),
+    "fp16 on the CPU": (
+        group(2, ACCELERATE_USE_CPU="true", ACCELERATE_MIXED_PRECISION="fp16"),
+        2,
+        {},
+        "--mixed_precision",
+    ),
+    "fp16 on GPUs": (group(2, ACCELERATE_MIXED_PRECISION="fp16"), 2, {}, PASSES),
+    "bf16 on the CPU": (group(2, ACCELERATE_MIXED_PRECISION="bf16"), 0, {}, PASSES),
+    "DeepSpeed under ACCELERATE_USE_CPU": (
+        group(2, ACCELERATE_USE_CPU="true", ACCELERATE_USE_DEEPSPEED="true"),
+        0,
+        {},
+        "$ACCELERATE_USE_CPU",
+    ),  # fmt: skip
+    "FSDP under ACCELERATE_USE_CPU, no GPU": (
+        group(2, ACCELERATE_USE_CPU="true", ACCELERATE_USE_FSDP="true"),
+        0,
+        {},
+        PASSES,
+    ),
+    "FSDP under ACCELERATE_USE_CPU, GPUs": (
+        group(2, ACCELERATE_USE_CPU="true", ACCELERATE_USE_FSDP="true"),
+        2,
+        {},
+        "$ACCELERATE_USE_CPU",
+    ),  # fmt: skip
 }
 
 
@@ -168,6 +195,126 @@ def test_each_launch_refusal_names_its_subject(case):
     with pytest.raises(RecipeError) as raised:
         preflight.check(environ, gpus, versions)
     assert str(raised.value) == line
+
+
+def deepspeed_file(folder: Path, fp16) -> Path:
+    """A DeepSpeed JSON config file whose fp16 section says "enabled": `fp16` (none for None)."""
+    path = folder / "ds.json"
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    path.write_text(json.dumps(config if fp16 is None else {**config, "fp16": {"enabled": fp16}}))
+    return path
+
+
+FP16 = "mixed precision fp16 needs a GPU: on CPU Accelerate trains in fp32 and would still report fp16; "
+ZERO2, ZERO3 = REPO / "accelerate_configs/zero2.yaml", REPO / "accelerate_configs/zero3.yaml"
+# (accelerate launch's options, a DeepSpeed file's fp16 "enabled" or None, what the shell exported, the line or PASSES)
+LAUNCHES = {
+    "fp16 under zero2.yaml": (
+        ["--config_file", ZERO2, "--mixed_precision", "fp16"], None, {},
+        FP16 + "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config",
+    ),
+    "fp16 a DeepSpeed file enables, with --mixed_precision no": (
+        ["--use_deepspeed", "--deepspeed_config_file", "{file}", "--mixed_precision", "no"], True, {},
+        FP16 + 'set fp16\'s "enabled" to false (or "auto") in the DeepSpeed config file {file}',
+    ),
+    "--mixed_precision fp16 a DeepSpeed file leaves to it": (
+        ["--use_deepspeed", "--deepspeed_config_file", "{file}", "--mixed_precision", "fp16"], "auto", {},
+        FP16 + "pass --mixed_precision bf16 (or no) to accelerate launch, or set it in the config",
+    ),
+    "--mixed_precision fp16 a DeepSpeed file turns off": (
+        ["--use_deepspeed", "--deepspeed_config_file", "{file}", "--mixed_precision", "fp16"], False, {}, PASSES,
+    ),
+    "zero3.yaml with ACCELERATE_USE_CPU=true exported": (
+        ["--config_file", ZERO3, "--mixed_precision", "no"], None, {"ACCELERATE_USE_CPU": "true"},
+        "the accelerate config asks for DEEPSPEED, which Accelerate leaves out under ACCELERATE_USE_CPU=true; unset "
+        "it: DEEPSPEED runs on CPU without it (./launch.sh --config zero3)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LAUNCHES)
+def test_what_accelerate_launch_passes_on_is_refused_before_the_group_forms(case, tmp_path, monkeypatch):
+    """fp16 on the CPU (Accelerate would train fp32 and report fp16), asked by --mixed_precision or by a DeepSpeed
+    file's fp16 section, which decides over it; a DeepSpeed config under ACCELERATE_USE_CPU=true (Accelerate would
+    drop DeepSpeed): refused by common.preflight from the environment `accelerate launch --num_processes 2` gives
+    its processes on this host without GPUs (accelerate's launcher run here, up to torchrun's start), one line."""
+    from common import preflight
+
+    launch, fp16, exported, line = LAUNCHES[case]
+    file = deepspeed_file(tmp_path, fp16)
+    launch = [str(word).replace("{file}", str(file)) for word in launch]
+    environ = started_by_accelerate_launch(monkeypatch, free_port(), *launch, "--num_processes", "2", **exported)[0]
+    environ = {**environ, "RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    found = preflight.refusals(
+        environ, 0, {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    )
+    assert [str(refusal) for refusal in found] == ([] if line == PASSES else [line.replace("{file}", str(file))])
+
+
+SETTINGS = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+GATHER, STAGE_2 = "stage3_gather_16bit_weights_on_model_save", {"zero_optimization": {"stage": 2}}
+# (the accelerate config: zero3.yaml with a replacement, or a DeepSpeed file's settings; --max_grad_norm; the subject)
+DEEPSPEED = {
+    "zero3.yaml": (("zero3", "", ""), 1.0, PASSES),
+    "zero3.yaml clipping at another norm, without the gather": (
+        ("zero3", "zero3_save_16bit_model: true", "gradient_clipping: 0.01"), 1.0, "--max_grad_norm",
+    ),
+    "zero3.yaml without the gather": (
+        ("zero3", "zero3_save_16bit_model: true", "gradient_clipping: 0.01"), 0.01, "zero3_save_16bit_model",
+    ),
+    "zero2.yaml accumulating 4": (("zero2", "zero_stage: 2", "zero_stage: 2\n  gradient_accumulation_steps: 4"), 1.0,
+                                  "--gradient_accumulation_steps"),
+    "a file's micro-batch": ({**STAGE_2, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 4}, 1.0,
+                             "--per_device_train_batch_size"),
+    "a file's total batch": ({**STAGE_2, "gradient_accumulation_steps": 2, "train_batch_size": 64}, 1.0,
+                             "train_batch_size"),
+    "a file without accumulation (Accelerate's 1)": (STAGE_2, 1.0, "--gradient_accumulation_steps"),
+    "a file of auto": ({**STAGE_2, **dict.fromkeys(SETTINGS, "auto")}, 1.0, PASSES),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEEPSPEED)
+def test_a_deepspeed_config_at_odds_with_the_flags_is_refused_before_the_group_forms(case, tmp_path, monkeypatch):
+    """The DeepSpeed config as accelerate launch passes it on (an accelerate config's deepspeed_config, or a DeepSpeed
+    file it names), read by common.preflight as Accelerate's DeepSpeedPlugin reads it (the same settings, compared
+    here); where its batch, accumulation or clipping is not the flags' (per device 8, accumulation 2, 2 processes),
+    or ZeRO-3 lacks the 16-bit gather, refused before the group forms, naming the flag or the config's key. Through
+    launch.sh in 2 DeepSpeed processes, each fix followed: tests/test_fixes.py."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from common import preflight
+
+    config, max_grad_norm, subject = DEEPSPEED[case]
+    if isinstance(config, tuple):  # an accelerate config
+        name, old, new = config
+        path = tmp_path / f"{name}.yaml"
+        text = (REPO / f"accelerate_configs/{name}.yaml").read_text()
+        path.write_text(text.replace(old, new) if old else text)
+        launch = ["--config_file", path]
+    else:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(config))
+        launch = ["--use_deepspeed", "--deepspeed_config_file", path]
+    launch += ["--mixed_precision", "no", "--num_processes", "2"]
+    environ = started_by_accelerate_launch(monkeypatch, free_port(), *launch)[0]
+    ours = preflight.deepspeed_config(environ)
+    for name in [name for name in os.environ if name.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    theirs = DeepSpeedPlugin().deepspeed_config  # what Accelerate's plugin holds, "auto" not yet filled
+    assert {key: ours.get(key, "auto") for key in SETTINGS} == {key: theirs.get(key, "auto") for key in SETTINGS}
+    assert ours["zero_optimization"]["stage"] == theirs["zero_optimization"]["stage"]
+    assert (ours["zero_optimization"].get(GATHER) is True) == (theirs["zero_optimization"].get(GATHER) is True)
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=max_grad_norm)
+    environ = {**environ, **group(2)}
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    found = preflight.refusals(environ, 0, versions, args)
+    if subject == PASSES:
+        assert found == [] and preflight.refusals(environ, 0, versions) == []
+        return
+    assert found[-1].subject == subject and subject in str(found[-1]) and "\n" not in str(found[-1])
+    assert list(map(str, preflight.refusals(environ, 0, versions))) == list(map(str, found[:-1]))  # the arguments'
 
 
 def launched(argv: list[str], gpus: int, monkeypatch, capfd) -> str | None:
@@ -200,6 +347,36 @@ def test_the_launcher_and_the_recipe_refuse_the_same_gpu_counts(per_node, gpus, 
     assert (said is not None) == (per_node > gpus)
 
 
+CPU_FLAG, ZERO = {"ACCELERATE_USE_CPU": "true"}, {"ACCELERATE_USE_DEEPSPEED": "true"}
+
+
+@pytest.mark.parametrize(
+    "argv, exported, environ",
+    [  # launch.sh's options, what the shell exported, and what accelerate launch passes its processes
+        (["--config", "cpu", "--mixed_precision", "fp16"], {}, {**CPU_FLAG, "ACCELERATE_MIXED_PRECISION": "fp16"}),
+        (["--config", "zero2", "--mixed_precision", "fp16"], {}, {**ZERO, "ACCELERATE_MIXED_PRECISION": "fp16"}),
+        (["--config", "zero2"], {}, {**ZERO, "ACCELERATE_MIXED_PRECISION": "no"}),
+        (["--config", "zero3"], CPU_FLAG, {**CPU_FLAG, **ZERO}),
+        (["--config", "fsdp"], CPU_FLAG, {**CPU_FLAG, "ACCELERATE_USE_FSDP": "true"}),
+    ],
+)  # fmt: skip
+def test_the_launcher_and_the_recipe_refuse_the_same_precision_and_cpu_flag(
+    argv, exported, environ, monkeypatch, capfd
+):
+    """fp16 on a host without GPUs, and a DeepSpeed config under an exported ACCELERATE_USE_CPU=true: refused by
+    launch.sh before it starts the processes, in the line they would say (one rule each, common.preflight); the
+    configs' bf16 on CPU, which launch.sh turns to no, and FSDP2 on CPU under the flag, start."""
+    from common import preflight
+
+    for name, value in exported.items():
+        monkeypatch.setenv(name, value)
+    said = launched(["lm_finetune", *argv], 0, monkeypatch, capfd)
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    refusals = preflight.refusals(group(2, **environ), 0, versions)
+    assert said == (str(refusals[0]) if refusals else None)
+    assert (said is None) == (argv == ["--config", "zero2"] or "fsdp" in argv)
+
+
 @pytest.mark.parametrize("cp", [1, 2])
 def test_the_launcher_and_the_recipe_refuse_the_same_mesh(cp, tmp_path, monkeypatch, capfd):
     """Context parallelism in a config's mesh: launch.sh refuses it naming the config file, in the line the processes
@@ -216,6 +393,21 @@ def test_the_launcher_and_the_recipe_refuse_the_same_mesh(cp, tmp_path, monkeypa
     assert said == (f"{config.name}: {refusals[0]}" if refusals else None)
     tested = Version(versions["accelerate"]).release >= mesh.TESTED_ACCELERATE  # else a 2-D mesh is refused too
     assert (said is not None) == (cp > 1 or not tested)
+
+
+def test_the_launcher_and_the_recipe_refuse_tensor_parallelism_in_an_fsdp_config(tmp_path, monkeypatch, capfd):
+    """hsdp.yaml (FSDP) with a TP size: launch.sh refuses it naming the config file, in the line the processes of a
+    plain accelerate launch say (common.preflight.unsplittable)."""
+    from common import preflight
+
+    config = tmp_path / "hsdp_tp.yaml"
+    config.write_text((REPO / "accelerate_configs/hsdp.yaml").read_text().replace("tp_size: 1", "tp_size: 2"))
+    said = launched(["lm_finetune", "--config", str(config), "--num_processes", "8"], 0, monkeypatch, capfd)
+    sizes = {"DP_REPLICATE": "2", "DP_SHARD": "2", "TP": "2", "CP": "1"}
+    environ = group(8, **MESH, **{f"PARALLELISM_CONFIG_{dim}_SIZE": size for dim, size in sizes.items()})
+    versions = {"torch": "2.9.0", "accelerate": "1.15.0"}
+    (refusal,) = preflight.refusals({**environ, "ACCELERATE_USE_FSDP": "true"}, 0, versions)
+    assert said == f"{config.name}: {refusal}" and refusal.subject == "parallelism_config_tp_size"
 
 
 # ---------------------------------------------------------------- the parent-death signal (common.runtime's)

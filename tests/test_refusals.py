@@ -10,6 +10,7 @@ import io
 import json
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,8 @@ SHARED = [
     (["--dataloader_num_workers", "-1"], "--dataloader_num_workers"),
     (["--warmup_steps", "-1"], "--warmup_steps"),
     (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "--warmup_ratio"),
+    (["--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"], "--lr_scheduler_type"),
+    (["--lr_scheduler_type", "inverse_sqrt", "--warmup_steps", "0"], "--lr_scheduler_type"),
     (["--hang_timeout", "-1"], "--hang_timeout"),
     (["--hang_timeout", "600"], "--hang_timeout"),
     (["--seed", "-1"], "--seed"),
@@ -238,6 +241,26 @@ def test_a_bad_argument_is_one_line_naming_its_option(capsys, in_a_folder_with_d
     assert contents(in_a_folder_with_data) == before
 
 
+def test_an_option_whose_package_is_missing_is_refused_when_parsed(capsys, in_a_folder_with_data, monkeypatch):
+    """--lora_r without peft (an optional dependency): one line naming the option and the pip command, at parsing.
+    (sys.modules' None is how Python marks a module that cannot be imported.)"""
+    monkeypatch.setitem(sys.modules, "peft", None)
+    err, line = parse_refusal(capsys, "lm_finetune", ["--lora_r", "8"])
+    assert_names(err, line, "--lora_r", OPTIONS["lm_finetune"])
+    assert line == "error: --lora_r needs peft: pip install -e '.[lora]'"
+    RECIPES["lm_finetune"].parse_args([*BASE["lm_finetune"]])  # without --lora_r, no peft is needed
+
+
+def test_sync_batch_norm_where_the_processes_run_on_the_cpu_is_refused_when_parsed(capsys, monkeypatch):
+    """--norm_layer sync_batch (torch's SyncBatchNorm is GPUs' only) where make_accelerator puts the processes on
+    the CPU (ACCELERATE_USE_CPU=true, or no GPU): refused by the parse, before any model or data loads."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    err, line = parse_refusal(capsys, "cifar", ["--norm_layer", "sync_batch"])
+    assert_names(err, line, "--norm_layer", OPTIONS["cifar"])
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert RECIPES["cifar"].parse_args(["--norm_layer", "group"]).norm_layer == "group"
+
+
 # After parsing, in a small setup: (id, setup(folder) -> the refused call, the subject, "{folder}" standing for the
 # case's folder). Each setup parses the shared options as a recipe does.
 
@@ -335,8 +358,6 @@ SETUPS = {  # name: (setup(folder) -> the refused call, its subject)
                                  "run"))))[1], "--output_dir"),  # the system's refusal, named by the option
     "more accumulation than batches": (lambda f: planned("--gradient_accumulation_steps", "30"),
                                        "--gradient_accumulation_steps"),
-    "inverse_sqrt without warmup": (lambda f: planned("--lr_scheduler_type", "inverse_sqrt", "--warmup_ratio", "0"),
-                                    "--lr_scheduler_type"),
     "a schedule transformers refuses": (lambda f: planned("--lr_scheduler_type", "polynomial", "--learning_rate",
                                                           "1e-9"), "--lr_scheduler_type"),
     "warmup as long as the run": (lambda f: planned("--max_train_steps", "50", "--warmup_steps", "50", samples=1000),

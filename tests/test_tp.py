@@ -3,6 +3,7 @@ without GPUs (`./launch.sh lm_finetune --config tp`, which runs `accelerate laun
 accelerate_configs/tp.yaml`), in 2 processes (pure TP) and in 4 (the 2-D case: FSDP2 across 2 TP groups of 2), against
 the one-process run of the same batch; the refusals in-process, as a launch under tp.yaml meets them."""
 
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -234,35 +235,37 @@ def test_a_model_without_a_tp_plan_is_refused(monkeypatch):
 def test_what_tp_cannot_do_here_is_refused_in_one_line(monkeypatch):
     """A mesh with replicas or context parallelism besides TP, an FSDP config (Accelerate's own 2-D path fails), a
     new model from a config (nothing to split as it loads), a LoRA adapter (peft's layers fail on the split shapes), a
-    degree that is no number. The 2-D mesh dp_shard x tp and checkpoints are not refused."""
-    from common import mesh, tensor_parallel
-    from common.runtime import RecipeError
+    degree that is no number: refused by common.preflight before the group forms, naming the config's key or the
+    option. The 2-D mesh dp_shard x tp and checkpoints are not refused."""
+    from common import mesh, preflight, tensor_parallel
 
     plain = SimpleNamespace(checkpointing_steps=3, resume_from_checkpoint="latest", model_name_or_path="m")
-    tensor_parallel.refuse_what_cannot_split(plain)  # no TP: nothing to refuse
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
+    job = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": "2"}
+    tp = {**job, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    assert preflight.refusals(job, 0, versions, plain) == []  # no TP: nothing to refuse
+    assert preflight.refusals(tp, 0, versions, plain) == []
     under_tp(monkeypatch, 2)
     assert tensor_parallel.data_parallel_size(SimpleNamespace(num_processes=2)) == 1
-    tensor_parallel.refuse_what_cannot_split(plain)
-    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")  # 2 x 2: trains (test_tp_within_pairs_...)
-    assert tensor_parallel.data_parallel_size(SimpleNamespace(num_processes=4)) == 2
-    tensor_parallel.refuse_what_cannot_split(plain)
+    two_d = {**tp, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    assert preflight.refusals(two_d, 0, versions, plain) == []  # 2 x 2: trains (test_tp_within_pairs_...)
     but = lambda **change: SimpleNamespace(**{**vars(plain), **change})  # noqa: E731
     cases = [
-        ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}, plain, r"mesh is 2 x 2 x 2 \(dp_replicate x dp_shard x tp\)"),
-        ({"ACCELERATE_USE_FSDP": "true"}, plain, "^an FSDP accelerate config with parallelism_config_tp_size: "),
-        ({}, but(model_name_or_path=None, config_name="c"), "--config_name under tensor parallelism"),
-        ({}, but(lora_r=16), "--lora_r under tensor parallelism"),
-    ]
-    for environ, args, named in cases:
-        with monkeypatch.context() as env:
-            for name, value in environ.items():
-                env.setenv(name, value)
-            with pytest.raises(RecipeError, match=named) as refused:
-                tensor_parallel.refuse_what_cannot_split(args)
-        assert "\n" not in str(refused.value)
-    with monkeypatch.context() as env:  # context parallelism: refused for any mesh, TP's too, before the model loads
-        env.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
-        assert "parallelism_config_cp_size is 2" in mesh.not_built(mesh.from_environment())
+        ({**two_d, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}, plain,
+         "parallelism_config_dp_replicate_size", r"mesh is 2 x 2 x 2 \(dp_replicate x dp_shard x tp\)"),
+        ({**tp, "ACCELERATE_USE_FSDP": "true"}, plain, "parallelism_config_tp_size",
+         "^an FSDP accelerate config with parallelism_config_tp_size: "),
+        (tp, but(model_name_or_path=None, config_name="c"), "--config_name", "--config_name under tensor parallelism"),
+        (tp, but(lora_r=16), "--lora_r", "--lora_r under tensor parallelism"),
+        ({**tp, "PARALLELISM_CONFIG_CP_SIZE": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, plain,
+         "parallelism_config_cp_size", "parallelism_config_cp_size is 2"),  # for any mesh, TP's too
+        ({**tp, "PARALLELISM_CONFIG_TP_SIZE": "two"}, plain, "parallelism_config_tp_size",
+         "parallelism_config_tp_size is 'two': its sizes must be whole numbers"),
+    ]  # fmt: skip
+    for environ, args, subject, named in cases:
+        (refusal,) = preflight.refusals(environ, 0, versions, args)
+        assert re.search(named, str(refusal)) and refusal.subject == subject and "\n" not in str(refusal), refusal
+    assert "parallelism_config_cp_size is 2" in mesh.not_built({**mesh.from_environment(), "cp": 2})
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(RecipeError, match="parallelism_config_tp_size is 'two': its sizes must be whole numbers"):
         tensor_parallel.degree()

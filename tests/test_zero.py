@@ -212,7 +212,7 @@ def test_a_deepspeed_file_at_odds_with_the_recipe_is_one_line_before_training(ti
     once DeepSpeed has read the file, in the engine's set-up); a scheduler lm_finetune would leave unused (said of the
     config DeepSpeed's plugin holds). zero.py's rate and warmup against the config's optimizer and scheduler: in this
     process below, by the function that owns the rule. The batch, accumulation and clipping
-    (common.runtime.agree_deepspeed_config) and ZeRO-3 without the 16-bit gather: every case in one process in
+    (common.preflight.deepspeed_against_arguments) and ZeRO-3 without the 16-bit gather: every case in one process in
     tests/test_common.py, and launched, in 2 DeepSpeed processes through launch.sh, each refused in one line with
     nothing written and its fix followed, in tests/test_fixes.py."""
     ds = tmp_path / "ds.json"
