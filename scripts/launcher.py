@@ -328,6 +328,9 @@ def main(argv: list[str]) -> int:
             die(f"{config_file.name}: {refusal}")
         cmd += mesh.options(sizes)
         say(f"{config_file.name}: a mesh of {mesh.describe(sizes)} over {nodes} node(s) x {per_node} process(es)")
+    if refusal := preflight.known_bad_torch(per_node * nodes, importlib.metadata.version("torch"), kind == "FSDP"
+                                            and gpus == 0):  # fmt: skip
+        die(str(refusal))
     if nodes > 1:
         port = port or 29500
         # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart

@@ -374,7 +374,8 @@ def test_the_launcher_and_the_recipe_refuse_the_same_precision_and_cpu_flag(
     versions = {name: importlib.metadata.version(name) for name in ("torch", "accelerate")}
     refusals = preflight.refusals(group(2, **environ), 0, versions)
     assert said == (str(refusals[0]) if refusals else None)
-    assert (said is None) == (argv == ["--config", "zero2"] or "fsdp" in argv)
+    fsdp_right = Version(versions["torch"]).release >= (2, 9)  # else FSDP2 on CPU is refused (known_bad_torch)
+    assert (said is None) == (argv == ["--config", "zero2"] or ("fsdp" in argv and fsdp_right))
 
 
 @pytest.mark.parametrize("cp", [1, 2])
