@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from accelerate import PartialState
 
@@ -31,6 +31,7 @@ def scale_lr(learning_rate: float, batch_size: int, reference_batch_size: int, r
 
 
 NEVER = 2**62  # a limit no run reaches
+SHARED_STEPS = 100_000  # a longer run's processes each build the schedule: its table would take 10 MB a process
 
 
 @dataclass
@@ -60,6 +61,9 @@ class TrainingPlan:
     total_samples: int  # what max_train_steps trains: the schedule's length
     lr_scheduler_type: str
     data_fingerprint: str = ""  # common.data.fingerprint of the training set
+    # (what decides the schedule, its factor at each step of this run by samples seen): made by the main process
+    # alone (plan_run), so that the others need not import transformers, and peft with it (1.5 CPU-seconds a process)
+    shared_schedule: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def effective_batch_size(self) -> int:
@@ -105,10 +109,26 @@ class TrainingPlan:
         """The learning rate of the step that follows `seen` trained samples."""
         return self.learning_rate * self.schedule(seen)
 
+    def _schedule_inputs(self) -> tuple:
+        return self.lr_scheduler_type, self.learning_rate, self.warmup_samples, self.total_samples
+
     @functools.cached_property
     def schedule(self):
-        """The rate's fraction of `learning_rate` after a number of trained samples: transformers' schedule (its
-        LambdaLR's function) built over samples instead of steps."""
+        """The rate's fraction of `learning_rate` after a number of trained samples: transformers' schedule, or the
+        factors the main process sent for this run's steps (shared_schedule), and transformers' between them."""
+        decided_by, factors = self.shared_schedule or (None, {})
+        if decided_by != self._schedule_inputs():  # none sent, or for another schedule (a plan made from this one)
+            return self._transformers_schedule
+
+        def shared(seen: int) -> float:
+            factor = factors.get(seen)
+            return self._transformers_schedule(seen) if factor is None else factor
+
+        return shared
+
+    @functools.cached_property
+    def _transformers_schedule(self):
+        """transformers' schedule (its LambdaLR's function) built over samples instead of steps."""
         import torch
         from transformers import get_scheduler  # here: a parse error need not wait for transformers
 
@@ -147,7 +167,13 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
         warmup_samples=plan.steps_and_samples_from(Position(), steps=warmup_steps)[1],
         total_samples=plan.steps_and_samples_from(Position(), steps=max_train_steps)[1],
     )
-    try:  # transformers builds the schedule now: what it refuses (polynomial's lr_end above the rate) before training
+    decide_on_main(PartialState(), lambda: _check_schedule(plan, args))
+    return plan
+
+
+def _check_schedule(plan: TrainingPlan, args) -> None:
+    """transformers builds the schedule now: what it refuses (polynomial's lr_end above the rate) before training."""
+    try:
         plan.lr_at(0)
     except ValueError as err:
         raise RecipeError(
@@ -155,7 +181,26 @@ def plan_training(args, num_samples: int, num_processes: int) -> TrainingPlan:
             "pass another --learning_rate or --lr_scheduler_type",
             subject="--lr_scheduler_type",
         ) from err
-    return plan
+
+
+def _share_schedule(plan: TrainingPlan, start: Position) -> TrainingPlan:
+    """`plan` with its schedule made by the main process and sent to the others (shared_schedule)."""
+    state = PartialState()
+    if state.num_processes == 1 or plan.max_train_steps - start.step > SHARED_STEPS:
+        return plan
+    return with_schedule(plan, decide_on_main(state, lambda: schedule_factors(plan, start)))
+
+
+def schedule_factors(plan: TrainingPlan, start: Position) -> dict:
+    """The schedule's factor at each step the run takes from `start` (and at its end), by samples seen."""
+    batch, steps = plan.effective_batch_size, plan.max_train_steps - start.step
+    return {s: plan._transformers_schedule(s) for s in range(start.seen, start.seen + steps * batch + 1, batch)}
+
+
+def with_schedule(plan: TrainingPlan, factors: dict) -> TrainingPlan:
+    """`plan` taking its rates from `factors` (schedule_factors'); a rate asked for elsewhere, or of a plan made from
+    it with another schedule, is transformers' own."""
+    return replace(plan, shared_schedule=(plan._schedule_inputs(), factors))
 
 
 def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPlan, Position]:
@@ -185,7 +230,7 @@ def plan_run(args, dataset, num_processes: int, resume=None) -> tuple[TrainingPl
         f"{args.reference_batch_size} -> {plan.learning_rate:.4g} ({args.lr_scaling}); {plan.max_train_steps} steps "
         f"of which {plan.warmup_steps} warmup"
     )
-    return plan, start
+    return _share_schedule(plan, start), start
 
 
 WARMUP_ARGS = ("warmup_steps", "warmup_ratio")

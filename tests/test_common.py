@@ -112,6 +112,30 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01 * p.learning_rate
 
 
+def test_a_schedule_made_on_the_main_process_gives_each_step_its_rate_and_nothing_else():
+    """plan_run sends the other processes the schedule's factors at the steps the run takes (from a resumed position
+    too), which then need not import transformers: each step's rate comes from them, bit for bit transformers'; a rate
+    asked for elsewhere, or by a plan made from it with another schedule, is transformers' own."""
+    from dataclasses import replace
+
+    from common.plan import schedule_factors, with_schedule
+
+    p = plan(max_train_steps=40, warmup_steps=4, lr_scheduler_type="cosine")
+    start = Position(step=10, epoch=0, sample=640, seen=640)
+    factors = schedule_factors(p, start)
+    steps = [start.seen + i * p.effective_batch_size for i in range(31)]  # before each step left, and at the end
+    assert list(factors) == steps and steps[-1] == p.total_samples
+    shared = with_schedule(p, factors)
+    fresh = plan(max_train_steps=40, warmup_steps=4, lr_scheduler_type="cosine")  # its own transformers schedule
+    assert [shared.lr_at(s) for s in steps] == [fresh.lr_at(s) for s in steps]
+    marked = with_schedule(p, {s: 0.5 for s in steps})  # rates that can only come from the table
+    assert [marked.lr_at(s) for s in steps] == [0.5 * p.learning_rate] * len(steps)
+    assert marked.lr_at(steps[0] + 1) == fresh.lr_at(steps[0] + 1) != 0.5 * p.learning_rate
+    longer = replace(marked, total_samples=2 * p.total_samples)
+    assert longer.lr_at(steps[5]) == replace(fresh, total_samples=2 * p.total_samples).lr_at(steps[5])
+    assert longer.lr_at(steps[5]) != 0.5 * p.learning_rate
+
+
 @pytest.fixture
 def accelerate_state():
     """common's logger is Accelerate's, which needs the process state recipes always have."""
