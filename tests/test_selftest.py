@@ -58,15 +58,28 @@ def test_selftest_under_ddp_fails_just_the_promise_a_recipe_breaks(tmp_path):
     assert proc.stdout.rstrip().endswith("4 of 5 passed; FAILED: one big batch")
 
 
-@pytest.mark.slow
 def test_a_mistake_every_check_would_meet_is_one_line_and_exit_2(tmp_path):
     """fp16 asked on a CPU (a cache variable that is a file, ...) is wrong for every check alike: its line, once, and
-    exit 2, not five FAIL rows each with the same line after minutes."""
+    exit 2, not five FAIL rows each with the same line after minutes. launch.sh's plan, which the selftest reads
+    first, refuses fp16 on a CPU (common.preflight's rule): nothing is launched."""
     fp16 = ["--config", "cpu", "--num_processes", "1", "--mixed_precision", "fp16"]
     proc = run([REPO / "launch.sh", "selftest", *fp16], env=cpu_env(), check=False)
     assert proc.returncode == 2 and rows(proc.stdout) == {}, proc.stdout + proc.stderr[-2000:]
     (line,) = [line for line in proc.stderr.splitlines() if "error" in line]  # once, not once a check
-    assert line.startswith("error: ") and "--mixed_precision" in line, proc.stderr  # it names what to change
+    assert line.startswith("launch.sh: error: ") and "--mixed_precision" in line, proc.stderr  # what to change
+
+
+@pytest.mark.slow
+def test_a_mistake_the_first_check_meets_ends_the_selftest_in_its_one_line(tmp_path):
+    """A cache variable that is a file passes launch.sh's plan; the first check's run refuses it (exit 2), and the
+    selftest ends there with that line, once, not a FAIL row for each check."""
+    cache = tmp_path / "file"
+    cache.write_text("")
+    proc = run([REPO / "launch.sh", "selftest", "--config", "cpu", "--num_processes", "1"],
+               env=cpu_env(HF_DATASETS_CACHE=str(cache)), check=False)  # fmt: skip
+    assert proc.returncode == 2 and rows(proc.stdout) == {}, proc.stdout + proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert line.startswith("error: ") and "$HF_DATASETS_CACHE" in line, proc.stderr
 
 
 def test_an_option_out_of_range_is_refused_by_the_parser_before_anything_starts(capsys):
