@@ -7,8 +7,10 @@ Timed in the CPU time of the thread that trains (time.thread_time), which other 
 disturbs less than the wall clock; each round runs every loop once, each loop first in turn.
 
     python benchmarks/step_cost.py --out step_cost.json        # overhead.py runs it
+    python benchmarks/step_cost.py --out step_cost.json --files  # the files a plain step runs code of
 """
 
+import collections
 import json
 import statistics
 import sys
@@ -20,13 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from benchlib import load_recipe  # noqa: E402
 
 import common  # noqa: E402
 from common.args import ArgumentParser  # noqa: E402
 
-BATCH, FEATURES = 8, 16
+BATCH, FEATURES, LOGGING_STEPS = 8, 16, 20
+OURS = ("common", "recipes", "scripts")  # the code a recipe runs (this file stands for a recipe)
 
 
 def make(seed=0):
@@ -83,11 +87,12 @@ def recipe_args(steps, out):
 
     parser.set_defaults(**{k: v for k, v in load_recipe("cifar").HYPERPARAMETERS.items() if k in shared})
     argv = ["--output_dir", str(out), "--per_device_train_batch_size", str(BATCH), "--max_train_steps", str(steps)]
-    return parser.parse_args([*argv, "--num_train_epochs", "1000", "--logging_steps", "20"])
+    return parser.parse_args([*argv, "--num_train_epochs", "1000", "--logging_steps", str(LOGGING_STEPS)])
 
 
-def recipe(steps, accelerator, out):
-    """The recipes' loop (recipes/cifar.py's main, less the model's own work), line for line."""
+def recipe(steps, accelerator, out, profile=None):
+    """The recipes' loop (recipes/cifar.py's main, less the model's own work), line for line. `profile(position)`, if
+    given, returns a sys.setprofile function for the loop (files_a_plain_step_runs)."""
     args = recipe_args(steps, out)
     data, model, optimizer = make()
     train_dl = common.make_dataloader(data, BATCH, train=True, seed=0, num_workers=0)
@@ -97,16 +102,39 @@ def recipe(steps, accelerator, out):
     loop = common.TrainingLoop(
         accelerator, args, plan, position, no_saves, model, evaluate=lambda stop: {"eval_loss": 0.0}
     )
+    sys.setprofile(profile(position) if profile is not None else None)
     tic = time.thread_time()
     for step in loop.steps(train_dl, optimizer):
         for x, y in step.micro_batches():
             step.backward(F.cross_entropy(model(x), y), items=y.shape[0])
         optimizer.step()
         model.zero_grad()
+    sys.setprofile(None)
     loop.summary()
     seconds = time.thread_time() - tic
     accelerator.free_memory()  # forget the prepared objects (not timed)
     return seconds / steps
+
+
+def files_a_plain_step_runs(accelerator, out, steps: int = 60) -> list[str]:
+    """The files of this repository (common/, recipes/, scripts/) whose functions a plain optimizer step of `recipe`'s
+    loop calls: a step that neither logs (every LOGGING_STEPS), checkpoints, evaluates nor stops; the recipe's own
+    body runs in its frame, not called, and is the third. Each call counts in the step the position was at when it
+    started (the end of step v's bookkeeping, then step v+1's batches and body); the first and last steps are left
+    out."""
+    by_step = collections.defaultdict(set)
+
+    def profile(position):
+        def hook(frame, event, arg):
+            path = Path(frame.f_code.co_filename)
+            if event == "call" and path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in OURS:
+                by_step[position.step].add(path.relative_to(REPO).as_posix())
+
+        return hook
+
+    recipe(steps, accelerator, out, profile)
+    plain = [files for step, files in by_step.items() if step % LOGGING_STEPS and 0 < step < steps - 1]
+    return sorted(set().union(*plain))
 
 
 def build_parser() -> ArgumentParser:
@@ -114,6 +142,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type="positive_int", default=300)
     p.add_argument("--repeats", type="positive_int", default=9)
+    p.add_argument("--files", action="store_true", help="print the files a plain step runs code of, and exit")
     return p
 
 
@@ -121,6 +150,9 @@ def main():
     args = build_parser().parse_args()
     torch.set_num_threads(1)  # a step this small only waits for more threads
     accelerator = common.make_accelerator(recipe_args(args.steps, args.out.parent / "step_cost_run"), cpu=True)
+    if args.files:
+        print(" ".join(files_a_plain_step_runs(accelerator, args.out.parent / "step_cost_run")))
+        return
     loops = {
         "bare": lambda: bare(args.steps, accelerator.device),
         "bare_accelerate": lambda: bare_accelerate(args.steps, accelerator),

@@ -970,3 +970,23 @@ def test_a_deepspeed_config_s_auto_values_become_the_recipes():
         "train_batch_size": 24, "gradient_clipping": 0.5, "gradient_accumulation_steps": 2,
         "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
     }  # fmt: skip
+
+
+def test_a_plain_optimizer_step_calls_code_of_the_loop_and_the_log_alone(tmp_path):
+    """benchmarks/step_cost.py's loop, one process: a step that neither logs, checkpoints, evaluates nor stops calls
+    functions of common/loop.py and common/metrics.py only (with the recipe's body, three files): its data, rate,
+    position, stop flags and watchdog beat are read as data, not through data.py, plan.py, preemption.py or
+    watchdog.py (what benchmarks/README.md states)."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))  # step_cost imports benchlib
+    try:
+        spec = importlib.util.spec_from_file_location("step_cost", REPO / "benchmarks" / "step_cost.py")
+        spec.loader.exec_module(step_cost := importlib.util.module_from_spec(spec))
+        files = step_cost.files_a_plain_step_runs(Accelerator(cpu=True), tmp_path / "run")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert files == ["common/loop.py", "common/metrics.py"]
