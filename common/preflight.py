@@ -178,9 +178,19 @@ def _deepspeed_fp16(path: str):
     """A DeepSpeed JSON config file's fp16 "enabled" (True, False or "auto"), or None where it says none (or the file
     cannot be read: DeepSpeed's own refusal is said later)."""
     try:
-        return json.loads(Path(path).read_text()).get("fp16", {}).get("enabled")
-    except (OSError, ValueError, AttributeError):
+        return (_deepspeed_file(path) or {}).get("fp16", {}).get("enabled")
+    except AttributeError:  # an fp16 that is no section
         return None
+
+
+def _deepspeed_file(path: str) -> dict | None:
+    """A DeepSpeed JSON config file, read; None if it cannot be read or holds no object (DeepSpeed refuses it later,
+    in its words)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def deepspeed_config(environ) -> dict | None:
@@ -190,11 +200,8 @@ def deepspeed_config(environ) -> dict | None:
     if not flag(environ, "ACCELERATE_USE_DEEPSPEED") or flag(environ, "ACCELERATE_USE_CPU"):
         return None
     if path := environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
-        try:
-            config = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            return None
-        return {"gradient_accumulation_steps": 1, **config} if isinstance(config, dict) else None  # Accelerate's 1
+        config = _deepspeed_file(path)
+        return {"gradient_accumulation_steps": 1, **config} if config is not None else None  # Accelerate's 1
     steps = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
     stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     gather = environ.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() == "true"
