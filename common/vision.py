@@ -1,6 +1,7 @@
 """Images and image classifiers for the vision recipe: image files, CIFAR or two ImageFolders, torchvision and timm
 models with a new head, loaded weights, a frozen backbone, the norm layer, and a model probed at parse time."""
 
+import argparse
 import collections
 import contextlib
 import difflib
@@ -63,6 +64,34 @@ def load_image(path):
         ) from err
     except (OSError, SyntaxError, ValueError) as err:  # not an image, truncated, an unsupported variant
         raise DataError(f"{path}: unreadable image ({err}); remove or replace the file", subject=str(path)) from err
+
+
+def add_image_args(p) -> None:
+    """The images: --dataset and where it is, --image_size, --data_on_device, and their rules."""
+    add = p.add_argument_group("data").add_argument
+    add("--dataset", choices=["cifar10", "cifar100", "imagefolder"], default="cifar10")
+    add("--data_dir", default="data", help="where CIFAR is (or is downloaded to)")
+    add("--train_dir", help="ImageFolder training images (--dataset imagefolder)")
+    add("--val_dir", help="ImageFolder validation images (--dataset imagefolder)")
+    add("--image_size", type="positive_int", default=32, help="ImageFolder images are resized to this")
+    add(
+        "--data_on_device",
+        action=argparse.BooleanOptionalAction,
+        help="keep the dataset on the accelerator as uint8 and crop/flip there (images of 64 px or less); default: "
+        "when the set fits (said in one line), else decoding DataLoader workers",
+    )
+    folder = lambda a: a.dataset == "imagefolder"  # noqa: E731
+    p.does_nothing_unless(["--data_dir"], lambda a: not folder(a), "with --dataset imagefolder (it is CIFAR's "
+                          "folder; the images come from --train_dir and --val_dir)")  # fmt: skip
+    p.does_nothing_unless(["--train_dir", "--val_dir"], folder, "without --dataset imagefolder (CIFAR comes from "
+                          "--data_dir)", ", or add --dataset imagefolder")  # fmt: skip
+    p.requires("--dataset imagefolder", lambda a: a.train_dir and a.val_dir, "--dataset imagefolder needs "
+               "--train_dir and --val_dir, folders with one sub-folder of images per class")  # fmt: skip
+    p.requires("--image_size", lambda a: folder(a) or a.image_size == 32, "--image_size applies to --dataset "
+               "imagefolder", lambda a: f"{a.dataset} images are 32 px")  # fmt: skip
+    p.requires("--data_on_device", lambda a: a.image_size <= 64, lambda a: f"--data_on_device does CIFAR-style "
+               f"pad-and-crop, for images of 64 px or less, not --image_size {a.image_size}", "leave it out (larger "
+               "images are cropped by PIL in the DataLoader), or pass --image_size 64 or less")  # fmt: skip
 
 
 def load_images(args):
