@@ -302,6 +302,10 @@ def main(argv: list[str]) -> int:
         say(f"no GPU visible: {what[0]} runs on CPU, {per_node} process(es) on this node, {what[1]}")
     elif refusal := preflight.more_processes_than_gpus(per_node, gpus, on_cpu=False):  # GPUs' processes, as theirs
         die(str(refusal))
+    # first, as the processes' preflight says it: a torch that would train wrong whatever else is asked
+    if refusal := preflight.known_bad_torch(per_node * nodes, importlib.metadata.version("torch"), kind == "FSDP"
+                                            and gpus == 0):  # fmt: skip
+        die(str(refusal))
     cpu_flag = use_cpu or preflight.flag(os.environ, "ACCELERATE_USE_CPU")  # the processes' ACCELERATE_USE_CPU
     deepspeed_file = (yaml_config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     for refusal in (  # what the processes' preflight would refuse of this config and environment, said before them
@@ -328,9 +332,6 @@ def main(argv: list[str]) -> int:
             die(f"{config_file.name}: {refusal}")
         cmd += mesh.options(sizes)
         say(f"{config_file.name}: a mesh of {mesh.describe(sizes)} over {nodes} node(s) x {per_node} process(es)")
-    if refusal := preflight.known_bad_torch(per_node * nodes, importlib.metadata.version("torch"), kind == "FSDP"
-                                            and gpus == 0):  # fmt: skip
-        die(str(refusal))
     if nodes > 1:
         port = port or 29500
         # c10d: the head hosts the rendezvous (is_host, not a guess from host names); nodes start RDZV_TIMEOUT apart
