@@ -62,18 +62,9 @@ class TrainingLoop:
             batches, ended = epoch_batches(train_dl, position.epoch, position.sample), False
             while position.step < plan.max_train_steps:
                 asked = time.perf_counter()  # the data wait: from here until the step's batches are in hand
-                try:
-                    window = list(itertools.islice(batches, accumulation))
-                except (RecipeError, ValueError) as err:
-                    window = reading_failed(err)  # a stream's end, or an error raised as what it means
+                window = _read_window(batches, accumulation, position.sample == 0, self.batch)
                 waited = time.perf_counter() - asked
-                if ended := len(window) < accumulation:  # the epoch's remainder: too few for a whole step
-                    if position.sample == 0:  # a stream (a dataset's size was checked by the plan)
-                        raise RecipeError(
-                            f"the training data holds fewer samples than one step trains ({plan.effective_batch_size}"
-                            "); add data, or lower --per_device_train_batch_size or --gradient_accumulation_steps",
-                            subject="--per_device_train_batch_size",
-                        )
+                if ended := window is None:
                     break
                 if scheduler is None:
                     lr = peak * schedule(position.seen)  # plan.lr_at: by samples, exact on any layout, resumed or not
@@ -83,9 +74,8 @@ class TrainingLoop:
                 self._stepped(waited, scheduler.get_last_lr()[0] if scheduler is not None else None)
             if self._evaluates_at_epoch_end():
                 self._evaluate()
-            if ended or plan.epoch_done(
-                position
-            ):  # not one --max_train_steps cut short: its checkpoint resumes it there
+            # the epoch is over, not one --max_train_steps cut short (its checkpoint resumes it there)
+            if ended or plan.epoch_done(position):
                 position.epoch, position.sample = position.epoch + 1, 0
             if self.checkpointing_steps == "epoch":
                 self._save_checkpoint()
@@ -150,6 +140,23 @@ class TrainingLoop:
     def summary(self, tokens_per_sample: int | None = None) -> dict:
         """What results.json reports about training (common.metrics.TrainLog.summary)."""
         return self.log.summary(self.position, tokens_per_sample)
+
+
+def _read_window(batches, accumulation: int, epoch_start: bool, step_samples: int) -> list | None:
+    """The next step's micro-batches from `batches`, or None at the epoch's end (too few left for a whole step)."""
+    try:
+        window = list(itertools.islice(batches, accumulation))
+    except (RecipeError, ValueError) as err:
+        window = reading_failed(err)  # a stream's end, or an error raised as what it means
+    if len(window) == accumulation:
+        return window
+    if epoch_start:  # a stream with less than one step (a dataset's size was checked by the plan)
+        raise RecipeError(
+            f"the training data holds fewer samples than one step trains ({step_samples}); add data, or lower "
+            "--per_device_train_batch_size or --gradient_accumulation_steps",
+            subject="--per_device_train_batch_size",
+        )
+    return None
 
 
 def loader_fixes(args) -> str:

@@ -76,25 +76,7 @@ class OutputDir:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         output_dir, spec, overwrite = Path(args.output_dir), args.resume_from_checkpoint, args.overwrite_output_dir
-        unused = getattr(args, "unused_arguments", ())  # of its parse; arguments made by hand (a test's) had none
-        for name in INPUTS:  # what the run reads and where it writes, apart
-            if name in unused or not isinstance(value := getattr(args, name, None), str) or not value:
-                continue
-            path, out = Path(value).resolve(), output_dir.resolve()
-            if path.is_dir() and out.is_relative_to(path):
-                raise RecipeError(
-                    f"--output_dir {output_dir} {'is' if out == path else 'lies inside'} --{name} {value}, which the "
-                    "run reads: what it writes there would become part of its input, or replace it",
-                    "pass an --output_dir outside it",
-                    subject="--output_dir",
-                )
-            if path.exists() and path.is_relative_to(out):  # an earlier run's model, say
-                raise RecipeError(
-                    f"--{name} {value} lies inside --output_dir {output_dir}, where the run saves, and which "
-                    "--overwrite_output_dir empties of runs' files: it could replace or delete what it reads",
-                    "pass an --output_dir apart from the run's inputs",
-                    subject=f"--{name}",
-                )
+        _check_apart_from_inputs(args, output_dir)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         # else as the first attempt began; decided on the main process alone (NFS shows files late)
         if restarts > 0 and (not spec or decide_on_main(accelerator, lambda: _saved_by_this_job(output_dir))):
@@ -317,6 +299,29 @@ def _start_over(output_dir: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def _check_apart_from_inputs(args, output_dir: Path) -> None:
+    """What the run reads (INPUTS) and where it writes, apart: neither inside the other."""
+    unused = getattr(args, "unused_arguments", ())  # of its parse; arguments made by hand (a test's) had none
+    for name in INPUTS:
+        if name in unused or not isinstance(value := getattr(args, name, None), str) or not value:
+            continue
+        path, out = Path(value).resolve(), output_dir.resolve()
+        if path.is_dir() and out.is_relative_to(path):
+            raise RecipeError(
+                f"--output_dir {output_dir} {'is' if out == path else 'lies inside'} --{name} {value}, which the "
+                "run reads: what it writes there would become part of its input, or replace it",
+                "pass an --output_dir outside it",
+                subject="--output_dir",
+            )
+        if path.exists() and path.is_relative_to(out):  # an earlier run's model, say
+            raise RecipeError(
+                f"--{name} {value} lies inside --output_dir {output_dir}, where the run saves, and which "
+                "--overwrite_output_dir empties of runs' files: it could replace or delete what it reads",
+                "pass an --output_dir apart from the run's inputs",
+                subject=f"--{name}",
+            )
 
 
 def _check_writable(output_dir: Path) -> None:

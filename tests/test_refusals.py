@@ -19,7 +19,7 @@ from conftest import REPO, error_lines
 from test_inputs import BASE, FOLDER, RECIPES  # the recipes, the least argv each parser needs, an ImageFolder
 
 import common
-from common import outputs, vision
+from common import loop, outputs, vision
 from common.args import public_args
 from common.checkpoint import HASH, STATE_FILE, resolve_checkpoint, write_json
 from common.errors import DataError
@@ -360,6 +360,8 @@ SETUPS = {  # name: (setup(folder) -> the refused call, its subject)
                                        "--gradient_accumulation_steps"),
     "a schedule transformers refuses": (lambda f: planned("--lr_scheduler_type", "polynomial", "--learning_rate",
                                                           "1e-9"), "--lr_scheduler_type"),
+    "a stream shorter than one step": (  # a stream's size is known only when it ends: at the first step's read
+        lambda f: lambda: loop._read_window(iter([["a batch"]]), 2, True, 16), "--per_device_train_batch_size"),
     "warmup as long as the run": (lambda f: planned("--max_train_steps", "50", "--warmup_steps", "50", samples=1000),
                                   "--warmup_steps"),
     "a checkpoint of another seed": (lambda f: resumed(parse("--seed", "1"), f, resumable(f, parse())), "--seed"),
