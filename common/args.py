@@ -382,19 +382,7 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     )
     p.set_defaults(recipe=recipe)
     p.checks = [_check_timeouts]
-    warmup = lambda a: a.warmup_ratio if a.warmup_steps is None else a.warmup_steps  # noqa: E731  --warmup_steps wins
-    p.does_nothing_unless(
-        ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant" or not warmup(a),
-        "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
-    )  # fmt: skip
-    p.requires(  # transformers' inverse_sqrt decays over its warmup: without one, over its own 10,000 steps
-        "--lr_scheduler_type inverse_sqrt", warmup, "--lr_scheduler_type inverse_sqrt decays over its warmup's "
-        "length, and there is no warmup", "pass --warmup_steps or --warmup_ratio above 0",
-    )  # fmt: skip
-    p.does_nothing_unless(
-        ["--reference_batch_size"], lambda a: a.lr_scaling != "none",
-        "with --lr_scaling none (no rate is scaled from it)", ", or pass --lr_scaling linear or sqrt",
-    )  # fmt: skip
+    _add_schedule_rules(p)
     t = p.add_argument_group("training (shared by every recipe)").add_argument
     # ~ as the inputs' paths take it: a shell leaves it as it is in --output_dir=~/x
     t("--output_dir")
@@ -432,3 +420,20 @@ def training_parser(recipe: str, doc: str | None) -> ArgumentParser:
     )  # fmt: skip
     t("--seed", type="seed", default=42)
     return p
+
+
+def _add_schedule_rules(p) -> None:
+    """How the learning-rate options relate: what does nothing, or cannot work, with the others given."""
+    warmup = lambda a: a.warmup_ratio if a.warmup_steps is None else a.warmup_steps  # noqa: E731  --warmup_steps wins
+    p.does_nothing_unless(
+        ["--warmup_steps", "--warmup_ratio"], lambda a: a.lr_scheduler_type != "constant" or not warmup(a),
+        "with --lr_scheduler_type constant (it has no warmup)", ", or pass --lr_scheduler_type constant_with_warmup",
+    )  # fmt: skip
+    p.requires(  # transformers' inverse_sqrt decays over its warmup: without one, over its own 10,000 steps
+        "--lr_scheduler_type inverse_sqrt", warmup, "--lr_scheduler_type inverse_sqrt decays over its warmup's "
+        "length, and there is no warmup", "pass --warmup_steps or --warmup_ratio above 0",
+    )  # fmt: skip
+    p.does_nothing_unless(
+        ["--reference_batch_size"], lambda a: a.lr_scaling != "none",
+        "with --lr_scaling none (no rate is scaled from it)", ", or pass --lr_scaling linear or sqrt",
+    )  # fmt: skip

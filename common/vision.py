@@ -224,6 +224,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
 # Without --data_on_device or --no-data_on_device, images of 64 px or less are held on the device when, as uint8,
 # they take at most this much and a tenth of the memory a process has there (each process holds its own copy).
 DEVICE_DATA_BYTES = 2**30
+DEVICE_FLAGS = {True: "--data_on_device", False: "--no-data_on_device"}
 
 
 def _memory_per_process(device) -> int:
@@ -243,7 +244,7 @@ def held_on_device(args, images, accelerator, resume_from=None) -> bool:
     resume replays; the other path given is refused), else the device path for a set of images of 64 px or less that
     fits, else the decoding DataLoader. Decided by the main process, said in one line whatever decided it."""
     saved = read_state(resume_from).get("args", {}).get("data_on_device") if resume_from is not None else None
-    flag = {True: "--data_on_device", False: "--no-data_on_device"}
+    flag = DEVICE_FLAGS
     if saved is not None and args.data_on_device is not None and args.data_on_device != saved:
         asked = flag[args.data_on_device]
         raise RecipeError(
@@ -252,53 +253,53 @@ def held_on_device(args, images, accelerator, resume_from=None) -> bool:
             subject=asked,
         )
     train, evals, size = images[:3]
-    count = len(train) + len(evals)
+    choose = functools.partial(
+        _input_path, args, len(train) + len(evals), size, accelerator.device, saved, resume_from
+    )
+    return decide_on_main(accelerator, choose)
+
+
+def _input_path(args, count: int, size: int, device, saved: bool | None, resume_from) -> bool:
+    """Whether `count` images of `size` px are held on `device` (see held_on_device), said in one line with why;
+    `saved`: the choice of checkpoint `resume_from`, or None."""
+    flag = DEVICE_FLAGS
     nbytes = count * size * size * 3
     these = f"the {count:,} images ({_megabytes(nbytes)} as uint8)"
-    workers = default_num_workers() if args.dataloader_num_workers is None else args.dataloader_num_workers
-    decoded = (
-        f"{workers} DataLoader worker(s) a process decode, crop and flip each image"
-        if workers
-        else "the training process decodes, crops and flips each image (no DataLoader worker)"
-    )
-
-    def choose():
-        device = accelerator.device
-        limit = min(DEVICE_DATA_BYTES, _memory_per_process(device) // 10)
+    limit = min(DEVICE_DATA_BYTES, _memory_per_process(device) // 10)
+    if saved is not None:
+        on_device, why = saved, f"as checkpoint {Path(resume_from).name} was trained"
+    elif args.data_on_device is not None:
+        on_device, why = args.data_on_device, f"as {flag[args.data_on_device]} asks"
+    elif size > 64:
+        on_device, why = False, "images above 64 px are cropped by PIL (scale-and-crop)"
+    elif args.dataloader_num_workers is not None:
+        on_device = False
+        why = f"as --dataloader_num_workers asks (--data_on_device would hold {these} on {device.type})"
+    elif nbytes > limit:
+        on_device = False
+        why = (
+            f"{these} take more than the {limit / 2**20:,.0f} MB a process may hold on {device.type} (the smaller "
+            "of 1 GiB and a tenth of its memory); --data_on_device holds them there all the same"
+        )
+    else:
+        on_device, why = True, None
+    if on_device:
         held = (
             f"input: {these} are held on {device.type} and cropped and flipped there (--data_on_device): nothing is "
             "decoded after the start"
         )
-        if saved is not None:
-            on_device, why = saved, f"as checkpoint {Path(resume_from).name} was trained"
-        elif args.data_on_device is not None:
-            on_device, why = args.data_on_device, f"as {flag[args.data_on_device]} asks"
-        elif size > 64:
-            on_device, why = False, "images above 64 px are cropped by PIL (scale-and-crop)"
-        elif args.dataloader_num_workers is not None:
-            on_device = False
-            why = f"as --dataloader_num_workers asks (--data_on_device would hold {these} on {device.type})"
-        elif nbytes > limit:
-            on_device = False
-            why = (
-                f"{these} take more than the {limit / 2**20:,.0f} MB a process may hold on {device.type} (the smaller "
-                "of 1 GiB and a tenth of its memory); --data_on_device holds them there all the same"
-            )
-        else:
-            on_device, why = True, None
-        if on_device:
-            logger.info(
-                f"{held}, {why}" if why else f"{held}; --no-data_on_device decodes them in the DataLoader instead"
-            )
-            if args.dataloader_num_workers is not None:
-                logger.warning(
-                    f"--dataloader_num_workers {args.dataloader_num_workers} does nothing: no image is decoded"
-                )
-        else:
-            logger.info(f"input: {decoded}, {why}")
-        return on_device
-
-    return decide_on_main(accelerator, choose)
+        logger.info(f"{held}, {why}" if why else f"{held}; --no-data_on_device decodes them in the DataLoader instead")
+        if args.dataloader_num_workers is not None:
+            logger.warning(f"--dataloader_num_workers {args.dataloader_num_workers} does nothing: no image is decoded")
+    else:
+        workers = default_num_workers() if args.dataloader_num_workers is None else args.dataloader_num_workers
+        decoded = (
+            f"{workers} DataLoader worker(s) a process decode, crop and flip each image"
+            if workers
+            else "the training process decodes, crops and flips each image (no DataLoader worker)"
+        )
+        logger.info(f"input: {decoded}, {why}")
+    return on_device
 
 
 def as_uint8(dataset, size):
