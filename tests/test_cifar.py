@@ -65,9 +65,25 @@ def reevaluate(digits, output_dir):
     return correct, loss_sum / len(evals)
 
 
+# The quick start's settings but no mirroring, which turns digits into other shapes: 5 epochs of the recipe's defaults
+# (its seed, its input path, pad-and-crop, SGD, the scaled rate and its warmup and cosine decay).
+LEARNING = ["--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0"]
+PER_EPOCH_64 = 1400 // 64  # steps an epoch at an effective batch of 64
+
+
+@pytest.fixture(scope="module")
+def one_process_64(digits, tmp_path_factory):
+    """`./launch.sh cifar --num_processes 1` at batch 64 with LEARNING and a checkpoint each epoch: (its folder, the
+    finished process). The one-process side of the learning comparison, and the run whose saved weights, card,
+    pictures, predictions and epoch resumes the one-process test reads (a checkpoint changes no weight)."""
+    out = tmp_path_factory.mktemp("one_process_64") / "run"
+    args = [*LEARNING, "--per_device_train_batch_size", "64", "--checkpointing_steps", "epoch"]
+    return out, run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # two 5-epoch trainings: about 45 s alone, twice that beside another worker
-def test_two_processes_learn_as_well_as_one(digits, tmp_path):
+def test_two_processes_learn_as_well_as_one(digits, tmp_path, one_process_64):
     """The property data parallelism promises, measured as quality rather than equality: 2 processes x 32
     reach the accuracy of 1 process x 64 (the same effective batch, learning rate and steps). The quick start's
     settings: the recipe's defaults (its seed, its input path, pad-and-crop, SGD, the scaled rate and its warmup
@@ -78,25 +94,23 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
     compare layouts with one seed. BatchNorm's statistics are each process's own, so the runs are not equal, only
     equally good. The 2-process run's final weights, evaluated again in 1 process, give its per-class counts
     exactly."""
-    accuracy, settings = {}, ["--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0"]
+    accuracy, settings, steps = {}, LEARNING, 5 * PER_EPOCH_64
     for processes, batch in ((2, "32"), (1, "64")):
-        out = tmp_path / f"n{processes}"
-        args = digits_args(digits, out, *settings)
-        args += ["--per_device_train_batch_size", batch]
         if processes == 1:
-            run([BIN / "python", RECIPE, *args])
+            out = one_process_64[0]  # launch.sh's one process, shared with the test below
         else:
-            run(*accelerate_cpu(2, RECIPE, *args, "--checkpointing_steps", str(5 * (1400 // 64))))
+            out = tmp_path / f"n{processes}"
+            args = digits_args(digits, out, *settings, "--per_device_train_batch_size", batch)
+            run(*accelerate_cpu(2, RECIPE, *args, "--checkpointing_steps", str(steps)))
         res = results(out)
         assert res["world_size"] == processes and res["effective_batch_size"] == 64, res
-        assert res["eval_samples"] == digits["n_val"] and res["steps"] == 5 * (1400 // 64), res
+        assert res["eval_samples"] == digits["n_val"] and res["steps"] == steps, res
         assert res["args"]["seed"] == 42, res["args"]  # the default
         accuracy[processes] = res["eval_accuracy"]
     assert min(accuracy.values()) > 0.93, accuracy  # chance is 0.1
     assert accuracy[2] > accuracy[1] - 0.03, accuracy
     # The 2-process run's weights evaluated in 1 process (its last checkpoint resumed: nothing left to train, the run
     # evaluates): the same per-class counts, exactly, as its 2 processes gathered
-    steps = 5 * (1400 // 64)
     one = tmp_path / "n2_evaluated_by_1"
     resume = [
         "--resume_from_checkpoint",
@@ -114,25 +128,25 @@ def test_two_processes_learn_as_well_as_one(digits, tmp_path):
 
 @pytest.mark.slow
 def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resumes_at_epoch_boundaries(
-    digits, tmp_path, capsys
+    digits, tmp_path, capsys, one_process_64
 ):
-    """By default the digits (small images that fit) train from memory, cropped and flipped there, as
-    --data_on_device does, which one info line says: the weights it saves reproduce its accuracy through the
-    ImageFolder evaluation path, and a resume takes the checkpoint's input path. Its per-class accuracy, model card,
-    pictures and upload set; scripts/predict.py on it."""
-    out = tmp_path / "run"
-    args = [*FAST_MODEL, "--num_train_epochs", "3", "--checkpointing_steps", "epoch"]
-    proc = run([REPO / "launch.sh", "cifar", "--num_processes", "1", *digits_args(digits, out, *args)])
+    """By default the digits (small images that fit) train from memory, cropped (and flipped, when --hflip is on)
+    there, as --data_on_device does, which one info line says: the weights it saves reproduce its accuracy through
+    the ImageFolder evaluation path, and a resume takes the checkpoint's input path. Its per-class accuracy, model
+    card, pictures and upload set; scripts/predict.py on it. The run: launch.sh's one process of the learning test
+    above (5 epochs x 21 steps of 64, an epoch checkpoint each)."""
+    out, proc = one_process_64
+    args = [*LEARNING, "--per_device_train_batch_size", "64", "--checkpointing_steps", "epoch"]
+    epochs, per_epoch = 5, PER_EPOCH_64
     n = digits["n_train"] + digits["n_val"]
     assert f"input: the {n:,} images (5.3 MB as uint8) are held on cpu and cropped and flipped there" in proc.stderr
     res = results(out)
     assert res["args"]["data_on_device"] is True
-    per_epoch = digits["n_train"] // 32
     assert res["world_size"] == 1 and res["num_processes"] == 1 and res["distributed_type"] == "NO"
     assert res["eval_samples"] == digits["n_val"]
     assert res["eval_accuracy"] > 0.7, res  # chance is 0.1
-    assert res["steps"] == 3 * per_epoch
-    assert res["effective_batch_size"] == 32 and res["learning_rate"] == pytest.approx(0.1 * 32 / 128)
+    assert res["steps"] == epochs * per_epoch
+    assert res["effective_batch_size"] == 64 and res["learning_rate"] == pytest.approx(0.1 * 64 / 128)
 
     correct, loss = reevaluate(digits, out)
     assert abs(correct - round(res["eval_accuracy"] * digits["n_val"])) <= 1
@@ -200,16 +214,20 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
             predict.main([str(folder), str(image)])
 
     # Epoch checkpoints resume at the start of the next epoch...
-    state = json.loads((out / f"checkpoint-{2 * per_epoch}" / "trainer_state.json").read_text())
-    assert (state["epoch"], state["samples_in_epoch"], state["samples_seen"]) == (2, 0, 2 * per_epoch * 32)
-    assert state["effective_batch_size"] == 32 and "torch" in state["versions"] and state["args"]["seed"] == 42
+    state = json.loads((out / f"checkpoint-{(epochs - 1) * per_epoch}" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["samples_in_epoch"], state["samples_seen"]) == (
+        epochs - 1,
+        0,
+        (epochs - 1) * per_epoch * 64,
+    )
+    assert state["effective_batch_size"] == 64 and "torch" in state["versions"] and state["args"]["seed"] == 42
     final = load_file(out / "model.safetensors")
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copytree(out / f"checkpoint-{2 * per_epoch}", resumed / f"checkpoint-{2 * per_epoch}")
+    shutil.copytree(out / f"checkpoint-{(epochs - 1) * per_epoch}", resumed / f"checkpoint-{(epochs - 1) * per_epoch}")
     # the resumes in this process's python (forked warm): one process, launch.sh's quick start is the run above
     run([BIN / "python", RECIPE, *digits_args(digits, resumed, *args, "--resume_from_checkpoint", "latest")])
-    assert results(resumed)["steps"] == 3 * per_epoch
+    assert results(resumed)["steps"] == epochs * per_epoch
     weights = load_file(resumed / "model.safetensors")
     for name in final:
         torch.testing.assert_close(weights[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -220,7 +238,7 @@ def test_one_process_learns_saves_weights_that_reproduce_its_accuracy_and_resume
     proc = run([BIN / "python", RECIPE, *digits_args(digits, out, *args, "--resume_from_checkpoint", "latest")])
     (done,) = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
     assert done.startswith(
-        f"done: {out} holds a finished run (results.json, {3 * per_epoch} steps): nothing left to train"
+        f"done: {out} holds a finished run (results.json, {epochs * per_epoch} steps): nothing left to train"
     )
     assert not error_lines(proc.stderr) and "resumed from" not in proc.stderr
     assert snapshot(out) == before

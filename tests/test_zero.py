@@ -14,12 +14,14 @@ from conftest import (
     cpu_env,
     error_lines,
     eval_loss,
+    free_port,
     lm_args,
     load_recipe,
     results,
     run,
     samples,
     snapshot,
+    started_by_accelerate_launch,
     update_distance,
     user_env,
 )
@@ -207,7 +209,7 @@ ZERO_RECIPE = REPO / "recipes" / "zero.py"
     ],
 )  # fmt: skip
 def test_a_deepspeed_file_at_odds_with_the_recipe_is_one_line_before_training(tiny_lm, tmp_path, recipe, config,
-                                                                              message):  # fmt: skip
+                                                                              message, monkeypatch):  # fmt: skip
     """A value a user's DeepSpeed file sets is the recipe's flag's, or refused: "auto" where nothing fills it (said
     once DeepSpeed has read the file, in the engine's set-up); a scheduler lm_finetune would leave unused (said of the
     config DeepSpeed's plugin holds). zero.py's rate and warmup against the config's optimizer and scheduler: in this
@@ -219,8 +221,17 @@ def test_a_deepspeed_file_at_odds_with_the_recipe_is_one_line_before_training(ti
     auto = dict.fromkeys(["train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"], "auto")
     ds.write_text(json.dumps({**auto, "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, **config}))
     out = tmp_path / "run"
-    proc = deepspeed(ds, 1, *lm_args(tiny_lm, out, "--max_train_steps", "2"), recipe=REPO / f"recipes/{recipe}.py",
-                     check=False)  # fmt: skip
+    # The one process `accelerate launch --use_deepspeed --deepspeed_config_file ds.json --num_processes 1` starts:
+    # accelerate's own launcher, run in this process up to torchrun's start, gives its ACCELERATE_* settings; torchrun
+    # adds a one-process world. Run as `python recipes/<recipe>.py` in that environment (conftest.run's warm fork).
+    port = free_port()
+    launched, _ = started_by_accelerate_launch(monkeypatch, port, "--use_deepspeed", "--deepspeed_config_file", ds,
+                                               "--num_processes", "1", "--mixed_precision", "no")  # fmt: skip
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}  # fmt: skip
+    env = user_env(**{k: v for k, v in launched.items() if k.startswith("ACCELERATE_")}, **world)
+    recipe_args = lm_args(tiny_lm, out, "--max_train_steps", "2")
+    proc = run([BIN / "python", REPO / f"recipes/{recipe}.py", *recipe_args], env=env, check=False)
     assert proc.returncode != 0
     (line,) = error_lines(proc.stderr)
     assert message in line, line  # the explanation is the point: which part of the file, and why
