@@ -203,7 +203,9 @@ def generate(accelerator, model, tokenizer, prompts: list, max_new_tokens: int) 
     training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        # eagerly, also a model compiled in place (--torch_compile): compiled for training's shapes, it would compile
+        # again for each length generation feeds it (tens of seconds each, up to torch's recompile limit)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             out = module.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                 pad_token_id=pad, synced_gpus=accelerator.num_processes > 1,  # each forward with every process

@@ -3,7 +3,19 @@ train what the eager model trains and save weights that load with their plain na
 seconds (a ResNet-18 about a minute, cold)."""
 
 import pytest
-from conftest import ACCELERATE_LAUNCH, BIN, FAST_MODEL, REPO, digits_args, eval_loss, lm_args, results, run, user_env
+from conftest import (
+    ACCELERATE_LAUNCH,
+    BIN,
+    FAST_MODEL,
+    REPO,
+    digits_args,
+    eval_loss,
+    lm_args,
+    results,
+    run,
+    samples,
+    user_env,
+)
 from safetensors.torch import load_file
 
 LM = REPO / "recipes" / "lm_finetune.py"
@@ -20,7 +32,8 @@ def test_a_compiled_lm_trains_as_the_eager_one_and_saves_loadable_weights_either
     wraps the model: names start with _orig_mod., which the save strips), in 2 processes x 8 each: the losses and
     eval loss of the eager model trained on the same 16 samples a step in one process (its python, forked warm: 2 x 8
     and 1 x 16 follow one loss curve, tests/test_lm_finetune.py), and a model.safetensors that from_pretrained loads
-    and that gives the reported loss."""
+    and that gives the reported loss. The samples at each evaluation are generated eagerly (common.samples: a model
+    compiled for training's shapes would compile again for each length generation feeds it), the eager run's own."""
     env = user_env(ACCELERATE_USE_CPU="true")
     base = [
         ACCELERATE_LAUNCH,
@@ -44,6 +57,7 @@ def test_a_compiled_lm_trains_as_the_eager_one_and_saves_loadable_weights_either
         assert results(out)["eval_loss"] == pytest.approx(results(eager)["eval_loss"], rel=1e-5)
         assert not any("_orig_mod" in name for name in load_file(out / "model.safetensors")), out
         assert eval_loss(out, tiny_lm) == pytest.approx(results(out)["eval_loss"], rel=1e-4)
+        assert samples(out) == samples(eager) != []  # generated eagerly from the same weights: the same greedy tokens
 
 
 def test_a_compiled_resnet_trains_as_the_eager_one_and_its_weights_load(digits, tmp_path):
