@@ -195,9 +195,14 @@ def main(argv=None) -> int:
         single = [*(["--config", alone] if alone else []), "--num_processes", "1"]
         single += ["--mixed_precision", args.mixed_precision] if args.mixed_precision else []
 
+        # One N-process run serves three checks: the big batch's, whose eval and save the next two read, and the
+        # uninterrupted reference of the resume check (whose stopped run saves a checkpoint every 4 steps: 60 steps
+        # leave its stop time to land mid-run, after checkpoint-4, on a fast GPU too).
+        steps = ["--max_train_steps", "60"]
+
         def big_batch():
-            launch(single, "lm_finetune", *lm_args(lm, one, 2 * data_parallel, "--max_train_steps", "6"))
-            launch(ours, "lm_finetune", *lm_args(lm, many, 2, "--max_train_steps", "6"))
+            launch(single, "lm_finetune", *lm_args(lm, one, 2 * data_parallel, *steps))
+            launch(ours, "lm_finetune", *lm_args(lm, many, 2, *steps))
             d = distance(many, one, lm["model"])
             return d < tol, f"distance {d:.1e} of the update (below {tol:g})"
 
@@ -212,11 +217,11 @@ def main(argv=None) -> int:
             ), f"eval loss {reported:.5f} reported, {reloaded:.5f} reloaded"
 
         def resume():
-            straight, stopped = tmp / "straight", tmp / "stopped"
-            # long enough after checkpoint-4 for the stop to land mid-run, on a fast GPU too
-            steps = ["--max_train_steps", "60", "--checkpointing_steps", "4"]
-            launch(ours, "lm_finetune", *lm_args(lm, straight, 2, *steps))
-            proc = launch(ours, "lm_finetune", *lm_args(lm, stopped, 2, *steps), wait=False)
+            straight, stopped = many, tmp / "stopped"  # the big batch's N-process run, never stopped
+            if not (straight / "model.safetensors").exists():
+                raise RuntimeError("the uninterrupted run (the big batch check's) did not finish")
+            steps_saved = [*steps, "--checkpointing_steps", "4"]
+            proc = launch(ours, "lm_finetune", *lm_args(lm, stopped, 2, *steps_saved), wait=False)
             deadline = time.monotonic() + 600
             while not (stopped / "checkpoint-4" / "trainer_state.json").exists():
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
             stop(proc)
             if code != 75:
                 return False, f"stopped with exit {code}, not 75"
-            launch(ours, "lm_finetune", *lm_args(lm, stopped, 2, *steps, "--resume_from_checkpoint", "latest"))
+            launch(ours, "lm_finetune", *lm_args(lm, stopped, 2, *steps_saved, "--resume_from_checkpoint", "latest"))
             d = distance(stopped, straight, lm["model"])
             return d < tol / 10, f"distance {d:.1e} of the update (below {tol / 10:g}), exit 75 then resumed"
 

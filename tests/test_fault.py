@@ -4,10 +4,15 @@ changed). Stop signals and resume equivalence are tested per recipe in test_cifa
 and test_zero."""
 
 import json
+import os
 import shutil
 import signal
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -76,24 +81,77 @@ def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_
     assert not (out / "results.json").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
-def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(
-    tiny_lm, lm_uninterrupted, tmp_path, sig
-):
-    """A process killed, or stopped alone (SIGTERM to one rank: the job saves a checkpoint and exits 75), restarts
-    from the latest checkpoint and ends as the uninterrupted run, exit 0 (not the first attempt's 75)."""
-    args, straight, restarted = LM_INTERRUPTED_ARGS, lm_uninterrupted, tmp_path / "restarted"
-    cmd = [
-        REPO / "launch.sh",
-        "lm_finetune",
-        "--max_restarts",
-        "1",
-        *lm_args(tiny_lm, restarted, *args, "--checkpointing_steps", "3"),
+def rank_process(proc, rank):
+    """The recipe's process of `rank` in the job `proc` started (not its DataLoader workers)."""
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if p.environ().get("RANK") == str(rank) and str(LM) in " ".join(p.cmdline())
     ]
-    proc, _ = interrupt(cmd, user_env(), restarted, after_step=3, sig=sig, rank=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "restart 1 of this job (--max_restarts): resuming from the latest checkpoint" in proc.stderr
-    assert "resumed from" in proc.stderr
+    (target,) = [p for p in ranks if p.parent() not in ranks]
+    return target
+
+
+def complete_checkpoints(out) -> list:
+    return sorted(int(p.parent.name.split("-")[1]) for p in Path(out).glob("checkpoint-*/trainer_state.json"))
+
+
+@pytest.fixture(scope="module")
+def restarted_twice(tiny_lm, tmp_path_factory):
+    """One job of --max_restarts 2 (LM_INTERRUPTED_ARGS, a checkpoint every 2 steps): rank 1 killed (SIGKILL) after
+    checkpoint-2; then, in the restarted attempt, once it saved a checkpoint of its own, rank 1 stopped alone
+    (SIGTERM: the job saves and ends that attempt with 75); the second restart finishes. Its output folder and the
+    job's exit code and stderr."""
+    out = tmp_path_factory.mktemp("restarted") / "run"
+    args = lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS, "--checkpointing_steps", "2")
+    cmd = [str(c) for c in (REPO / "launch.sh", "lm_finetune", "--max_restarts", "2", *args)]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=user_env(), stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                start_new_session=True)  # fmt: skip
+
+        def wait_for(done, what):
+            deadline = time.monotonic() + 300
+            while not done():
+                assert proc.poll() is None, f"the job ended before {what}: " + (err.seek(0) or err.read())[-3000:]
+                assert time.monotonic() < deadline, f"no {what} in 300 s"
+                time.sleep(0.05)
+
+        try:
+            wait_for(lambda: 2 in complete_checkpoints(out), "checkpoint-2")
+            killed = rank_process(proc, 1)
+            killed.kill()
+            wait_for(lambda: "restart 1 of this job" in (err.seek(0) or err.read()), "a restart")
+            resumed_from = max(complete_checkpoints(out))  # the first attempt's processes are gone by now
+            wait_for(lambda: max(complete_checkpoints(out)) > resumed_from, "a checkpoint of the restarted attempt")
+            stopped = rank_process(proc, 1)
+            assert stopped.pid != killed.pid
+            stopped.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.seek(0)
+        return out, proc.returncode, err.read()
+
+
+def test_max_restarts_restart_a_killed_process_and_a_stopped_one_and_the_job_ends_with_0(restarted_twice):
+    """A process killed restarts the job from the latest checkpoint; one stopped alone (SIGTERM to one rank: the job
+    saves a checkpoint and exits 75) restarts it too; the job ends with exit 0, not the first attempts' codes."""
+    out, code, stderr = restarted_twice
+    assert code == 0, stderr[-3000:]
+    for attempt in (1, 2):
+        assert f"restart {attempt} of this job (--max_restarts): resuming from the latest checkpoint" in stderr
+    assert stderr.count("resumed from") == 2 and "preempted: stopped by SIGTERM" in stderr, stderr[-3000:]
+
+
+def test_max_restarts_resume_from_the_latest_checkpoint_and_end_like_the_uninterrupted_run(
+    restarted_twice, lm_uninterrupted
+):
+    """After a kill and a stop, each restarted from the latest checkpoint, the job ends as the uninterrupted run: its
+    steps, eval loss, log (the log before each restart is kept: trainer_state.json's log_history) and weights."""
+    (restarted, code, stderr), straight = restarted_twice, lm_uninterrupted
+    assert code == 0, stderr[-3000:]
     assert results(restarted)["steps"] == 14
     assert results(restarted)["eval_loss"] == pytest.approx(results(straight)["eval_loss"], rel=1e-5)
     history = [
