@@ -203,7 +203,7 @@ def generate(accelerator, model, tokenizer, prompts: list, max_new_tokens: int) 
     training = module.training
     module.eval()
     try:
-        # eagerly, also a model compiled in place (--torch_compile): compiled for training's shapes, it would compile
+        # eagerly, also a model compiled in place (model.compile()): compiled for training's shapes, it would compile
         # again for each length generation feeds it (tens of seconds each, up to torch's recompile limit)
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             out = module.generate(
