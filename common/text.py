@@ -888,40 +888,10 @@ def load_causal_lm(args, **model_kwargs):
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
             raise
-        attn = model_kwargs.get("attn_implementation")  # not installed, unknown, or not the model's (Mamba's sdpa)
-        attn_failed = tokenizer is not None and (
-            isinstance(err, ImportError) or re.search("attn_impl|scaled_dot_product", str(err))
-        )
-        if attn not in (None, "eager") and attn_failed:
-            raise RecipeError(
-                f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or leave "
-                "the option out (transformers picks sdpa where the model has it, else eager)",
-                subject="--attn_implementation",
-            ) from err
-        if tokenizer is not None and args.config_overrides:  # config and tokenizer loaded: the overrides failed
-            raise _overrides_error(config, args, err) from err
-        part = "config" if config is None else "tokenizer" if tokenizer is None else "model"
-        if part == "tokenizer" and args.tokenizer_name:
-            flag, source = "--tokenizer_name", args.tokenizer_name
-        raise _load_error(flag, source, err, part) from err
+        raise _not_loaded(err, args, model_kwargs.get("attn_implementation"), config, tokenizer) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
-    vocab = getattr(model.config, "vocab_size", None)
-    if vocab and len(tokenizer) > vocab:  # ids past the embedding: an IndexError on CPU, a device assert on GPU
-        if not args.resize_token_embeddings:
-            fix = (  # a new model is built at the size asked; trained weights are grown
-                f"pass --config_overrides vocab_size={len(tokenizer)} to build the new model at its size"
-                if args.config_name
-                else "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the "
-                "tokenizer the model was trained with"
-            )
-            raise RecipeError(
-                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} "
-                f"(config.vocab_size): {fix}",
-                subject="--tokenizer_name",
-            )
-        logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
-        model.resize_token_embeddings(len(tokenizer))
+    _fit_vocabulary(model, tokenizer, args)
     if not is_causal(model):
         raise RecipeError(
             f"{flag} {source}: {type(model).__name__} lets each position see the ones after it (an encoder such as "
@@ -929,6 +899,49 @@ def load_causal_lm(args, **model_kwargs):
             subject=flag,
         )
     return tensor_parallel.shards_in_place(model), tokenizer  # after is_causal's forward: the shards, for an optimizer
+
+
+def _not_loaded(err: Exception, args, attn, config, tokenizer) -> RecipeError:
+    """What a failure of load_causal_lm means, from how far it got (`config`, `tokenizer`: None until loaded)."""
+    # --attn_implementation not installed, unknown, or not the model's (Mamba's sdpa)
+    attn_failed = tokenizer is not None and (
+        isinstance(err, ImportError) or re.search("attn_impl|scaled_dot_product", str(err))
+    )
+    if attn not in (None, "eager") and attn_failed:
+        return RecipeError(
+            f"--attn_implementation {attn} cannot be used here ({one_line(err)}); install what it needs, or leave "
+            "the option out (transformers picks sdpa where the model has it, else eager)",
+            subject="--attn_implementation",
+        )
+    if tokenizer is not None and args.config_overrides:  # config and tokenizer loaded: the overrides failed
+        return _overrides_error(config, args, err)
+    part = "config" if config is None else "tokenizer" if tokenizer is None else "model"
+    if part == "tokenizer" and args.tokenizer_name:
+        return _load_error("--tokenizer_name", args.tokenizer_name, err, part)
+    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
+    return _load_error(flag, args.model_name_or_path or args.config_name, err, part)
+
+
+def _fit_vocabulary(model, tokenizer, args) -> None:
+    """Refuses a tokenizer with ids past the model's embeddings (an IndexError on CPU, a device assert on GPU), or
+    grows the embeddings to it with --resize_token_embeddings."""
+    vocab = getattr(model.config, "vocab_size", None)
+    if not vocab or len(tokenizer) <= vocab:
+        return
+    if not args.resize_token_embeddings:
+        fix = (  # a new model is built at the size asked; trained weights are grown
+            f"pass --config_overrides vocab_size={len(tokenizer)} to build the new model at its size"
+            if args.config_name
+            else "pass --resize_token_embeddings to grow the embeddings to it, or --tokenizer_name with the "
+            "tokenizer the model was trained with"
+        )
+        raise RecipeError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab} (config.vocab_size): "
+            f"{fix}",
+            subject="--tokenizer_name",
+        )
+    logger.info(f"--resize_token_embeddings: {vocab} -> {len(tokenizer)} embeddings, the new ones at their mean")
+    model.resize_token_embeddings(len(tokenizer))
 
 
 def load_tokenizer(args):
