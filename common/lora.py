@@ -23,16 +23,7 @@ def add_lora(model, args):
     from peft import LoraConfig, get_peft_model  # installed: the parse refused --lora_r without it (peft_installed)
 
     targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-
-    head = model.get_output_embeddings()  # all-linear leaves it out: it is tied to the embeddings in many models
-    linear = sorted(
-        {
-            n.rsplit(".", 1)[-1]
-            for n, m in model.named_modules()
-            if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
-        }
-    )
+    linear = _linear_layer_names(model)  # before peft adds its own
     try:
         model = get_peft_model(
             model,
@@ -45,17 +36,7 @@ def add_lora(model, args):
             ),
         )
     except ValueError as err:  # no module of those names, or one LoRA cannot wrap
-        found = (
-            "no module of that name"
-            if type(err).__name__ == "NoMatchingPeftModuleError"
-            else "not a layer LoRA can wrap"
-        )
-        raise RecipeError(
-            f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in "
-            f"{args.model_name_or_path}; name its linear layers ({', '.join(linear)}) or pass "
-            "all-linear",
-            subject="--lora_target_modules",
-        ) from err
+        raise _targets_not_found(err, linear, args) from err
     from peft.tuners.lora import LoraLayer
 
     a, b = min(((m.in_features, m.out_features) for m in model.modules() if isinstance(m, LoraLayer)), key=min)
@@ -69,3 +50,24 @@ def add_lora(model, args):
     if args.gradient_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def _linear_layer_names(model) -> list:
+    """The names LoRA can target: of each linear layer but the output head (all-linear leaves it out: it is tied to
+    the embeddings in many models)."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    head, kinds = model.get_output_embeddings(), (torch.nn.Linear, Conv1D)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds) and m is not head})
+
+
+def _targets_not_found(err: ValueError, linear: list, args) -> RecipeError:
+    """--lora_target_modules that peft could not adapt, with the model's `linear` layers to choose from."""
+    found = (
+        "no module of that name" if type(err).__name__ == "NoMatchingPeftModuleError" else "not a layer LoRA can wrap"
+    )
+    return RecipeError(
+        f"--lora_target_modules {' '.join(args.lora_target_modules)}: {found} in {args.model_name_or_path}; name its "
+        f"linear layers ({', '.join(linear)}) or pass all-linear",
+        subject="--lora_target_modules",
+    )
