@@ -506,8 +506,9 @@ def test_killing_the_launcher_outright_leaves_no_training_process(tiny_lm, tmp_p
     signal reaches the launcher, or the training processes, as SIGTERM, and they stop as on any
     stop signal: at a step, with a complete checkpoint. Nothing keeps training.
     WORLD_SIZE and RANK left in the shell by another job: the processes train as the `nproc` launch.sh started (a
-    group's launcher sets them; launch.sh drops stale ones), their checkpoint says how many."""
-    out, env = tmp_path / "run", cpu_env(WORLD_SIZE="4", RANK="2")
+    group's launcher sets them; launch.sh drops stale ones), their checkpoint says how many. The temporary files of
+    the launch.sh and launcher killed, which nothing is left to delete, go to the test's folder (TMPDIR)."""
+    out, env = tmp_path / "run", cpu_env(WORLD_SIZE="4", RANK="2", TMPDIR=str(tmp_path))
     proc, _, err = start(["lm_finetune", "--num_processes", nproc, *lm_args(tiny_lm, out, *LONG_RUN)], env)
     try:
         training(proc, out)
