@@ -507,27 +507,21 @@ def make_accelerator(args, **kwargs) -> Accelerator:
                 **kwargs,
             )
     except Exception as err:
-        if not _timed_out(err) and (isinstance(err, RecipeError) or os_error_line(err)):
-            raise  # said as it is
-        raise _group_not_formed(err, args.ddp_timeout) from err
+        if _timed_out(err):  # said by each process: with RANK left from another job there may be no rank 0
+            raise RecipeError(_not_met(args.ddp_timeout), subject="--ddp_timeout", same_on_every_rank=False) from err
+        if isinstance(err, RecipeError) or os_error_line(err):
+            raise
+        raise RecipeError(  # what accelerate launch passed on from the config, refused here (FSDP's, fp8 without TE)
+            f"Accelerate cannot set up the accelerate config's settings here ({type(err).__name__}: {one_line(err)}); "
+            "correct the config passed to accelerate launch (accelerate config writes one)",
+            same_on_every_rank=False,
+        ) from err
     _configure_logging(accelerator.is_main_process)
     _cache_missing_optional_packages()
     _check_what_formed(accelerator, expected)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed's own settings win over Accelerate's and ours
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, args, accelerator.num_processes)
     return accelerator
-
-
-def _group_not_formed(err: Exception, ddp_timeout: int) -> RecipeError:
-    """What an error from forming the group or building the Accelerator means, as the one line each process says
-    (with RANK left from another job there may be no rank 0 to say it)."""
-    if _timed_out(err):
-        return RecipeError(_not_met(ddp_timeout), subject="--ddp_timeout", same_on_every_rank=False)
-    return RecipeError(  # what accelerate launch passed on from the config, refused here (FSDP's, fp8 without TE)
-        f"Accelerate cannot set up the accelerate config's settings here ({type(err).__name__}: {one_line(err)}); "
-        "correct the config passed to accelerate launch (accelerate config writes one)",
-        same_on_every_rank=False,
-    )
 
 
 def _configure_logging(main_process: bool) -> None:

@@ -888,7 +888,9 @@ def load_causal_lm(args, **model_kwargs):
     except Exception as err:  # transformers, tokenizers, safetensors, json, a model's own code: whatever they raise
         if _about_a_path(err):
             raise
-        raise _not_loaded(err, args, model_kwargs.get("attn_implementation"), config, tokenizer) from err
+        raise _not_loaded(
+            err, args, model_kwargs.get("attn_implementation"), config, tokenizer, (flag, source)
+        ) from err
     if tokenizer.pad_token is None:  # packed blocks need no padding, but collators and generation do
         tokenizer.pad_token = tokenizer.eos_token
     _fit_vocabulary(model, tokenizer, args)
@@ -901,8 +903,9 @@ def load_causal_lm(args, **model_kwargs):
     return tensor_parallel.shards_in_place(model), tokenizer  # after is_causal's forward: the shards, for an optimizer
 
 
-def _not_loaded(err: Exception, args, attn, config, tokenizer) -> RecipeError:
-    """What a failure of load_causal_lm means, from how far it got (`config`, `tokenizer`: None until loaded)."""
+def _not_loaded(err: Exception, args, attn, config, tokenizer, origin: tuple) -> RecipeError:
+    """What a failure of load_causal_lm means, from how far it got (`config`, `tokenizer`: None until loaded); `origin`
+    the model's (option, source)."""
     # --attn_implementation not installed, unknown, or not the model's (Mamba's sdpa)
     attn_failed = tokenizer is not None and (
         isinstance(err, ImportError) or re.search("attn_impl|scaled_dot_product", str(err))
@@ -918,8 +921,7 @@ def _not_loaded(err: Exception, args, attn, config, tokenizer) -> RecipeError:
     part = "config" if config is None else "tokenizer" if tokenizer is None else "model"
     if part == "tokenizer" and args.tokenizer_name:
         return _load_error("--tokenizer_name", args.tokenizer_name, err, part)
-    flag = "--model_name_or_path" if args.model_name_or_path else "--config_name"
-    return _load_error(flag, args.model_name_or_path or args.config_name, err, part)
+    return _load_error(*origin, err, part)
 
 
 def _fit_vocabulary(model, tokenizer, args) -> None:
