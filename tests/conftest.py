@@ -1,6 +1,7 @@
 """Fixtures: a real image set built on disk, and helpers that launch recipes the way users do."""
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -8,6 +9,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -257,6 +259,59 @@ def digits(tmp_path_factory):
     before = untouched(root)
     yield {"train": root / "train", "val": root / "val", "n_train": n_train, "n_val": n_val}
     assert untouched(root) == before, f"a run wrote into its input image folders, {root}"
+
+
+def made_once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name`, made by `make(folder)` in the first pytest worker that asks for it and read by every other:
+    one run that tests of several files check (pytest-xdist runs a file in one worker process; the workers share the
+    parent of their temporary folders). A worker that asks while another makes it waits for it, within the test's
+    timeout; one that asks after a failed attempt makes it again."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+def copy_checkout(root: Path) -> Path:
+    """The repository's files in `root`, as a clone has them, with the test environment as its .venv."""
+    for name in ("launch.sh", "recipes", "common", "accelerate_configs", "scripts", "slurm"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, root / name)
+    (root / ".venv").symlink_to(Path(sys.prefix))
+    return root
+
+
+def bash(script, cwd, env=None):
+    return run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env)
+
+
+README_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the front page and the pages it links
+README_BLOCKS = re.findall(r"```bash\n(.*?)```", "\n".join(page.read_text() for page in README_PAGES), flags=re.S)
+QUICKSTART = next(block for block in README_BLOCKS if "make_digits" in block)
+
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory):
+    """The README's quick start run as written, in a checkout of its own with no virtual environment active (its
+    folder): its training is the 2-process side of test_cifar.py's learning comparison, and test_readme.py runs the
+    README's next commands on it. Made once in a session, whichever of the two asks first."""
+
+    def make(checkout):
+        env = user_env()
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))
+        bash(QUICKSTART, copy_checkout(checkout), env)
+
+    return made_once_per_session(tmp_path_factory, "quick_start", make)
 
 
 def digits_args(digits, output_dir, *extra):

@@ -65,8 +65,8 @@ def reevaluate(digits, output_dir):
     return correct, loss_sum / len(evals)
 
 
-# The quick start's settings but no mirroring, which turns digits into other shapes: 5 epochs of the recipe's defaults
-# (its seed, its input path, pad-and-crop, SGD, the scaled rate and its warmup and cosine decay).
+# The README quick start's settings: 5 epochs of the recipe's defaults (its seed, its input path, pad-and-crop, SGD,
+# the scaled rate and its warmup and cosine decay) but no mirroring, which turns digits into other shapes.
 LEARNING = ["--model", "resnet18", "--num_train_epochs", "5", "--hflip", "0"]
 PER_EPOCH_64 = 1400 // 64  # steps an epoch at an effective batch of 64
 
@@ -82,44 +82,35 @@ def one_process_64(digits, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # two 5-epoch trainings: about 45 s alone, twice that beside another worker
-def test_two_processes_learn_as_well_as_one(digits, tmp_path, one_process_64):
-    """The property data parallelism promises, measured as quality rather than equality: 2 processes x 32
-    reach the accuracy of 1 process x 64 (the same effective batch, learning rate and steps). The quick start's
-    settings: the recipe's defaults (its seed, its input path, pad-and-crop, SGD, the scaled rate and its warmup
-    and cosine decay, BatchNorm per process) but no mirroring, which turns digits into other shapes. Measured
-    with the images held in memory (the default for the digits) over seeds 42, 0, 1: 0.962, 0.980, 0.967 in 2
-    processes; 0.975, 0.980, 0.980 in 1. After 3 epochs the same runs scatter from 0.89 to 0.96 with the seed and
-    with the threads a busy machine gives each process (which change the order of float sums), too widely to
-    compare layouts with one seed. BatchNorm's statistics are each process's own, so the runs are not equal, only
-    equally good. The 2-process run's final weights, evaluated again in 1 process, give its per-class counts
-    exactly."""
-    accuracy, settings, steps = {}, LEARNING, 5 * PER_EPOCH_64
-    for processes, batch in ((2, "32"), (1, "64")):
-        if processes == 1:
-            out = one_process_64[0]  # launch.sh's one process, shared with the test below
-        else:
-            out = tmp_path / f"n{processes}"
-            args = digits_args(digits, out, *settings, "--per_device_train_batch_size", batch)
-            run(*accelerate_cpu(2, RECIPE, *args, "--checkpointing_steps", str(steps)))
+@pytest.mark.timeout(1200)  # two 5-epoch trainings when this worker makes the quick start's too
+def test_two_processes_learn_as_well_as_one(digits, tmp_path, quick_start, one_process_64):
+    """The property data parallelism promises, measured as quality rather than equality: 2 processes x 32 (the
+    README's quick start, run as written: conftest's quick_start) reach the accuracy of 1 process x 64 (the same
+    effective batch, learning rate and steps). Both with LEARNING: the recipe's defaults (its seed, its input path,
+    pad-and-crop, SGD, the scaled rate and its warmup and cosine decay, BatchNorm per process) but no mirroring, which
+    turns digits into other shapes. Measured with the images held in memory (the default for the digits) over seeds
+    42, 0, 1: 0.962, 0.980, 0.967 in 2 processes; 0.975, 0.980, 0.980 in 1. After 3 epochs the same runs scatter from
+    0.89 to 0.96 with the seed and with the threads a busy machine gives each process (which change the order of float
+    sums), too widely to compare layouts with one seed. BatchNorm's statistics are each process's own, so the runs
+    are not equal, only equally good. The 1-process run's final weights, evaluated again by 2 processes, give its
+    per-class counts exactly: the gathered evaluation counts each sample once, in its class."""
+    steps, accuracy = 5 * PER_EPOCH_64, {}
+    for processes, out in ((2, quick_start / "outputs/digits"), (1, one_process_64[0])):
         res = results(out)
         assert res["world_size"] == processes and res["effective_batch_size"] == 64, res
         assert res["eval_samples"] == digits["n_val"] and res["steps"] == steps, res
         assert res["args"]["seed"] == 42, res["args"]  # the default
+        settings = {k: res["args"][k] for k in ("model", "num_train_epochs", "hflip", "lr_scaling")}
+        assert settings == {"model": "resnet18", "num_train_epochs": 5, "hflip": 0, "lr_scaling": "linear"}, settings
         accuracy[processes] = res["eval_accuracy"]
     assert min(accuracy.values()) > 0.93, accuracy  # chance is 0.1
     assert accuracy[2] > accuracy[1] - 0.03, accuracy
-    # The 2-process run's weights evaluated in 1 process (its last checkpoint resumed: nothing left to train, the run
-    # evaluates): the same per-class counts, exactly, as its 2 processes gathered
-    one = tmp_path / "n2_evaluated_by_1"
-    resume = [
-        "--resume_from_checkpoint",
-        tmp_path / "n2" / f"checkpoint-{steps}",
-        "--per_device_train_batch_size",
-        "64",
-    ]
-    run([BIN / "python", RECIPE, *digits_args(digits, one, *settings, *resume)])
-    two, one = results(tmp_path / "n2"), results(one)
+    # The 1-process run's weights evaluated by 2 processes (its last checkpoint resumed: nothing left to train, the
+    # run evaluates): the same per-class counts, exactly, as its one process counted
+    again = tmp_path / "evaluated_by_2"
+    resume = ["--resume_from_checkpoint", one_process_64[0] / f"checkpoint-{steps}", "--per_device_train_batch_size"]
+    run(*accelerate_cpu(2, RECIPE, *digits_args(digits, again, *LEARNING, *resume, "32")))
+    one, two = results(one_process_64[0]), results(again)
     assert one["world_size"] == 1 and two["world_size"] == 2 and one["steps"] == two["steps"] == steps
     for key in ("eval_accuracy", "eval_samples", "eval_per_class_accuracy", "eval_per_class_samples"):
         assert one[key] == two[key], key

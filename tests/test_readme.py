@@ -12,42 +12,42 @@ import contextlib
 import os
 import re
 import shlex
-import shutil
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from unittest import mock
 
 import doctor
 import pytest
-from conftest import BIN, REPO, error_lines, load_recipe, results, run, sbatch, sbatch_line, user_env
+from conftest import (
+    BIN,
+    QUICKSTART,
+    README_BLOCKS,
+    README_PAGES,
+    REPO,
+    bash,
+    copy_checkout,
+    error_lines,
+    load_recipe,
+    results,
+    run,
+    sbatch,
+    sbatch_line,
+    user_env,
+)
 from make_digits import write_digits
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the front page and the pages it links
+PAGES, BLOCKS = README_PAGES, README_BLOCKS  # the front page and the pages it links; their bash blocks
 README = "\n".join(page.read_text() for page in PAGES)
-BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 COMMANDS = [line for block in BLOCKS for line in block.splitlines() if line.strip() and not line.startswith("#")]
 SETUP, FLOOR = BLOCKS[0], next(b for b in BLOCKS if "constraints/floor.txt" in b)
-QUICKSTART, COPY = next(b for b in BLOCKS if "make_digits" in b), next(b for b in BLOCKS if "mkdir -p myproject" in b)
+COPY = next(b for b in BLOCKS if "mkdir -p myproject" in b)
 
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory):
     """The repo's files in a fresh folder, with the test environment as its .venv."""
-    root = tmp_path_factory.mktemp("checkout")
-    for name in ("launch.sh", "recipes", "common", "accelerate_configs", "scripts", "slurm"):
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, root / name)
-    (root / ".venv").symlink_to(Path(sys.prefix))
-    return root
-
-
-def bash(script, cwd, env=None):
-    return run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env)
+    return copy_checkout(tmp_path_factory.mktemp("checkout"))
 
 
 def test_every_readme_command_is_covered():
@@ -88,10 +88,11 @@ def test_setup_commands_are_what_ci_runs():
 
 @pytest.mark.floor
 @pytest.mark.slow
-def test_quick_start_and_copy_run_as_written(checkout):
-    env = user_env()
+def test_quick_start_and_copy_run_as_written(quick_start):
+    """The quick start, run as written with no virtual environment active (conftest's quick_start, whose training
+    test_cifar.py also compares with one process's), then the commands the README gives next, in the same folder."""
+    checkout, env = quick_start, user_env()
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))  # no venv active
-    bash(QUICKSTART, checkout, env)
     res = results(checkout / "outputs/digits")  # 2 processes that form one group and learn together
     assert res["world_size"] == 2 and res["num_processes"] == 2 and res["distributed_type"] == "MULTI_CPU"
     assert res["eval_samples"] == 397 and res["eval_accuracy"] > 0.9, res  # an odd eval set, each sample once
