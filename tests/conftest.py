@@ -556,7 +556,7 @@ def sbatch_line(line):
 FILE_SECONDS = {
     "test_fixes.py": 320, "test_rules.py": 295, "test_cifar.py": 270, "test_selftest.py": 265, "test_fsdp.py": 255,
     "test_hang.py": 245, "test_fault.py": 190, "test_zero.py": 175, "test_tp.py": 140, "test_lm_finetune.py": 135,
-    "test_prepared.py": 125, "test_readme.py": 120, "test_benchmarks.py": 115, "test_launch_sh.py": 110,
+    "test_prepared.py": 105, "test_readme.py": 120, "test_benchmarks.py": 115, "test_launch_sh.py": 110,
     "test_multinode.py": 95, "test_hsdp.py": 85, "test_streaming.py": 75, "test_compile.py": 60, "test_inputs.py": 55,
     "test_launcher.py": 25,
 }  # fmt: skip

@@ -6,10 +6,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 from accelerate import PartialState
@@ -261,32 +264,48 @@ def test_a_checkpoint_knows_prepared_blocks_by_their_inputs_not_only_by_the_bloc
 @pytest.mark.slow
 def test_a_second_run_reuses_the_prepared_data_and_trains_the_same(tiny_lm, tmp_path):
     """Nothing given: the blocks go to the datasets cache under the inputs' digest; a second run with the same
-    inputs loads them without tokenizing, a damaged folder there is prepared again."""
-    cache = tmp_path / "cache"
-    env = user_env(HF_DATASETS_CACHE=str(cache))
+    inputs loads them without tokenizing, a damaged folder there is prepared again. The user's cache, as every
+    one-process run of the tests has it (so each runs forked from the process with its libraries imported), and a
+    training file no other run has: a column the recipe does not read, in its first row, makes its digest (and so
+    its folder) this test's alone."""
+    import datasets
 
-    def train(name):
-        args = lm_args(tiny_lm, tmp_path / name, "--max_train_steps", "4", "--logging_steps", "1")
-        proc = run([BIN / "python", RECIPE, *args], env=env)
+    train = tmp_path / "train.jsonl"
+    first_row, *rows = tiny_lm["train"].read_text().splitlines(keepends=True)
+    train.write_text("".join([json.dumps({**json.loads(first_row), "note": uuid.uuid4().hex}) + "\n", *rows]))
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+
+    def train_run(name):
+        args = lm_args(tiny_lm, tmp_path / name, "--max_train_steps", "4", "--logging_steps", "1",
+                       data=["--train_file", train, "--validation_file", tiny_lm["validation"]])  # fmt: skip
+        proc = run([BIN / "python", RECIPE, *args])
         return proc.stdout + proc.stderr, results(tmp_path / name)
 
-    said, first = train("first")
-    (folder,) = (cache / "prepared").iterdir()  # nothing else: no partial folder left
-    written, at, splits = snapshot(folder), (folder / prepared.MANIFEST).stat().st_mtime_ns, manifest(folder)["splits"]
-    assert f"preparing the data in {folder}" in said
-    said, second = train("second")
-    assert f"reusing the prepared data in {folder}: 196 train and 19 validation blocks" in said
-    assert "preparing" not in said and "tokenizing" not in said
-    assert snapshot(folder) == written and (folder / prepared.MANIFEST).stat().st_mtime_ns == at
-    assert losses(second) == losses(first) and second["eval_loss"] == first["eval_loss"]
+    def left_beside(folder) -> list:
+        """What else in the cache carries this folder's digest: a partial folder or a lock left behind."""
+        return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
 
-    arrow = next((folder / "train").rglob("data-*.arrow"))
-    arrow.write_bytes(arrow.read_bytes()[:100])
-    said, third = train("third")
-    assert f"prepared data in {folder} is damaged" in said and "preparing it again" in said
-    assert losses(third) == losses(first)
-    assert manifest(folder)["splits"] == splits
-    assert [p.name for p in (cache / "prepared").iterdir()] == [folder.name]
+    said, first = train_run("first")
+    (folder,) = [Path(p) for p in re.findall(r"preparing the data in (\S+)", said)]
+    try:
+        assert folder.parent == cache / "prepared" and left_beside(folder) == []  # no partial folder left
+        written, at = snapshot(folder), (folder / prepared.MANIFEST).stat().st_mtime_ns
+        splits = manifest(folder)["splits"]
+        said, second = train_run("second")
+        assert f"reusing the prepared data in {folder}: 196 train and 19 validation blocks" in said
+        assert "preparing" not in said and "tokenizing" not in said
+        assert snapshot(folder) == written and (folder / prepared.MANIFEST).stat().st_mtime_ns == at
+        assert losses(second) == losses(first) and second["eval_loss"] == first["eval_loss"]
+
+        arrow = next((folder / "train").rglob("data-*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:100])
+        said, third = train_run("third")
+        assert f"prepared data in {folder} is damaged" in said and "preparing it again" in said
+        assert losses(third) == losses(first)
+        assert manifest(folder)["splits"] == splits
+        assert folder.is_dir() and left_beside(folder) == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the user's cache as it was
 
 
 @pytest.fixture(scope="module")
