@@ -418,7 +418,8 @@ def test_a_preparation_killed_halfway_resumes_at_its_chunks_and_equals_an_uninte
 
     train = tmp_path / "train.jsonl"
     train.write_text(tiny_lm["train"].read_text() * 2)  # 1200 rows, 70 kB
-    env = user_env(**{prepared.CHUNK_BYTES_ENV: "2000", "HF_DATASETS_CACHE": str(tmp_path / "cache")})  # 30 chunks
+    # 30 chunks; the user's datasets cache (the folder is named), so the run again is forked from the warm process
+    env = user_env(**{prepared.CHUNK_BYTES_ENV: "2000"})
 
     def command(folder):
         args = lm_args(tiny_lm, tmp_path / "out", "--prepare_only", "--prepared_data_dir", folder)
