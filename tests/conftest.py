@@ -554,10 +554,10 @@ def sbatch_line(line):
 # Seconds each file's tests took in a full run on 2 cores (2026-12-01, pytest's durations, quiet): the order files
 # start in, longest first. Only the order: a file missing here comes after them, by its number of slow tests.
 FILE_SECONDS = {
-    "test_fixes.py": 320, "test_rules.py": 295, "test_cifar.py": 270, "test_selftest.py": 265, "test_fsdp.py": 255,
-    "test_hang.py": 245, "test_fault.py": 190, "test_zero.py": 175, "test_tp.py": 140, "test_lm_finetune.py": 135,
-    "test_prepared.py": 105, "test_readme.py": 120, "test_benchmarks.py": 115, "test_launch_sh.py": 110,
-    "test_multinode.py": 95, "test_hsdp.py": 85, "test_streaming.py": 75, "test_compile.py": 60, "test_inputs.py": 55,
+    "test_cifar.py": 315, "test_fixes.py": 305, "test_rules.py": 285, "test_selftest.py": 280, "test_hang.py": 245,
+    "test_fsdp.py": 210, "test_fault.py": 190, "test_zero.py": 155, "test_lm_finetune.py": 145, "test_tp.py": 135,
+    "test_launch_sh.py": 110, "test_prepared.py": 105, "test_benchmarks.py": 100, "test_hsdp.py": 90,
+    "test_streaming.py": 85, "test_multinode.py": 80, "test_readme.py": 60, "test_compile.py": 55, "test_inputs.py": 50,
     "test_launcher.py": 25,
 }  # fmt: skip
 

@@ -28,6 +28,7 @@ from conftest import (
 )
 from packaging.version import Version
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 LM = REPO / "recipes" / "lm_finetune.py"
 LAUNCH = REPO / "launch.sh"
@@ -96,6 +97,21 @@ def test_fsdp_on_cpu_shards_trains_one_big_batch_token_weighted_and_saves_a_load
     assert all(r["prompt"].endswith("<|assistant|> ") for r in rows)  # the template's generation prompt
 
 
+def bf16_launch(config, recipe="lm_finetune"):
+    return [LAUNCH, recipe, "--config", config, "--mixed_precision", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def zero2_bf16(tiny_lm, tmp_path_factory):
+    """./launch.sh zero --config zero2 --mixed_precision bf16 --save_fp32, 2 processes, LM_INTERRUPTED_ARGS with a
+    checkpoint every 3 steps: (its folder, the finished process). The ZeRO-2 case of the bf16 test and the fp32
+    export's read the same run (zero.py, the recipe with --save_fp32; it trains through the same common/ code as
+    lm_finetune)."""
+    out = tmp_path_factory.mktemp("zero2_bf16") / "straight"
+    args = lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS, "--checkpointing_steps", "3", "--save_fp32")
+    return out, run([*bf16_launch("zero2", "zero"), *args], env=cpu_env())
+
+
 @pytest.mark.slow
 def test_fsdp_stopped_mid_epoch_resumes_in_two_processes_to_the_uninterrupted_weights(
     tiny_lm, lm_uninterrupted, tmp_path
@@ -125,18 +141,24 @@ def test_fsdp_stopped_mid_epoch_resumes_in_two_processes_to_the_uninterrupted_we
 @pytest.mark.parametrize(
     "config, stopped_by_sigterm", [("cpu", False), ("zero2", False), ("zero3", True), ("fsdp", False)]
 )
-def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_path, config, stopped_by_sigterm):
+def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(
+    tiny_lm, tmp_path, config, stopped_by_sigterm, request
+):
     """--mixed_precision bf16 through launch.sh on CPU, under DDP, ZeRO-2/3 and FSDP2: the run records bf16 and
     learns; its checkpoint of 2 processes, resumed in 1 with the per-device batch doubled, ends with the uninterrupted
     run's weights to bf16's precision. Under ZeRO-3 the checkpoint is that of a run stopped by SIGTERM (the stop of a
     DeepSpeed run here: the same save as ZeRO-2's, through accelerate's save_state); under DDP, ZeRO-2 and FSDP, whose
     stops are proven apart (DDP's in tests/test_lm_finetune.py, FSDP's above, DeepSpeed's by ZeRO-3's here), the
-    uninterrupted run's own checkpoint of step 3 (mid-epoch; a save changes no weight), continued in another folder."""
+    uninterrupted run's own checkpoint of step 3 (mid-epoch; a save changes no weight), continued in another folder.
+    The ZeRO-2 case is zero.py's (zero2_bf16), the others lm_finetune's."""
     args = lambda out, *extra: lm_args(tiny_lm, out, *LM_INTERRUPTED_ARGS, *extra)  # noqa: E731
-    bf16 = [LAUNCH, "lm_finetune", "--config", config, "--mixed_precision", "bf16"]
+    bf16 = bf16_launch(config, "zero" if config == "zero2" else "lm_finetune")
     straight, continued = tmp_path / "straight", tmp_path / "continued"
     cadence = () if stopped_by_sigterm else ("--checkpointing_steps", "3")
-    proc = run([*bf16, *args(straight, *cadence)], env=cpu_env())
+    if config == "zero2":
+        straight, proc = request.getfixturevalue("zero2_bf16")
+    else:
+        proc = run([*bf16, *args(straight, *cadence)], env=cpu_env())
     res = results(straight)
     assert res["mixed_precision"] == "bf16" and "--mixed_precision bf16" in proc.stderr and res["world_size"] == 2
     losses = [h["train_loss"] for h in res["log_history"]]
@@ -156,6 +178,15 @@ def test_bf16_trains_on_cpu_and_resumes_on_another_process_count(tiny_lm, tmp_pa
     assert results(continued)["steps"] == res["steps"] and results(continued)["mixed_precision"] == "bf16"
     # measured: 2e-4 (DDP) to 1.6e-3 (ZeRO-3) of the update, bf16 rounding where the layouts differ
     assert update_distance(continued, straight, tiny_lm["model"]) < 1e-2
+
+
+@pytest.mark.slow
+def test_a_bf16_runs_fp32_export_loads_as_fp32(zero2_bf16):
+    """--save_fp32 writes DeepSpeed's fp32 master weights; the config beside them said the run's bfloat16, so
+    from_pretrained loaded them as bf16. The run: zero.py under ZeRO-2 in bf16, 2 processes (zero2_bf16)."""
+    out, _ = zero2_bf16
+    assert results(out)["mixed_precision"] == "bf16"
+    assert AutoModelForCausalLM.from_pretrained(out / "fp32").dtype == torch.float32
 
 
 @pytest.mark.slow

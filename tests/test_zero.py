@@ -327,17 +327,6 @@ def test_zero3_builds_partitioned_from_a_config_estimates_memory_and_saves_16_an
 
 
 @pytest.mark.slow
-def test_a_bf16_runs_fp32_export_loads_as_fp32(tiny_lm, tmp_path):
-    """--save_fp32 writes DeepSpeed's fp32 master weights; the config beside them said the run's bfloat16, so
-    from_pretrained loaded them as bf16."""
-    out = tmp_path / "run"
-    launch = [REPO / "launch.sh", "zero", "--config", "zero2", "--mixed_precision", "bf16"]
-    one_step = lm_args(tiny_lm, out, "--max_train_steps", "1")[2:]  # what it saves, not how well it trained
-    run([*launch, "--model_name_or_path", tiny_lm["model"], "--save_fp32", *one_step], env=cpu_env())
-    assert AutoModelForCausalLM.from_pretrained(out / "fp32").dtype == torch.float32
-
-
-@pytest.mark.slow
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_drives_training(tiny_lm, tmp_path):
     """The config's scheduler runs over the run's steps ("auto": the plan's 6, which Accelerate would have divided
     by the 2 processes, decaying to 0 halfway) at the plan's rate (warmup_max_lr left out: DeepSpeed's 0.001). Its
