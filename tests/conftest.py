@@ -557,8 +557,8 @@ FILE_SECONDS = {
     "test_cifar.py": 315, "test_fixes.py": 305, "test_rules.py": 285, "test_selftest.py": 280, "test_hang.py": 245,
     "test_fsdp.py": 210, "test_fault.py": 190, "test_zero.py": 155, "test_lm_finetune.py": 145, "test_tp.py": 135,
     "test_launch_sh.py": 110, "test_prepared.py": 105, "test_benchmarks.py": 100, "test_hsdp.py": 90,
-    "test_streaming.py": 85, "test_multinode.py": 80, "test_readme.py": 60, "test_compile.py": 55, "test_inputs.py": 50,
-    "test_launcher.py": 25,
+    "test_streaming.py": 85, "test_multinode.py": 80, "test_readme.py": 60, "test_compile.py": 55,
+    "test_inputs.py": 50, "test_launcher.py": 25,
 }  # fmt: skip
 
 
