@@ -425,7 +425,7 @@ def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, t
             [str(c) for c in cmd], cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True
         )
         deadline = time.monotonic() + timeout
-        try:
+        with session_killed_at_exit(proc):
             while not marker.exists():
                 assert proc.poll() is None, f"ended before checkpoint-{after_step}"
                 assert time.monotonic() < deadline, f"no checkpoint-{after_step} after {timeout} s"
@@ -433,24 +433,37 @@ def interrupt(cmd, env, output_dir, after_step, sig=signal.SIGTERM, rank=None, t
             if rank is None:
                 os.killpg(proc.pid, sig)
             else:
-                ranks = [
-                    p
-                    for p in psutil.Process(proc.pid).children(recursive=True)
-                    if p.environ().get("RANK") == str(rank) and str(REPO / "recipes") in " ".join(p.cmdline())
-                ]
-                (target,) = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
-                target.send_signal(sig)
+                rank_process(proc, rank).send_signal(sig)
             sent = time.monotonic()
             proc.wait(timeout=timeout)
             took = time.monotonic() - sent
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read(), err.read()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), took
+
+
+def rank_process(proc, rank) -> psutil.Process:
+    """The recipe's process of `rank` in the job `proc` started (not its DataLoader workers)."""
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if p.environ().get("RANK") == str(rank) and str(REPO / "recipes") in " ".join(p.cmdline())
+    ]
+    (target,) = [p for p in ranks if p.parent() not in ranks]
+    return target
+
+
+@contextlib.contextmanager
+def session_killed_at_exit(proc):
+    """Whatever the test's code in it ends with, nothing of the job `proc` started in a session of its own is left
+    running: a process still running then is SIGKILLed with its whole session."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def cpu_env(**extra) -> dict:

@@ -4,7 +4,6 @@ changed). Stop signals and resume equivalence are tested per recipe in test_cifa
 and test_zero."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from conftest import (
@@ -22,15 +20,17 @@ from conftest import (
     error_lines,
     interrupt,
     lm_args,
+    rank_process,
     results,
     run,
+    session_killed_at_exit,
     snapshot,
     user_env,
 )
 from make_tiny_lm import NUMBERS
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.checkpoint import checkpoint_damage
+from common.checkpoint import checkpoint_damage, complete_checkpoints
 from common.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow  # every test here launches recipes (pytest -m 'not slow' skips them)
@@ -81,21 +81,6 @@ def test_a_killed_process_ends_the_job_within_the_shutdown_timeout(tiny_lm, tmp_
     assert not (out / "results.json").exists()
 
 
-def rank_process(proc, rank):
-    """The recipe's process of `rank` in the job `proc` started (not its DataLoader workers)."""
-    ranks = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if p.environ().get("RANK") == str(rank) and str(LM) in " ".join(p.cmdline())
-    ]
-    (target,) = [p for p in ranks if p.parent() not in ranks]
-    return target
-
-
-def complete_checkpoints(out) -> list:
-    return sorted(int(p.parent.name.split("-")[1]) for p in Path(out).glob("checkpoint-*/trainer_state.json"))
-
-
 @pytest.fixture(scope="module")
 def restarted_twice(tiny_lm, tmp_path_factory):
     """One job of --max_restarts 2 (LM_INTERRUPTED_ARGS, a checkpoint every 2 steps): rank 1 killed (SIGKILL) after
@@ -116,21 +101,17 @@ def restarted_twice(tiny_lm, tmp_path_factory):
                 assert time.monotonic() < deadline, f"no {what} in 300 s"
                 time.sleep(0.05)
 
-        try:
-            wait_for(lambda: 2 in complete_checkpoints(out), "checkpoint-2")
+        with session_killed_at_exit(proc):
+            wait_for(lambda: out / "checkpoint-2" in complete_checkpoints(out), "checkpoint-2")
             killed = rank_process(proc, 1)
             killed.kill()
             wait_for(lambda: "restart 1 of this job" in (err.seek(0) or err.read()), "a restart")
-            resumed_from = max(complete_checkpoints(out))  # the first attempt's processes are gone by now
-            wait_for(lambda: max(complete_checkpoints(out)) > resumed_from, "a checkpoint of the restarted attempt")
+            resumed_from = complete_checkpoints(out)[-1]  # the first attempt's processes are gone by now
+            wait_for(lambda: complete_checkpoints(out)[-1] != resumed_from, "a checkpoint of the restarted attempt")
             stopped = rank_process(proc, 1)
             assert stopped.pid != killed.pid
             stopped.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         err.seek(0)
         return out, proc.returncode, err.read()
 

@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ACCELERATE_LAUNCH, BIN, FAST_MODEL, REPO, digits_args, error_lines, user_env
+from conftest import ACCELERATE_LAUNCH, BIN, FAST_MODEL, REPO, digits_args, error_lines, rank_process, user_env
 from PIL import Image
 
 from common import checkpoint as ckpt
@@ -142,16 +142,6 @@ def _cmdline(p):
         return p.cmdline()
     except psutil.Error:
         return []
-
-
-def rank_process(proc, rank):
-    ranks = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if p.environ().get("RANK") == str(rank) and str(CIFAR) in " ".join(p.cmdline())
-    ]
-    (target,) = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
-    return target
 
 
 @pytest.mark.slow

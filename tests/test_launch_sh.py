@@ -31,6 +31,7 @@ from conftest import (
     preempted_at,
     results,
     run,
+    session_killed_at_exit,
     user_env,
 )
 
@@ -584,7 +585,7 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
     checkpoint short."""
     out = tmp_path / "run"
     proc, _, err = start(["lm_finetune", *lm_args(tiny_lm, out, *LONG_RUN)], cpu_env())
-    try:
+    with session_killed_at_exit(proc):
         training(proc, out)
         (launcher,) = [p for p in processes_of(out) if "scripts/launcher.py" in " ".join(p.info["cmdline"])]
         os.kill(proc.pid, signal.SIGINT)
@@ -593,10 +594,6 @@ def test_ctrl_c_during_training_stops_at_a_checkpoint(tiny_lm, tmp_path):
         for _ in range(3):
             launcher.send_signal(signal.SIGTERM)
         proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     text = read(err)
     assert proc.returncode == 75, text[-3000:]
     no_noise(text)
